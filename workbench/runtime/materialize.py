@@ -1,0 +1,76 @@
+"""Materialize a meta-device model (possibly sharded) with a layout-invariant initialization.
+
+Every parameter is drawn in full from a generator seeded by (seed, its canonical name), then
+each rank keeps its own shard. So dp, tp, pp and ZeRO layouts all start from the same weights
+as the single-process model, which is what makes parity tests possible.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn as nn
+
+# Wrappers that insert a level into parameter names; stripped to get the canonical name.
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "module.")
+_RESIDUAL_OUT = ("attn.wo.weight", "mlp.w2.weight")
+
+
+def canonical_name(name: str) -> str:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def init_full(name: str, shape: torch.Size, seed: int, num_layers: int) -> torch.Tensor:
+    """The full (unsharded) fp32 initial value of one parameter."""
+    name = canonical_name(name)
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    if len(shape) == 1:  # norm weights
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    std = 0.02 / math.sqrt(2 * num_layers) if name.endswith(_RESIDUAL_OUT) else 0.02
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `full` for a plain tensor or a DTensor parameter."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return full
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local_shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
+    index = tuple(slice(o, o + s) for o, s in zip(offset, local_shape))
+    return full[index]
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
+    """Allocate `model`'s storage on `device` and fill it deterministically from `seed`."""
+    from torch.distributed.tensor import DTensor
+
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=device)
+    num_layers = max(1, _count_blocks(model))
+    seen: set[int] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:  # tied weights: initialize once
+            continue
+        seen.add(id(param))
+        full = init_full(name, param.shape, seed, num_layers)
+        local = local_slice(full, param)
+        target = param.to_local() if isinstance(param, DTensor) else param
+        target.copy_(local.to(device=target.device, dtype=target.dtype))
+    return model
+
+
+def _count_blocks(model: nn.Module) -> int:
+    shape = getattr(model, "shape", None)
+    if shape is not None and hasattr(shape, "layers"):
+        return shape.layers
+    blocks = getattr(model, "blocks", None)
+    return len(blocks) if blocks is not None else 1

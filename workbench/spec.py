@@ -1,0 +1,341 @@
+"""The job spec: one typed object that describes a training job, from YAML, Python or a widget.
+
+The same object travels unchanged to every backend (it round-trips through YAML/JSON), so what
+you validated on your laptop is what runs on the cluster. `load_spec` is the only entry point
+users need; it turns every mistake into a `ConfigError` that names the key, the rule and a fix.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from workbench.errors import ConfigError
+
+PositiveInt = Field(gt=0)
+
+
+class _Section(BaseModel):
+    """Base of every spec section: unknown keys are errors, values are re-validated on set."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    def _repr_html_(self) -> str:
+        return _html_table(self.model_dump(exclude_defaults=False))
+
+
+class ModelSpec(_Section):
+    """What to train: a preset, an explicit shape, a bare size (planning only) or a factory.
+
+    Fields given next to a preset override the preset's values, e.g.
+    ``{preset: gpt-tiny, layers: 8}``.
+    """
+
+    preset: Optional[str] = Field(None, description="Named model shape, e.g. gpt-tiny, gpt2-124m, llama-7b.")
+    family: Optional[Literal["gpt", "llama"]] = Field(
+        None, description="gpt: LayerNorm, GELU 4h MLP, learned positions, tied head. "
+        "llama: RMSNorm, SwiGLU MLP, rotary positions, untied head, no biases.")
+    layers: Optional[int] = Field(None, gt=0, description="Number of transformer blocks.")
+    hidden: Optional[int] = Field(None, gt=0, description="Model width (d_model).")
+    heads: Optional[int] = Field(None, gt=0, description="Attention heads.")
+    kv_heads: Optional[int] = Field(None, gt=0, description="Key/value heads (grouped-query attention); default = heads.")
+    ffn_hidden: Optional[int] = Field(None, gt=0, description="MLP inner width; default 4*hidden (gpt).")
+    vocab: Optional[int] = Field(None, gt=0, description="Vocabulary size.")
+    seq_len: Optional[int] = Field(None, gt=0, description="Sequence length (tokens per sample).")
+    tie_embeddings: Optional[bool] = Field(None, description="Share the embedding and output head weights.")
+    params: Optional[float] = Field(None, gt=0, description="A size alone (e.g. 7.5e9): planning of model states only, nothing to run.")
+    factory: Optional[str] = Field(None, description="'pkg.module:function' returning an nn.Module (forward(tokens) -> logits).")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the factory.")
+
+    def shape(self) -> "ModelShape":
+        """The resolved architecture (preset + overrides). Raises ConfigError if incomplete."""
+        from workbench.models import resolve_shape
+
+        return resolve_shape(self)
+
+
+class DataSpec(_Section):
+    """Where the tokens come from. Batches depend only on seed, step and global_batch."""
+
+    source: Literal["synthetic", "text"] = Field("synthetic", description="synthetic: a seeded, learnable token stream; text: a local file through a byte-level tokenizer.")
+    path: Optional[str] = Field(None, description="Text file for source=text; default: the small public-domain text shipped with workbench.")
+    seed: int = Field(0, ge=0, description="Seed of the data order; the same seed gives the same batches under every layout.")
+
+
+class TrainSpec(_Section):
+    """The optimization loop."""
+
+    steps: int = Field(20, gt=0, description="Optimizer steps.")
+    global_batch: int = Field(16, gt=0, description="Sequences per optimizer step, over all data-parallel ranks.")
+    micro_batch: int = Field(4, gt=0, description="Sequences per forward/backward on one rank.")
+    optimizer: Literal["adamw", "adam", "sgd"] = Field("adamw", description="Optimizer.")
+    lr: float = Field(3.0e-4, gt=0, description="Learning rate (constant).")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (adamw) or L2 (adam, sgd).")
+    grad_clip: float = Field(0.0, ge=0, description="Clip the global gradient norm to this value; 0 disables.")
+    seed: int = Field(0, ge=0, description="Seed of the weight initialization.")
+
+
+class LayoutSpec(_Section):
+    """How the job is split across GPUs: world size = dp x tp x pp."""
+
+    dp: int = Field(1, gt=0, description="Data-parallel degree.")
+    tp: int = Field(1, gt=0, description="Tensor-parallel degree (within a node).")
+    pp: int = Field(1, gt=0, description="Pipeline-parallel degree (stages).")
+    zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage: 0 DDP, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP).")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = Field("1f1b", description="Pipeline schedule when pp > 1.")
+    virtual_stages: int = Field(2, gt=0, description="Stages per pipeline rank for interleaved schedules.")
+    activation_checkpointing: Literal["none", "full", "selective"] = Field("none", description="Recompute activations in backward: none, every block (full) or every k-th block (selective).")
+    checkpoint_every: int = Field(2, gt=0, description="k for selective activation checkpointing.")
+    offload: Literal["none", "cpu", "nvme"] = Field("none", description="Where optimizer state (and master weights) live: on the device, in CPU memory or in files.")
+    nvme_path: str = Field("/tmp/workbench-offload", description="Directory for offload=nvme.")
+    sequence_parallel: bool = Field(False, description="Shard LayerNorm/dropout activations along the sequence in TP regions.")
+    bucket_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size in MiB.")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+class PrecisionSpec(_Section):
+    """Numerics of the forward/backward; fp16/bf16 keep fp32 master weights."""
+
+    dtype: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="Compute dtype.")
+    initial_loss_scale: float = Field(2.0**16, gt=0, description="fp16 only: starting dynamic loss scale.")
+
+
+class ResourcesSpec(_Section):
+    """The machines the job asks for."""
+
+    gpu: str = Field("cpu", description="Accelerator type: cpu, a100-40gb, a100-80gb, h100-80gb, h200, l4, a10g, v100-16gb, v100-32gb, t4, tpu-v5e, tpu-v5p.")
+    gpus_per_node: int = Field(1, gt=0, description="Devices (or CPU worker processes) per node; default: the layout's world size / nodes.")
+    nodes: int = Field(1, gt=0, description="Number of nodes.")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+class CheckpointSpec(_Section):
+    """When and where to write checkpoints."""
+
+    every_steps: int = Field(0, ge=0, description="Save every N optimizer steps; 0 disables step-based saving.")
+    every_minutes: float = Field(0.0, ge=0, description="Also save when this many minutes passed since the last save; 0 disables.")
+    uri: Optional[str] = Field(None, description="Local path or s3:// gs:// az:// URI. Clouds default to <bucket>/workbench/<name>/checkpoints/.")
+    keep: int = Field(3, gt=0, description="Complete checkpoints to keep.")
+    async_save: bool = Field(False, description="Write in the background so training does not wait on storage.")
+
+
+class RaySection(_Section):
+    address: str = Field("http://127.0.0.1:8265", description="Ray dashboard (Jobs API) address.")
+
+
+class SageMakerSection(_Section):
+    role: Optional[str] = Field(None, description="IAM role ARN the training job assumes.")
+    region: str = Field("us-east-1", description="AWS region.")
+    bucket: Optional[str] = Field(None, description="S3 bucket for code, checkpoints and output.")
+    image: Optional[str] = Field(None, description="Training image URI; default: the PyTorch training image for our torch version.")
+    instance_type: Optional[str] = Field(None, description="Override the instance type derived from resources.")
+
+
+class VertexSection(_Section):
+    project: Optional[str] = Field(None, description="GCP project id.")
+    region: str = Field("us-central1", description="GCP region.")
+    bucket: Optional[str] = Field(None, description="gs:// bucket for staging, output and checkpoints.")
+    image: Optional[str] = Field(None, description="Container image; default: Vertex's PyTorch training image.")
+    machine_type: Optional[str] = Field(None, description="Override the machine type derived from resources.")
+    service_account: Optional[str] = Field(None, description="Service account the job runs as.")
+
+
+class AzureMLSection(_Section):
+    subscription_id: Optional[str] = Field(None, description="Azure subscription id.")
+    resource_group: Optional[str] = Field(None, description="Resource group of the workspace.")
+    workspace: Optional[str] = Field(None, description="Azure ML workspace name.")
+    compute: Optional[str] = Field(None, description="Compute cluster name.")
+    image: Optional[str] = Field(None, description="Environment image; default: a curated ACPT PyTorch environment.")
+    environment: Optional[str] = Field(None, description="Registered environment 'name:version' or 'azureml:...'; overrides image.")
+
+
+class BackendSpec(_Section):
+    """Where the job runs."""
+
+    name: Literal["local", "ray", "sagemaker", "vertex", "azureml"] = Field("local", description="local (embedded Ray), ray (existing cluster), sagemaker, vertex, azureml.")
+    spot: bool = Field(False, description="Use spot/preemptible capacity (needs checkpointing).")
+    max_runtime_s: int = Field(86400, gt=0, description="Clouds: hard stop after this many seconds of running.")
+    max_wait_s: int = Field(172800, gt=0, description="Clouds with spot: total time including waiting for capacity.")
+    max_failures: int = Field(0, ge=0, description="Restart the worker group this many times after a worker dies, from the last checkpoint.")
+    ray: RaySection = Field(default_factory=RaySection)
+    sagemaker: SageMakerSection = Field(default_factory=SageMakerSection)
+    vertex: VertexSection = Field(default_factory=VertexSection)
+    azureml: AzureMLSection = Field(default_factory=AzureMLSection)
+
+
+class JobSpec(_Section):
+    """A whole training job. Build it with `load_spec`; it validates itself there."""
+
+    name: str = Field("job", min_length=1, description="Job name (used in paths and cloud job names).")
+    model: ModelSpec = Field(default_factory=lambda: ModelSpec(preset="gpt-tiny"))
+    data: DataSpec = Field(default_factory=DataSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    layout: LayoutSpec = Field(default_factory=LayoutSpec)
+    precision: PrecisionSpec = Field(default_factory=PrecisionSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    backend: BackendSpec = Field(default_factory=BackendSpec)
+
+    # -- serialization -------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json", exclude_none=True)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_yaml())
+
+    def replace(self, **overrides: Any) -> "JobSpec":
+        """A validated copy with dotted-key overrides, e.g. ``replace(**{"layout.dp": 4})``."""
+        return load_spec(apply_overrides(self.to_dict(), [f"{k}={json.dumps(v)}" for k, v in overrides.items()]))
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def __repr__(self) -> str:
+        lay = self.layout
+        model = self.model.preset or self.model.factory or (f"{self.model.params:.3g} params" if self.model.params else self.model.family)
+        return (
+            f"JobSpec({self.name!r}: model={model}, dp={lay.dp} tp={lay.tp} pp={lay.pp} zero={lay.zero}, "
+            f"{self.precision.dtype}, steps={self.train.steps}, global_batch={self.train.global_batch}, "
+            f"micro_batch={self.train.micro_batch}, {self.resources.nodes}x{self.resources.gpus_per_node} "
+            f"{self.resources.gpu}, backend={self.backend.name})"
+        )
+
+    __str__ = __repr__
+
+    def _repr_html_(self) -> str:
+        return f"<b>{self.name}</b>" + _html_table(self.to_dict())
+
+
+# -- loading --------------------------------------------------------------------------------
+
+def load_spec(source: "str | Path | dict | JobSpec", overrides: list[str] | None = None) -> JobSpec:
+    """Load, override and validate a spec.
+
+    Args:
+        source: a YAML/JSON path, a dict, or a JobSpec.
+        overrides: ``["layout.dp=4", ...]`` applied before validation.
+    Returns:
+        A validated JobSpec.
+    Raises:
+        ConfigError: anything wrong with the spec, with the rule, the numbers and a fix.
+    """
+    if isinstance(source, JobSpec):
+        raw = source.to_dict()
+    elif isinstance(source, dict):
+        raw = source
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"spec file {str(path)!r} does not exist. Pass the path of a YAML spec, e.g. examples/quickstart.yaml.")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a spec must be a mapping of sections (name, model, layout, ...), got {type(raw).__name__}.")
+    if overrides:
+        raw = apply_overrides(raw, overrides)
+    raw = _default_gpus(raw)
+    try:
+        spec = JobSpec.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_explain(e)) from None
+    from workbench.validate import validate_spec
+
+    validate_spec(spec)
+    return spec
+
+
+def _default_gpus(raw: dict) -> dict:
+    """Without resources.gpus_per_node, ask for exactly the GPUs the layout needs."""
+    res, lay = raw.get("resources"), raw.get("layout")
+    if res is not None and not isinstance(res, dict) or lay is not None and not isinstance(lay, dict):
+        return raw  # pydantic reports the type error
+    if res and "gpus_per_node" in res:
+        return raw
+    lay = lay or {}
+    try:
+        world = int(lay.get("dp", 1)) * int(lay.get("tp", 1)) * int(lay.get("pp", 1))
+        nodes = int((res or {}).get("nodes", 1))
+    except (TypeError, ValueError):
+        return raw
+    if world <= 0 or nodes <= 0:
+        return raw
+    return {**raw, "resources": {**(res or {}), "gpus_per_node": max(1, -(-world // nodes))}}
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a copy of a raw spec dict."""
+    out = json.loads(json.dumps(raw))
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected key.path=value, e.g. --set layout.dp=4.")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {part!r} is a value, not a section.")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _known_keys(loc: tuple) -> list[str]:
+    model: type[BaseModel] = JobSpec
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        where = ".".join(str(p) for p in loc) or "spec"
+        if e["type"] == "extra_forbidden":
+            known = _known_keys(loc)
+            guess = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            hint = f" Did you mean {guess[0]!r}?" if guess else ""
+            lines.append(f"{where}: unknown key.{hint} Known keys here: {', '.join(known)}.")
+        else:
+            got = e.get("input")
+            got_text = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"{where}: {e['msg']}{got_text}.")
+    return "invalid spec:\n  " + "\n  ".join(lines)
+
+
+def _html_table(d: dict) -> str:
+    rows = []
+    for key, value in d.items():
+        cell = _html_table(value) if isinstance(value, dict) and value else f"<code>{value!r}</code>"
+        rows.append(f"<tr><th style='text-align:left;vertical-align:top'>{key}</th><td style='text-align:left'>{cell}</td></tr>")
+    return "<table>" + "".join(rows) + "</table>"

@@ -1,0 +1,154 @@
+"""Cross-field rules of a JobSpec, checked before any worker starts.
+
+Each rule raises a ConfigError built from the same numbers the runtime will use: the rule, the
+numbers, and a fix.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from workbench.catalog import DEVICES
+from workbench.errors import ConfigError
+
+if TYPE_CHECKING:
+    from workbench.spec import JobSpec
+
+
+def _factorizations(n: int) -> str:
+    """A few (dp, tp, pp) products equal to n, for error messages."""
+    out = []
+    for tp in (1, 2, 4, 8):
+        for pp in (1, 2, 4, 8):
+            if n % (tp * pp) == 0:
+                out.append(f"dp={n // (tp * pp)}, tp={tp}, pp={pp}")
+    return "; ".join(out[:3])
+
+
+def validate_spec(spec: "JobSpec") -> None:
+    """Raise ConfigError for the first rule the spec breaks (structure is checked by pydantic)."""
+    _check_model(spec)
+    _check_resources(spec)
+    _check_layout(spec)
+    _check_batch(spec)
+    _check_backend(spec)
+
+
+def _check_model(spec: "JobSpec") -> None:
+    m = spec.model
+    kinds = [k for k, v in (("preset", m.preset), ("params", m.params), ("factory", m.factory)) if v is not None]
+    if "params" in kinds and len(kinds) > 1 or "factory" in kinds and "preset" in kinds:
+        raise ConfigError(f"model: give one of preset, params or factory, not {' and '.join(kinds)}.")
+    if m.factory is not None:
+        if m.vocab is None or m.seq_len is None:
+            raise ConfigError("model.factory: also give vocab and seq_len so the data pipeline can feed the model, "
+                              "e.g. model: {factory: 'mypkg.models:build', vocab: 256, seq_len: 64}.")
+        return
+    if m.params is not None:
+        return
+    m.shape()  # raises ConfigError for unknown presets / incomplete shapes
+
+
+def _check_resources(spec: "JobSpec") -> None:
+    r = spec.resources
+    if r.gpu not in DEVICES:
+        import difflib
+
+        guess = difflib.get_close_matches(r.gpu, DEVICES, n=1)
+        hint = f" Did you mean {guess[0]!r}?" if guess else ""
+        raise ConfigError(f"resources.gpu: unknown GPU type {r.gpu!r}.{hint} Known types: {', '.join(DEVICES)}.")
+    lay = spec.layout
+    if lay.world_size != r.num_gpus:
+        raise ConfigError(
+            f"dp({lay.dp}) x tp({lay.tp}) x pp({lay.pp}) = {lay.world_size} ranks, but resources give "
+            f"{r.num_gpus} GPUs ({r.nodes} node(s) x {r.gpus_per_node}). Use degrees whose product is "
+            f"{r.num_gpus} (e.g. {_factorizations(r.num_gpus)}), or set resources.gpus_per_node/nodes "
+            f"to give {lay.world_size}."
+        )
+
+
+def _check_layout(spec: "JobSpec") -> None:
+    lay, m = spec.layout, spec.model
+    if m.params is not None:
+        return
+    if m.factory is not None:
+        if lay.tp > 1 or lay.pp > 1:
+            raise ConfigError(
+                f"layout: tp={lay.tp}, pp={lay.pp} need the built-in GPT family (its block structure is what "
+                "gets split); a factory model runs with data parallelism (dp, zero) only. Set tp=1 and pp=1."
+            )
+        return
+    shape = m.shape()
+    for name, value in (("heads", shape.heads), ("kv_heads", shape.kv_heads), ("hidden", shape.hidden),
+                        ("ffn_hidden", shape.ffn_hidden)):
+        if value % lay.tp:
+            raise ConfigError(
+                f"layout.tp({lay.tp}) must divide model.{name}({value}): each tensor-parallel rank takes "
+                f"{name}/tp of it. Use tp in {[d for d in (1, 2, 4, 8) if value % d == 0]}."
+            )
+    stages = lay.pp * (lay.virtual_stages if lay.pp > 1 and lay.pp_schedule == "interleaved-1f1b" else 1)
+    if stages > shape.layers:
+        raise ConfigError(
+            f"layout: {stages} pipeline stages (pp={lay.pp}"
+            + (f" x virtual_stages={lay.virtual_stages}" if stages != lay.pp else "")
+            + f") but the model has {shape.layers} layers; each stage needs at least one block. "
+            f"Use pp <= {shape.layers}."
+        )
+    if lay.pp > 1 and shape.tie_embeddings:
+        raise ConfigError(
+            f"layout.pp({lay.pp}) with model.tie_embeddings=true: the embedding lives on the first stage and the "
+            "head on the last, so they cannot share one weight. Set model.tie_embeddings: false."
+        )
+
+
+def _check_batch(spec: "JobSpec") -> None:
+    t, lay = spec.train, spec.layout
+    per_step = lay.dp * t.micro_batch
+    if t.global_batch % per_step:
+        lo = max(per_step, t.global_batch // per_step * per_step)
+        raise ConfigError(
+            f"train.global_batch({t.global_batch}) must be divisible by dp({lay.dp}) x micro_batch({t.micro_batch}) "
+            f"= {per_step}. Use global_batch={lo} or {lo + per_step}, or change micro_batch."
+        )
+    num_micro = t.global_batch // per_step
+    if lay.pp > 1 and num_micro < lay.pp and lay.pp_schedule != "gpipe":
+        raise ConfigError(
+            f"layout.pp_schedule={lay.pp_schedule} needs at least pp({lay.pp}) micro-batches per step, but "
+            f"global_batch({t.global_batch}) / (dp({lay.dp}) x micro_batch({t.micro_batch})) = {num_micro}. "
+            f"Raise global_batch to {lay.pp * per_step} or lower micro_batch."
+        )
+
+
+def _check_backend(spec: "JobSpec") -> None:
+    b = spec.backend
+    if b.spot and b.name in ("sagemaker", "vertex", "azureml"):
+        if spec.checkpoint.every_steps == 0 and spec.checkpoint.every_minutes == 0:
+            raise ConfigError(
+                "backend.spot=true without checkpoints: a preemption would lose the whole run. Set "
+                "checkpoint.every_steps (e.g. 100) or checkpoint.every_minutes (e.g. 10)."
+            )
+        if b.max_wait_s < b.max_runtime_s:
+            raise ConfigError(
+                f"backend.max_wait_s({b.max_wait_s}) must be >= max_runtime_s({b.max_runtime_s}) with spot: "
+                f"it is the total time including waiting for capacity. Use max_wait_s >= {b.max_runtime_s}."
+            )
+
+
+def check_runnable(spec: "JobSpec") -> None:
+    """Rules for running (not just planning) a spec in this release."""
+    if spec.model.params is not None:
+        raise ConfigError(
+            f"model: {{params: {spec.model.params:g}}} is a size alone, for planning (workbench memory/plan). "
+            "To run, give a preset or a shape, e.g. model: {preset: gpt-tiny}."
+        )
+    unsupported = []
+    lay = spec.layout
+    if lay.tp > 1:
+        unsupported.append(f"tp={lay.tp} (tensor parallel)")
+    if lay.pp > 1:
+        unsupported.append(f"pp={lay.pp} (pipeline parallel)")
+    if lay.zero > 0:
+        unsupported.append(f"zero={lay.zero}")
+    if lay.offload != "none":
+        unsupported.append(f"offload={lay.offload}")
+    if unsupported:
+        raise ConfigError(f"not supported yet: {', '.join(unsupported)}. This release runs dp with zero=0.")
