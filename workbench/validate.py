@@ -140,15 +140,33 @@ def check_runnable(spec: "JobSpec") -> None:
             f"model: {{params: {spec.model.params:g}}} is a size alone, for planning (workbench memory/plan). "
             "To run, give a preset or a shape, e.g. model: {preset: gpt-tiny}."
         )
+    _check_dp_combinations(spec)
     unsupported = []
     lay = spec.layout
     if lay.tp > 1:
         unsupported.append(f"tp={lay.tp} (tensor parallel)")
     if lay.pp > 1:
         unsupported.append(f"pp={lay.pp} (pipeline parallel)")
-    if lay.zero > 0:
-        unsupported.append(f"zero={lay.zero}")
-    if lay.offload != "none":
-        unsupported.append(f"offload={lay.offload}")
     if unsupported:
-        raise ConfigError(f"not supported yet: {', '.join(unsupported)}. This release runs dp with zero=0.")
+        raise ConfigError(f"not supported yet: {', '.join(unsupported)}. This release runs dp with zero 0-3.")
+
+
+def _check_dp_combinations(spec: "JobSpec") -> None:
+    """ZeRO / offload / precision combinations the runtime cannot do (docs/strategies.md)."""
+    lay = spec.layout
+    if lay.offload == "cpu" and lay.zero < 2:
+        raise ConfigError(
+            f"layout.offload=cpu with zero={lay.zero}: CPU offload is FSDP2's CPUOffloadPolicy, which needs the "
+            "parameters sharded by FSDP2. Use zero=2 or zero=3 with offload=cpu, or offload=nvme with zero 0/1."
+        )
+    if lay.offload == "nvme" and lay.zero >= 2:
+        raise ConfigError(
+            f"layout.offload=nvme with zero={lay.zero}: FSDP2 owns the fp32 parameter shards and all-gathers "
+            "from them every forward, so they cannot live in files. Use zero=1 with offload=nvme (master and "
+            f"optimizer state in files under {lay.nvme_path}), or zero={lay.zero} with offload=cpu."
+        )
+    if (lay.zero >= 2 or lay.offload == "cpu") and lay.world_size == 1:
+        raise ConfigError(
+            f"layout.zero={lay.zero}, offload={lay.offload} on a single rank: FSDP2 shards over a process group "
+            "and one rank has nothing to shard with. Use zero=0 or 1 (offload=none or nvme) on one rank, or dp>=2."
+        )
