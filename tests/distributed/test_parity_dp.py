@@ -20,15 +20,18 @@ CASES = {
     "zero3-full": {"zero": 3, "activation_checkpointing": "full"},
     "zero1-nvme": {"zero": 1, "offload": "nvme"},
     "zero3-cpu": {"zero": 3, "offload": "cpu"},
+    "zero3-clip": {"zero": 3},  # with gradient clipping: the norm is summed over the shards
+    "zero1-clip": {"zero": 1},
 }
+CLIP = {"grad_clip": 0.5}  # below the gradient norm of the first steps: clipping is active
 
 
 def losses(events):
     return [e["loss"] for e in sorted((e for e in events if e["event"] == "step"), key=lambda e: e["step"])]
 
 
-def spec_for(layout=None, precision=None, tmp=None):
-    spec = {**BASE, "layout": {"dp": 2, **(layout or {})}}
+def spec_for(layout=None, precision=None, tmp=None, train_extra=None):
+    spec = {**BASE, "train": {**BASE["train"], **(train_extra or {})}, "layout": {"dp": 2, **(layout or {})}}
     if tmp is not None and spec["layout"].get("offload") == "nvme":
         spec["layout"]["nvme_path"] = str(tmp)
     if precision:
@@ -36,11 +39,20 @@ def spec_for(layout=None, precision=None, tmp=None):
     return spec
 
 
+def _reference(train_extra):
+    events = []
+    result = train({**BASE, "train": {**BASE["train"], **train_extra}}, events.append, gather_state=True)
+    return losses(events), result["state"]
+
+
 @pytest.fixture(scope="module")
 def reference():
-    events = []
-    result = train(BASE, events.append, gather_state=True)
-    return losses(events), result["state"]
+    return _reference({})
+
+
+@pytest.fixture(scope="module")
+def reference_clip():
+    return _reference(CLIP)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +63,9 @@ def runs(spawn_pools, tmp_path_factory):
     def run(name):
         if name not in done:
             tmp = tmp_path_factory.mktemp(name)
-            done[name] = spawn_pools.get(2).run(spec_for(CASES[name], tmp=tmp), fn=train_with_state, timeout_s=240)
+            extra = CLIP if name.endswith("-clip") else None
+            spec = spec_for(CASES[name], tmp=tmp, train_extra=extra)
+            done[name] = spawn_pools.get(2).run(spec, fn=train_with_state, timeout_s=240)
         return done[name]
 
     return run
@@ -63,8 +77,8 @@ def final_state(events):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_layout_reproduces_single_process(name, runs, reference):
-    ref_losses, ref_state = reference
+def test_layout_reproduces_single_process(name, runs, request):
+    ref_losses, ref_state = request.getfixturevalue("reference_clip" if name.endswith("-clip") else "reference")
     events = runs(name)
     torch.testing.assert_close(losses(events), ref_losses, rtol=1e-4, atol=0)
     state = final_state(events)
@@ -72,6 +86,8 @@ def test_layout_reproduces_single_process(name, runs, reference):
     for key, value in ref_state.items():
         torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
     assert [e for e in events if e["event"] == "end"] == [{"event": "end", "status": "completed", "step": 5}]
+    if name.endswith("-clip"):  # clipping really acted
+        assert ref_losses[-1] != request.getfixturevalue("reference")[0][-1]
     if name == "zero3-cpu":  # CPU-only machine: the run says the offload does nothing here
         assert any(e["event"] == "note" and "no-op" in e["message"] for e in events)
 
