@@ -1,0 +1,129 @@
+"""Per-rank memory of a layout: model states + activations in flight + transient buffers.
+
+`Layout` is the plain description the planner enumerates (no pydantic on the hot path);
+`estimate_stage` prices one pipeline stage (every dp/tp rank of a stage holds the same bytes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workbench.memory import activations as act
+from workbench.memory import params as prm
+from workbench.memory.states import model_states, offload
+from workbench.timeline import max_in_flight
+
+CONVENTION = ("bytes/param: ZeRO paper 2+2+12 in mixed precision (fp16/bf16 weights 2, grads 2, fp32 master 4 "
+              "+ Adam moments 8; SGD momentum 4), fp32: 4+4+8 with no master copy")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    offload: str = "none"
+    activation_checkpointing: str = "none"
+    checkpoint_every: int = 2
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 2
+    sequence_parallel: bool = False
+    micro_batch: int = 1
+    num_micro: int = 1  # micro-batches per dp rank per step
+    dtype: str = "fp32"
+    optimizer: str = "adamw"
+    bucket_mb: float = 25.0
+
+    @property
+    def chunks(self) -> int:
+        return self.virtual_stages if self.pp > 1 and self.pp_schedule == "interleaved-1f1b" else 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    params: int
+    grads: int
+    master: int
+    optimizer: int
+    activations: int
+    buffers: int
+    offloaded: int
+    notes: tuple[str, ...]
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.master + self.optimizer + self.activations + self.buffers
+
+
+def _chunk_activation_bytes(shape, lay: Layout, stage: int, num_stages: int, blocks: range) -> float:
+    """Bytes one micro-batch leaves in one (virtual) stage until its backward."""
+    tokens = lay.micro_batch * shape.seq_len
+    full = act.block_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
+    edge = act.boundary_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
+    n_ckpt = act.checkpointed_blocks(blocks, lay.activation_checkpointing, lay.checkpoint_every)
+    per_token = n_ckpt * edge + (len(blocks) - n_ckpt) * full
+    if stage == 0:
+        per_token += act.embedding_bytes_per_token()
+    if stage == num_stages - 1:
+        per_token += act.head_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
+    elif num_stages > 1:
+        per_token += edge  # the stage output the schedule keeps until its backward
+    return per_token * tokens
+
+
+def _activations(shape, lay: Layout, pp_index: int) -> float:
+    num_stages = lay.pp * lay.chunks
+    split = prm.stage_blocks(shape.layers, num_stages)
+    stages = list(range(pp_index, num_stages, lay.pp))
+    per_chunk = [_chunk_activation_bytes(shape, lay, s, num_stages, split[s]) for s in stages]
+    if lay.pp > 1:
+        held = max_in_flight(lay.pp_schedule, lay.pp, lay.num_micro, pp_index, lay.chunks)
+    else:
+        held = (1,)  # gradient accumulation: one micro-batch at a time
+    total = sum(n * b for n, b in zip(held, per_chunk))
+    if lay.activation_checkpointing != "none":
+        # Backward re-runs one checkpointed block at a time: its full activations come back.
+        total += lay.micro_batch * shape.seq_len * act.block_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
+    return total
+
+
+def _buffers(shape, lay: Layout, pp_index: int, p: int, w: int) -> tuple[float, list[str]]:
+    notes = []
+    out = 0.0
+    last = pp_index == lay.pp - 1
+    if last:
+        out += lay.micro_batch * shape.seq_len * shape.vocab * w  # the logits of one micro-batch
+    if lay.dp > 1 and lay.zero in (0, 1):
+        out += p * w  # DDP's reducer allocates flat buckets as large as all gradients
+        notes.append("DDP gradient buckets = one more copy of the gradients")
+    if lay.dp > 1 and lay.zero == 2:
+        out += p * w  # FSDP2 reshard_after_forward=False keeps gathered weights until backward
+        notes.append("zero=2 (FSDP2, no reshard after forward): gathered weights held from forward to backward")
+    if lay.dp > 1 and lay.zero == 3:
+        block = prm.largest_block_numel(shape, lay.tp)
+        out += 3 * block * w  # gathered block + prefetched block + the block's unsharded grads
+        notes.append("zero=3: two gathered blocks (current + prefetch) and one block of unsharded grads")
+    return out, notes
+
+
+def estimate_stage(shape, lay: Layout, pp_index: int, convention: str = "workbench") -> StageMemory:
+    """Memory of any rank on pipeline stage `pp_index`. A number as `shape` is a size-only model."""
+    w = act.DTYPE_BYTES[lay.dtype]
+    if isinstance(shape, (int, float)):  # {params: N}: model states only, spread evenly
+        p = float(shape) / (lay.tp * lay.pp)
+        shard = p / lay.dp
+        a, buf, notes = 0.0, 0.0, ["size-only model: model states only (no activations or buffers)"]
+    else:
+        tensors = prm.rank_tensors(shape, lay.tp, lay.pp, pp_index, lay.chunks)
+        p = sum(prm.numel(t) for t in tensors)
+        shard = prm.fsdp_shard_numel(tensors, lay.dp)
+        a = _activations(shape, lay, pp_index)
+        buf, notes = _buffers(shape, lay, pp_index, p, w)
+    states = model_states(p, shard, lay.dp, lay.zero, lay.dtype, lay.optimizer, convention)
+    states, moved = offload(states, lay.offload, lay.zero)
+    return StageMemory(int(states.params), int(states.grads), int(states.master), int(states.optimizer),
+                       int(a), int(buf), int(moved), (states.note, *notes))
