@@ -59,8 +59,8 @@ def boundary_bytes_per_token(shape, dtype: str, tp: int = 1, sp: bool = False) -
 
 
 def head_bytes_per_token(shape, dtype: str, tp: int = 1, sp: bool = False) -> float:
-    """Final norm + head + loss on the last stage: the norm's saved tensors, the head's input
-    and log_softmax's output (the loss keeps log-probabilities, one per vocabulary entry)."""
+    """Final norm + head + loss on the last stage: the norm's saved tensors, the head's input,
+    log_softmax's output (one log-probability per vocabulary entry) and the int64 targets."""
     c = DTYPE_BYTES[dtype]
     h = shape.hidden
     div = tp if sp else 1
@@ -68,7 +68,7 @@ def head_bytes_per_token(shape, dtype: str, tp: int = 1, sp: bool = False) -> fl
         norm = (h + 2) * c / div
     else:
         norm = (2 * h + 1) * 4 / div
-    return norm + h * c + shape.vocab * c
+    return norm + h * c + shape.vocab * c + 8
 
 
 def embedding_bytes_per_token() -> float:
