@@ -9,6 +9,8 @@ unfused softmax and dropout, is `korthikanti_layer_bytes` for comparison.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 # (name, elements per token, dtype, split): dtype "c" is the compute dtype, "f32" always fp32;
 # split "tp": divided by tp, "sp": divided by tp only with sequence parallelism, "rep": never.
 _GPT = (
@@ -49,6 +51,7 @@ def block_tensors(shape, dtype: str, tp: int = 1, sp: bool = False) -> list[tupl
     return out
 
 
+@lru_cache(maxsize=4096)
 def block_bytes_per_token(shape, dtype: str, tp: int = 1, sp: bool = False) -> float:
     return sum(b for _, b in block_tensors(shape, dtype, tp, sp))
 

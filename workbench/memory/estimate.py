@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from workbench.memory import activations as act
 from workbench.memory import params as prm
@@ -59,6 +60,14 @@ class StageMemory:
         return self.params + self.grads + self.master + self.optimizer + self.activations + self.buffers
 
 
+@lru_cache(maxsize=65536)
+def _stage_params(shape, tp: int, pp: int, pp_index: int, chunks: int, dp: int) -> tuple[int, int]:
+    """(parameters on the rank, its FSDP shard over dp): cached, the planner asks often."""
+    tensors = prm.rank_tensors(shape, tp, pp, pp_index, chunks)
+    return sum(prm.numel(t) for t in tensors), prm.fsdp_shard_numel(tensors, dp)
+
+
+@lru_cache(maxsize=65536)
 def _chunk_activation_bytes(shape, lay: Layout, stage: int, num_stages: int, blocks: range) -> float:
     """Bytes one micro-batch leaves in one (virtual) stage until its backward."""
     tokens = lay.micro_batch * shape.seq_len
@@ -76,6 +85,18 @@ def _chunk_activation_bytes(shape, lay: Layout, stage: int, num_stages: int, blo
 
 
 def _activations(shape, lay: Layout, pp_index: int) -> float:
+    return _activations_cached(shape, lay.tp, lay.pp, lay.chunks, lay.sequence_parallel, lay.micro_batch,
+                               lay.num_micro, lay.pp_schedule, lay.activation_checkpointing,
+                               lay.checkpoint_every, lay.dtype, pp_index)
+
+
+@lru_cache(maxsize=65536)
+def _activations_cached(shape, tp, pp, chunks, sp, micro_batch, num_micro, schedule, ckpt, every, dtype,
+                        pp_index) -> float:
+    # Only the knobs that change activations are in the key (not zero, offload or dp).
+    lay = Layout(tp=tp, pp=pp, virtual_stages=chunks, pp_schedule=schedule, sequence_parallel=sp,
+                 micro_batch=micro_batch, num_micro=num_micro, activation_checkpointing=ckpt,
+                 checkpoint_every=every, dtype=dtype)
     num_stages = lay.pp * lay.chunks
     split = prm.stage_blocks(shape.layers, num_stages)
     stages = list(range(pp_index, num_stages, lay.pp))
@@ -118,9 +139,7 @@ def estimate_stage(shape, lay: Layout, pp_index: int, convention: str = "workben
         shard = p / lay.dp
         a, buf, notes = 0.0, 0.0, ["size-only model: model states only (no activations or buffers)"]
     else:
-        tensors = prm.rank_tensors(shape, lay.tp, lay.pp, pp_index, lay.chunks)
-        p = sum(prm.numel(t) for t in tensors)
-        shard = prm.fsdp_shard_numel(tensors, lay.dp)
+        p, shard = _stage_params(shape, lay.tp, lay.pp, pp_index, lay.chunks, lay.dp)
         a = _activations(shape, lay, pp_index)
         buf, notes = _buffers(shape, lay, pp_index, p, w)
     states = model_states(p, shard, lay.dp, lay.zero, lay.dtype, lay.optimizer, convention)

@@ -49,6 +49,7 @@ def _local(dims: tuple[int, ...], split: str | None, tp: int) -> tuple[int, ...]
     return dims
 
 
+@lru_cache(maxsize=1024)
 def stage_blocks(layers: int, num_stages: int) -> list[range]:
     """Blocks of each (virtual) pipeline stage: an even split, earlier stages take the remainder."""
     base, extra = divmod(layers, num_stages)
@@ -57,7 +58,7 @@ def stage_blocks(layers: int, num_stages: int) -> list[range]:
         n = base + (1 if s < extra else 0)
         out.append(range(start, start + n))
         start += n
-    return out
+    return tuple(out)
 
 
 def block_tensors(shape, tp: int, prefix: str = "") -> list[Tensor]:
@@ -123,6 +124,7 @@ def fsdp_shard_numel(tensors, n: int) -> int:
     return total
 
 
+@lru_cache(maxsize=1024)
 def largest_block_numel(shape, tp: int) -> int:
     """Elements of the largest unit FSDP gathers at once (one block, or the embedding/head)."""
     block = sum(numel(t) for t in block_tensors(shape, tp))
