@@ -17,6 +17,9 @@ from workbench.steptime import step_time
 # Headroom for the CUDA context, NCCL buffers and allocator fragmentation: a layout whose
 # predicted peak is above this share of the device's memory is not offered.
 USABLE_FRACTION = 0.92
+# With offload=cpu, the offloaded states of the node's ranks share its RAM with the processes
+# and pinned staging buffers.
+HOST_USABLE_FRACTION = 0.8
 
 
 @dataclass
@@ -110,10 +113,14 @@ def _layouts(spec, shape, world: int, gpn: int):
                                    for ckpt in ("none", "selective", "full")]
 
 
-def _peak(shape, lay: Layout) -> int:
-    # Stage 0 holds the most micro-batches in flight (and the extra blocks of an uneven split);
-    # the last stage holds the head and the logits. Middle stages are never above both.
-    return max(estimate_stage(shape, lay, k).total for k in {0, lay.pp - 1})
+def _peak(shape, lay: Layout) -> tuple[int, int]:
+    """(device peak, host/disk bytes) over the stages that can be largest.
+
+    Stage 0 holds the most micro-batches in flight (and the extra blocks of an uneven split);
+    the last stage holds the head and the logits. Middle stages are never above both.
+    """
+    stages = [estimate_stage(shape, lay, k) for k in {0, lay.pp - 1}]
+    return max(s.total for s in stages), max(s.offloaded for s in stages)
 
 
 def plan(spec, prices=None, top: int | None = None) -> PlanResult:
@@ -142,19 +149,24 @@ def plan(spec, prices=None, top: int | None = None) -> PlanResult:
     dev = get_device(spec.resources.gpu)
     world, gpn = spec.resources.num_gpus, spec.resources.gpus_per_node
     usable = dev.memory_bytes * USABLE_FRACTION
+    host_usable = dev.host_memory_bytes * HOST_USABLE_FRACTION
     dev_prices = load_prices(prices).get(dev.name, {})
     fitting, misses, searched = [], [], 0
     for options in _layouts(spec, shape, world, gpn):
         for lay in options:
             searched += 1
-            peak = _peak(shape, lay)
-            if peak <= usable:
+            peak, offloaded = _peak(shape, lay)
+            host_ok = lay.offload != "cpu" or not dev.host_memory_bytes or offloaded <= host_usable
+            if peak <= usable and host_ok:
                 fitting.append(_candidate(shape, lay, dev, spec, gpn, peak, True, dev_prices))
                 break
             misses.append((peak, lay))
     fitting.sort(key=lambda c: (-c.tokens_per_s, c.peak_bytes))
     notes = [f"fits = predicted peak <= {USABLE_FRACTION:.0%} of {dev.memory_bytes / 2**30:.1f} GiB "
              "(CUDA context, NCCL and fragmentation headroom)"]
+    if dev.host_memory_bytes:
+        notes.append(f"offload=cpu fits when the offloaded states <= {HOST_USABLE_FRACTION:.0%} of "
+                     f"{dev.host_memory_bytes / 2**30:.0f} GiB host memory per GPU")
     if not fitting:
         misses.sort(key=lambda x: x[0])
         fitting = [_candidate(shape, lay, dev, spec, gpn, peak, False, dev_prices) for peak, lay in misses[:10]]

@@ -40,6 +40,7 @@ class MemoryEstimate:
     convention: str = CONVENTION
     offload: str = "none"
     notes: list[str] = field(default_factory=list)
+    host_memory: int = 0  # host RAM per device (offload=cpu); 0 = unknown
 
     @property
     def peak_bytes(self) -> int:
@@ -47,7 +48,10 @@ class MemoryEstimate:
 
     @property
     def fits(self) -> bool:
-        return self.peak_bytes <= self.device_memory
+        """Device peak within the device's memory (and, with offload=cpu, the host's share)."""
+        host_ok = self.offload != "cpu" or not self.host_memory or \
+            max(r.stage.offloaded for r in self.per_rank) <= self.host_memory
+        return self.peak_bytes <= self.device_memory and host_ok
 
     def to_dict(self) -> dict:
         out = {"world_size": self.world_size, "device_memory": self.device_memory, "fits": self.fits,
@@ -55,6 +59,8 @@ class MemoryEstimate:
                "convention": self.convention, "notes": list(self.notes)}
         if self.offload != "none":
             out["offloaded_to"] = "host memory" if self.offload == "cpu" else "files (nvme)"
+            if self.offload == "cpu" and self.host_memory:
+                out["host_memory"] = self.host_memory
         return out
 
     def _stages(self) -> list[RankMemory]:
@@ -167,4 +173,5 @@ def estimate_memory(spec, convention: str | None = None) -> MemoryEstimate:
                 per_rank.append(RankMemory(rank, {"dp": i, "tp": j, "pp": k}, stages[k]))
     notes = sorted({n for s in stages for n in s.notes})
     return MemoryEstimate(lay.world_size, dev.name, dev.memory_bytes, per_rank,
-                          convention=CONVENTION + f" [{convention}]", offload=lay.offload, notes=notes)
+                          convention=CONVENTION + f" [{convention}]", offload=lay.offload, notes=notes,
+                          host_memory=dev.host_memory_bytes)
