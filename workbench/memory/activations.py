@@ -63,7 +63,7 @@ def boundary_bytes_per_token(shape, dtype: str, tp: int = 1, sp: bool = False) -
 
 def head_bytes_per_token(shape, dtype: str, tp: int = 1, sp: bool = False) -> float:
     """Final norm + head + loss on the last stage: the norm's saved tensors, the head's input,
-    log_softmax's output (one log-probability per vocabulary entry) and the int64 targets."""
+    log_softmax's output (fp32: the loss upcasts the logits) and the int64 targets."""
     c = DTYPE_BYTES[dtype]
     h = shape.hidden
     div = tp if sp else 1
@@ -71,19 +71,22 @@ def head_bytes_per_token(shape, dtype: str, tp: int = 1, sp: bool = False) -> fl
         norm = (h + 2) * c / div
     else:
         norm = (2 * h + 1) * 4 / div
-    return norm + h * c + shape.vocab * c + 8
+    return norm + h * c + shape.vocab * 4 + 8
 
 
-def embedding_bytes_per_token() -> float:
-    return 8.0  # the int64 token ids the embedding's backward needs
+def token_batch_bytes(global_batch: int, seq_len: int) -> int:
+    """The embedding keeps its int64 token ids: a view of the step's whole (B, T+1) batch, so
+    the whole batch's storage is held once, whatever the micro-batches in flight."""
+    return global_batch * (seq_len + 1) * 8
 
 
 def checkpointed_blocks(blocks: range, mode: str, every: int) -> int:
-    """How many of a stage's blocks recompute in backward: all (full), every k-th (selective)."""
+    """How many of a stage's blocks recompute in backward: all (full), or blocks 0, k, 2k, ...
+    (selective, k = layout.checkpoint_every), counted by global block index."""
     if mode == "full":
         return len(blocks)
     if mode == "selective":
-        return sum(1 for b in blocks if (b + 1) % every == 0)
+        return sum(1 for b in blocks if b % every == 0)
     return 0
 
 

@@ -43,6 +43,10 @@ class Layout:
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.micro_batch * self.num_micro
+
 
 @dataclass(frozen=True)
 class StageMemory:
@@ -75,8 +79,6 @@ def _chunk_activation_bytes(shape, lay: Layout, stage: int, num_stages: int, blo
     edge = act.boundary_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
     n_ckpt = act.checkpointed_blocks(blocks, lay.activation_checkpointing, lay.checkpoint_every)
     per_token = n_ckpt * edge + (len(blocks) - n_ckpt) * full
-    if stage == 0:
-        per_token += act.embedding_bytes_per_token()
     if stage == num_stages - 1:
         per_token += act.head_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
     elif num_stages > 1:
@@ -87,12 +89,12 @@ def _chunk_activation_bytes(shape, lay: Layout, stage: int, num_stages: int, blo
 def _activations(shape, lay: Layout, pp_index: int) -> float:
     return _activations_cached(shape, lay.tp, lay.pp, lay.chunks, lay.sequence_parallel, lay.micro_batch,
                                lay.num_micro, lay.pp_schedule, lay.activation_checkpointing,
-                               lay.checkpoint_every, lay.dtype, pp_index)
+                               lay.checkpoint_every, lay.dtype, pp_index, lay.global_batch)
 
 
 @lru_cache(maxsize=65536)
 def _activations_cached(shape, tp, pp, chunks, sp, micro_batch, num_micro, schedule, ckpt, every, dtype,
-                        pp_index) -> float:
+                        pp_index, global_batch) -> float:
     # Only the knobs that change activations are in the key (not zero, offload or dp).
     lay = Layout(tp=tp, pp=pp, virtual_stages=chunks, pp_schedule=schedule, sequence_parallel=sp,
                  micro_batch=micro_batch, num_micro=num_micro, activation_checkpointing=ckpt,
@@ -106,28 +108,44 @@ def _activations_cached(shape, tp, pp, chunks, sp, micro_batch, num_micro, sched
     else:
         held = (1,)  # gradient accumulation: one micro-batch at a time
     total = sum(n * b for n, b in zip(held, per_chunk))
-    if lay.activation_checkpointing != "none":
-        # Backward re-runs one checkpointed block at a time: its full activations come back.
-        total += lay.micro_batch * shape.seq_len * act.block_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
+    if pp_index == 0:
+        total += act.token_batch_bytes(global_batch, shape.seq_len)
     return total
 
 
+def _chunk_numel(range_numel: float) -> int:
+    """Elements per chunk of the master-weight step and the nvme staging (docs/strategies.md)."""
+    return min(4 * 2**20, max(4096, -(-int(range_numel) // 8)))
+
+
 def _buffers(shape, lay: Layout, pp_index: int, p: int, w: int) -> tuple[float, list[str]]:
+    """Transient bytes: logits, recomputation, ZeRO gathers, master-step and staging chunks."""
     notes = []
+    tokens = lay.micro_batch * shape.seq_len
     out = 0.0
-    last = pp_index == lay.pp - 1
-    if last:
-        out += lay.micro_batch * shape.seq_len * shape.vocab * w  # the logits of one micro-batch
-    if lay.dp > 1 and lay.zero in (0, 1):
-        out += p * w  # DDP's reducer allocates flat buckets as large as all gradients
-        notes.append("DDP gradient buckets = one more copy of the gradients")
-    if lay.dp > 1 and lay.zero == 2:
-        out += p * w  # FSDP2 reshard_after_forward=False keeps gathered weights until backward
-        notes.append("zero=2 (FSDP2, no reshard after forward): gathered weights held from forward to backward")
-    if lay.dp > 1 and lay.zero == 3:
+    if pp_index == lay.pp - 1:
+        # The head's logits of one micro-batch and, when they are not fp32, the loss's fp32 copy.
+        out += tokens * shape.vocab * (w + (4 if w != 4 else 0))
+    if lay.activation_checkpointing != "none":
+        # Backward re-runs one checkpointed block at a time: its activations come back briefly.
+        out += tokens * act.block_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
+        notes.append("checkpointing: one recomputed block's activations during backward (buffers)")
+    rng = -(-p // lay.dp) if lay.zero == 1 else p
+    chunk = _chunk_numel(rng)
+    if lay.zero in (0, 1) and (lay.dtype != "fp32" or lay.zero == 1):
+        out += chunk * 4  # the master step converts one chunk of gradients to fp32
+    if lay.zero == 1 and lay.dp > 1:
+        out += lay.dp * chunk * w  # all-gather of one chunk per rank
+    if lay.offload == "nvme":
+        out += 3 * chunk * 4  # staging: master, moment 1, moment 2 of one chunk
+    if lay.zero == 2:
+        out += p * w + 4 * prm.largest_block_numel(shape, lay.tp)
+        notes.append("zero=2 (FSDP2, no reshard after forward): the unsharded weights from forward to the end "
+                     "of backward, and one block's fp32 unsharded gradient")
+    if lay.zero == 3:
         block = prm.largest_block_numel(shape, lay.tp)
-        out += 3 * block * w  # gathered block + prefetched block + the block's unsharded grads
-        notes.append("zero=3: two gathered blocks (current + prefetch) and one block of unsharded grads")
+        out += 2 * block * w + 4 * block
+        notes.append("zero=3: two gathered blocks (running + prefetched) and one block's fp32 unsharded gradient")
     return out, notes
 
 
@@ -143,6 +161,7 @@ def estimate_stage(shape, lay: Layout, pp_index: int, convention: str = "workben
         a = _activations(shape, lay, pp_index)
         buf, notes = _buffers(shape, lay, pp_index, p, w)
     states = model_states(p, shard, lay.dp, lay.zero, lay.dtype, lay.optimizer, convention)
-    states, moved = offload(states, lay.offload, lay.zero)
+    rng = p if lay.zero == 0 else -(-p // lay.dp)
+    states, moved = offload(states, lay.offload, lay.zero, rng, lay.optimizer)
     return StageMemory(int(states.params), int(states.grads), int(states.master), int(states.optimizer),
                        int(a), int(buf), int(moved), (states.note, *notes))

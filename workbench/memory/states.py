@@ -39,6 +39,14 @@ def zero1(p: float, shard: float, n: int, dtype: str, optimizer: str) -> States:
     return States(w * p, g * p, m * shard, o * shard, f"ZeRO-1: master and optimizer state / dp({n})")
 
 
+def zero1_flat(p: float, shard: float, n: int, dtype: str, optimizer: str) -> States:
+    """Our sharded optimizer (parallel/zero.py): each rank owns a flat ceil(P/N) range and keeps
+    its fp32 master (in fp32 too: it steps an fp32 copy and all-gathers the result)."""
+    w, g, m, o = _bytes(dtype, optimizer)
+    rng = -(-p // n)
+    return States(w * p, g * p, 4 * rng, o * rng, f"ZeRO-1: flat 1/dp({n}) range of fp32 master and optimizer state")
+
+
 def zero2(p: float, shard: float, n: int, dtype: str, optimizer: str) -> States:
     w, g, m, o = _bytes(dtype, optimizer)
     return States(w * p, g * shard, m * shard, o * shard, f"ZeRO-2: gradients, master and optimizer / dp({n})")
@@ -70,8 +78,8 @@ def zero2_fsdp2(p: float, shard: float, n: int, dtype: str, optimizer: str) -> S
 CONVENTIONS = {
     # What the ZeRO paper counts (Figure 1 / Table 1): reproduces its 7.5B x 64 GPU example.
     "zero-paper": {0: ddp, 1: zero1, 2: zero2, 3: zero3_paper},
-    # What workbench's runtime allocates (see docs/memory-accuracy.md and docs/strategies.md).
-    "workbench": {0: ddp, 1: zero1, 2: zero2_fsdp2, 3: zero3_fsdp2},
+    # What workbench's runtime allocates (docs/strategies.md, "Bytes per parameter kept per rank").
+    "workbench": {0: ddp, 1: zero1_flat, 2: zero2_fsdp2, 3: zero3_fsdp2},
 }
 
 
@@ -83,20 +91,18 @@ def model_states(p: float, shard: float, n: int, zero: int, dtype: str, optimize
     return CONVENTIONS[convention][zero](p, shard, n, dtype, optimizer)
 
 
-def offload(states: States, where: str, zero: int) -> tuple[States, float]:
+def offload(states: States, where: str, zero: int, range_numel: float, optimizer: str) -> tuple[States, float]:
     """Move what offload moves off the device. Returns (device states, bytes held elsewhere).
 
-    cpu: master weights and optimizer state live in host memory and the optimizer steps there
-    (with FSDP2's CPUOffloadPolicy, zero=3, the sharded parameters and gradients too).
-    nvme: master weights and optimizer state live in files and are streamed through the host.
+    cpu (FSDP2 CPUOffloadPolicy, zero 2/3): every model state of the rank lives in host memory
+    and the optimizer steps there. nvme (zero 0/1): the fp32 master (also for fp32) and the
+    optimizer state of the rank's range live in files, streamed through a staging buffer.
     """
     if where == "none":
         return states, 0.0
-    moved = states.master + states.optimizer
-    params, grads = states.params, states.grads
-    if where == "cpu" and zero == 3:
-        moved += params + grads
-        params = grads = 0.0
-    note = f"{states.note}; offload={where}: " + ("sharded params, grads, " if where == "cpu" and zero == 3 else "") + \
-        "master and optimizer state in " + ("host memory" if where == "cpu" else "files")
-    return States(params, grads, 0.0, 0.0, note), moved
+    if where == "cpu":
+        moved = states.params + states.grads + states.master + states.optimizer
+        return States(0.0, 0.0, 0.0, 0.0, f"{states.note}; offload=cpu: all model states in host memory"), moved
+    moved = (4 + OPTIMIZER_BYTES[optimizer]) * range_numel
+    return States(states.params, states.grads, 0.0, 0.0,
+                  f"{states.note}; offload=nvme: fp32 master and optimizer state in files"), moved
