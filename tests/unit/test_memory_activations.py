@@ -1,7 +1,6 @@
 """The activation tables against what autograd really saves in our model (saved_tensors_hooks)."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from workbench.memory import Layout, activations as act
 from workbench.memory.estimate import _chunk_activation_bytes
@@ -56,23 +55,20 @@ def test_block_table_matches_autograd(name, dtype):
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("ckpt", ["none", "full"])
 def test_whole_model_forward_and_loss(name, ckpt):
+    """The runtime's own micro-batch loss (a view of the token batch, fp32 cross-entropy)."""
     from torch.utils.checkpoint import checkpoint
+
+    from workbench.runtime.loop import micro_batch_loss
 
     shape, model = _model(name, "fp32")
     b = 2
-    tokens = torch.randint(0, shape.vocab, (b, shape.seq_len))
-    targets = torch.randint(0, shape.vocab, (b, shape.seq_len))
+    tokens = torch.randint(0, shape.vocab, (b, shape.seq_len + 1))
     if ckpt == "full":
         for key, block in list(model.blocks.items()):
             model.blocks[key] = _Ckpt(block, checkpoint)
-
-    def step():
-        logits = model(tokens)
-        F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-    measured = _saved_bytes(step, model.parameters())
+    measured = _saved_bytes(lambda: micro_batch_loss(model, tokens), model.parameters())
     lay = Layout(micro_batch=b, activation_checkpointing=ckpt)
-    predicted = _chunk_activation_bytes(shape, lay, 0, 1, range(shape.layers))
+    predicted = _chunk_activation_bytes(shape, lay, 0, 1, range(shape.layers)) + act.token_batch_bytes(b, shape.seq_len)
     # Constants per micro-batch, not per token: rope's cos/sin tables (checkpoint holds them in
     # its closure instead), the positions' arange, the loss's scalar weight.
     rope = 0 if shape.family == "gpt" or ckpt == "full" else 2 * shape.seq_len * shape.head_dim // 2 * 4
