@@ -20,6 +20,11 @@ def spec(**layout):
     return load_spec(raw)
 
 
+def adam_steps(s):
+    """torch's Adam keeps one 4-byte step counter per parameter tensor."""
+    return 4 * len(rank_tensors(s.model.shape(), 1, 1, 0))
+
+
 def rank0(s):
     return estimate_memory(s).to_dict()["per_rank"][0]
 
@@ -28,7 +33,7 @@ def test_fp32_ddp_bytes_per_parameter():
     s = spec(dp=2)
     n = s.model.shape().num_params()
     r = rank0(s)
-    assert (r["params"], r["grads"], r["master"], r["optimizer"]) == (4 * n, 4 * n, 0, 8 * n)
+    assert (r["params"], r["grads"], r["master"], r["optimizer"]) == (4 * n, 4 * n, 0, 8 * n + adam_steps(s))
     # DDP's buckets are the gradients (gradient_as_bucket_view): the only transient is the logits.
     sh = s.model.shape()
     assert r["buffers"] == 2 * sh.seq_len * sh.vocab * 4
@@ -37,13 +42,14 @@ def test_fp32_ddp_bytes_per_parameter():
 @pytest.mark.parametrize("optimizer, per_param", [("adamw", 8), ("adam", 8), ("sgd", 4)])
 def test_optimizer_state_bytes(optimizer, per_param):
     s = spec(optimizer=optimizer)
-    assert rank0(s)["optimizer"] == per_param * s.model.shape().num_params()
+    steps = adam_steps(s) if optimizer != "sgd" else 0
+    assert rank0(s)["optimizer"] == per_param * s.model.shape().num_params() + steps
 
 
 def test_bf16_zero_stages_shrink_what_they_shard():
     n = spec().model.shape().num_params()
     r0, r1, r3 = (rank0(spec(dp=4, zero=z, dtype="bf16")) for z in (0, 1, 3))
-    assert (r0["params"], r0["grads"], r0["master"], r0["optimizer"]) == (2 * n, 2 * n, 4 * n, 8 * n)
+    assert (r0["params"], r0["grads"], r0["master"], r0["optimizer"]) == (2 * n, 2 * n, 4 * n, 8 * n + adam_steps(spec()))
     assert r1["params"] == 2 * n and r1["master"] == pytest.approx(n, rel=0.02) and r1["optimizer"] == pytest.approx(2 * n, rel=0.02)
     assert r3["params"] == 0 and r3["master"] == pytest.approx(n, rel=0.02)
 

@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from workbench.memory import activations as act
@@ -83,7 +83,12 @@ def _chunk_activation_bytes(shape, lay: Layout, stage: int, num_stages: int, blo
         per_token += act.head_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
     elif num_stages > 1:
         per_token += edge  # the stage output the schedule keeps until its backward
-    return per_token * tokens
+    out = per_token * tokens
+    if stage == 0 and shape.family == "gpt":
+        out += shape.seq_len * 8  # the positions' int64 arange, made per forward
+    if stage == num_stages - 1:
+        out += 4  # cross-entropy's fp32 total weight
+    return out
 
 
 def _activations(shape, lay: Layout, pp_index: int) -> float:
@@ -110,6 +115,9 @@ def _activations_cached(shape, tp, pp, chunks, sp, micro_batch, num_micro, sched
     total = sum(n * b for n, b in zip(held, per_chunk))
     if pp_index == 0:
         total += act.token_batch_bytes(global_batch, shape.seq_len)
+    if shape.family == "llama" and lay.activation_checkpointing != "full":
+        # Rotary cos/sin tables, cached by the model (checkpointed blocks do not save them).
+        total += shape.seq_len * shape.head_dim * 4
     return total
 
 
@@ -161,6 +169,10 @@ def estimate_stage(shape, lay: Layout, pp_index: int, convention: str = "workben
         a = _activations(shape, lay, pp_index)
         buf, notes = _buffers(shape, lay, pp_index, p, w)
     states = model_states(p, shard, lay.dp, lay.zero, lay.dtype, lay.optimizer, convention)
+    if lay.optimizer in ("adam", "adamw") and not isinstance(shape, (int, float)):
+        # torch's Adam keeps a 4-byte `step` tensor per parameter tensor (one flat one for zero=1).
+        n_tensors = 1 if lay.zero == 1 else len(prm.rank_tensors(shape, lay.tp, lay.pp, pp_index, lay.chunks))
+        states = replace(states, optimizer=states.optimizer + 4 * n_tensors)
     rng = p if lay.zero == 0 else -(-p // lay.dp)
     states, moved = offload(states, lay.offload, lay.zero, rng, lay.optimizer)
     return StageMemory(int(states.params), int(states.grads), int(states.master), int(states.optimizer),
