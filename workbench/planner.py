@@ -97,7 +97,7 @@ def _layouts(spec, shape, world: int, gpn: int):
             for mb in _divisors(gb // dp):
                 m = gb // (dp * mb)
                 for sched in schedules:
-                    v = spec.layout.virtual_stages if sched == "interleaved-1f1b" else 1
+                    v = spec.layout.virtual_stages if sched in ("interleaved-1f1b", "zero-bubble") else 1
                     if pp > 1 and (sched != "gpipe" and m < pp or pp * v > shape.layers):
                         continue
                     for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
@@ -183,7 +183,7 @@ def _candidate(shape, lay: Layout, dev, spec, gpn: int, peak: int, fits: bool, d
     layout = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero, "offload": lay.offload,
               "activation_checkpointing": lay.activation_checkpointing, "pp_schedule": lay.pp_schedule,
               "sequence_parallel": lay.sequence_parallel}
-    if lay.pp_schedule == "interleaved-1f1b":
+    if lay.chunks > 1:
         layout["virtual_stages"] = lay.virtual_stages
     c = Candidate(layout, lay.micro_batch, fits, int(peak), st.step_time_s, st.tokens_per_s, st.mfu)
     n = lay.world_size

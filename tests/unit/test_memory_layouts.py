@@ -57,9 +57,30 @@ def test_bf16_zero_stages_shrink_what_they_shard():
 def test_pipeline_stages_partition_the_model():
     shape = spec().model.shape()
     assert sum(rank_params(shape, 1, 2, k) for k in range(2)) == shape.num_params()
-    assert [len(b) for b in stage_blocks(10, 4)] == [3, 3, 2, 2]
+    mini = load_spec({**TINY, "model": {"preset": "gpt-mini"}}).model.shape()
+    split = stage_blocks(mini, 4)
+    assert [b.start for b in split[1:]] == [b.stop for b in split[:-1]] and split[-1].stop == mini.layers
+    assert min(len(b) for b in split) >= 1
     inter = sum(rank_params(shape, 1, 2, k, virtual_stages=2) for k in range(2))
     assert inter == shape.num_params()
+
+
+def test_stage_split_is_the_runtimes():
+    pp = pytest.importorskip("workbench.parallel.pp")
+    if not hasattr(pp, "balance_blocks"):
+        pytest.skip("runtime without pipeline split")
+    from workbench.models import GPT
+    import torch
+
+    for preset, stages in (("gpt-mini", 4), ("gpt-tiny", 3), ("llama-7b", 6)):
+        shape = load_spec({**TINY, "model": {"preset": preset}}).model.shape()
+        with torch.device("meta"):
+            model = GPT(shape)
+        blocks = [sum(p.numel() for p in model.blocks[k].parameters()) for k in sorted(model.blocks, key=int)]
+        first = sum(p.numel() for p in model.tok_emb.parameters()) + (
+            sum(p.numel() for p in model.pos_emb.parameters()) if model.pos_emb is not None else 0)
+        last = sum(p.numel() for p in model.norm.parameters()) + sum(p.numel() for p in model.head.parameters())
+        assert list(pp.balance_blocks(blocks, first, last, stages)) == list(stage_blocks(shape, stages))
 
 
 def test_tensor_parallel_splits_matrices_and_keeps_norms_whole():

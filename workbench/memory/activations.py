@@ -81,12 +81,13 @@ def token_batch_bytes(global_batch: int, seq_len: int) -> int:
 
 
 def checkpointed_blocks(blocks: range, mode: str, every: int) -> int:
-    """How many of a stage's blocks recompute in backward: all (full), or blocks 0, k, 2k, ...
-    (selective, k = layout.checkpoint_every), counted by global block index."""
+    """How many of a stage's blocks recompute in backward: all (full), or the stage's 1st,
+    (k+1)-th, ... block (selective, k = layout.checkpoint_every; parallel/checkpointing.py counts
+    positions within each stage module)."""
     if mode == "full":
         return len(blocks)
     if mode == "selective":
-        return sum(1 for b in blocks if b % every == 0)
+        return -(-len(blocks) // every)
     return 0
 
 

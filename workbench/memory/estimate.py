@@ -37,7 +37,10 @@ class Layout:
 
     @property
     def chunks(self) -> int:
-        return self.virtual_stages if self.pp > 1 and self.pp_schedule == "interleaved-1f1b" else 1
+        # Stage modules per pipeline rank: torch's Interleaved1F1B and InterleavedZeroBubble
+        # both run `virtual_stages` looped stages per rank (parallel/pp.py).
+        multi = self.pp_schedule in ("interleaved-1f1b", "zero-bubble")
+        return self.virtual_stages if self.pp > 1 and multi else 1
 
     @property
     def world_size(self) -> int:
@@ -105,7 +108,7 @@ def _activations_cached(shape, tp, pp, chunks, sp, micro_batch, num_micro, sched
                  micro_batch=micro_batch, num_micro=num_micro, activation_checkpointing=ckpt,
                  checkpoint_every=every, dtype=dtype)
     num_stages = lay.pp * lay.chunks
-    split = prm.stage_blocks(shape.layers, num_stages)
+    split = prm.stage_blocks(shape, num_stages)
     stages = list(range(pp_index, num_stages, lay.pp))
     per_chunk = [_chunk_activation_bytes(shape, lay, s, num_stages, split[s]) for s in stages]
     if lay.pp > 1:

@@ -50,15 +50,44 @@ def _local(dims: tuple[int, ...], split: str | None, tp: int) -> tuple[int, ...]
 
 
 @lru_cache(maxsize=1024)
-def stage_blocks(layers: int, num_stages: int) -> list[range]:
-    """Blocks of each (virtual) pipeline stage: an even split, earlier stages take the remainder."""
-    base, extra = divmod(layers, num_stages)
-    out, start = [], 0
-    for s in range(num_stages):
-        n = base + (1 if s < extra else 0)
-        out.append(range(start, start + n))
-        start += n
-    return tuple(out)
+def stage_blocks(shape, num_stages: int) -> tuple[range, ...]:
+    """Blocks of each (virtual) pipeline stage, as the runtime splits them (parallel/pp.py):
+    contiguous ranges minimizing the largest stage's parameter count, the embedding counted on
+    the first stage and the final norm + head on the last."""
+    block = sum(numel(t) for t in block_tensors(shape, 1))
+    first = sum(numel(t) for t in embedding_tensors(shape, 1))
+    last = sum(numel(t) for t in final_tensors(shape, 1))
+    return balance_blocks((block,) * shape.layers, first, last, num_stages)
+
+
+def balance_blocks(block_params: tuple[int, ...], first_extra: int, last_extra: int, num_stages: int) -> tuple[range, ...]:
+    """Exact min-max contiguous split (dynamic programming, O(S n^2)); ties keep earlier cuts."""
+    n = len(block_params)
+    prefix = [0]
+    for p in block_params:
+        prefix.append(prefix[-1] + p)
+
+    def cost(s: int, i: int, j: int) -> int:
+        return prefix[j] - prefix[i] + (first_extra if s == 0 else 0) + (last_extra if s == num_stages - 1 else 0)
+
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages)]
+    cut = [[0] * (n + 1) for _ in range(num_stages)]
+    for j in range(1, n + 1):
+        best[0][j] = cost(0, 0, j)
+    for s in range(1, num_stages):
+        for j in range(s + 1, n + 1):
+            for i in range(s, j):
+                c = max(best[s - 1][i], cost(s, i, j))
+                if c < best[s][j]:
+                    best[s][j], cut[s][j] = c, i
+    bounds, j = [], n
+    for s in range(num_stages - 1, 0, -1):
+        i = cut[s][j]
+        bounds.append(range(i, j))
+        j = i
+    bounds.append(range(0, j))
+    return tuple(bounds[::-1])
 
 
 def block_tensors(shape, tp: int, prefix: str = "") -> list[Tensor]:
@@ -91,7 +120,7 @@ def rank_tensors(shape, tp: int, pp: int, pp_index: int, virtual_stages: int = 1
     With interleaving, pipeline rank r holds virtual stages r, r + pp, r + 2 pp, ...
     """
     num_stages = pp * virtual_stages
-    blocks = stage_blocks(shape.layers, num_stages)
+    blocks = stage_blocks(shape, num_stages)
     out: list[Tensor] = []
     for stage in range(pp_index, num_stages, pp):
         if stage == 0:
