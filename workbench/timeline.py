@@ -199,3 +199,23 @@ def timeline_figure(events: list[dict], measured: list[dict] | None = None, titl
     fig.update_layout(barmode="overlay", title=title, xaxis_title="time (s)",
                       yaxis={"autorange": "reversed"}, legend_title="operation")
     return fig
+
+
+def measured_from_events(events: list[dict], pp: int, dp: int = 1, tp: int = 1) -> list[dict]:
+    """Measured operations from the runtime's `timeline` events, ready for `timeline_figure`.
+
+    The runtime emits, per rank, {"event": "timeline", "rank", "items": [{microbatch, kind,
+    stage, start_s, end_s}]} with times from that rank's step start (clocks are per process, so
+    ranks line up to within the step's start skew). Only the dp=0, tp=0 replica is kept; the
+    global stage index gives the pp rank (looped placement: stage % pp) and the chunk.
+    """
+    keep = {k * dp * tp: k for k in range(pp)}  # rank of (pp=k, dp=0, tp=0)
+    out = []
+    for e in events:
+        if e.get("event") != "timeline" or e.get("rank") not in keep:
+            continue
+        for item in e["items"]:
+            stage = item.get("stage", keep[e["rank"]])
+            out.append({"rank": stage % pp, "chunk": stage // pp, "microbatch": item["microbatch"],
+                        "kind": item["kind"], "start_s": item["start_s"], "end_s": item["end_s"]})
+    return sorted(out, key=lambda x: (x["start_s"], x["rank"]))

@@ -65,3 +65,22 @@ def test_timeline_module_does_not_import_plotly():
     code = "import sys, workbench.timeline, workbench.planner; print('plotly' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_measured_from_runtime_events():
+    from workbench.timeline import measured_from_events
+
+    events = [
+        {"event": "timeline", "step": 2, "rank": 0, "items": [
+            {"microbatch": 0, "kind": "F", "stage": 0, "start_s": 0.0, "end_s": 0.1},
+            {"microbatch": 0, "kind": "F", "stage": 2, "start_s": 0.2, "end_s": 0.3}]},
+        {"event": "timeline", "step": 2, "rank": 1, "items": [  # dp replica 1 of stage 0: dropped
+            {"microbatch": 0, "kind": "F", "stage": 0, "start_s": 0.0, "end_s": 0.1}]},
+        {"event": "timeline", "step": 2, "rank": 2, "items": [
+            {"microbatch": 0, "kind": "F", "stage": 1, "start_s": 0.1, "end_s": 0.2}]},
+        {"event": "step", "step": 2, "loss": 1.0},
+    ]
+    out = measured_from_events(events, pp=2, dp=2)
+    assert [(e["rank"], e["chunk"]) for e in out] == [(0, 0), (1, 0), (0, 1)]
+    text = timeline_text(out, width=30)
+    assert text.splitlines()[0].startswith("pp0")

@@ -63,7 +63,8 @@ def boundary_bytes_per_token(shape, dtype: str, tp: int = 1, sp: bool = False) -
 
 def head_bytes_per_token(shape, dtype: str, tp: int = 1, sp: bool = False) -> float:
     """Final norm + head + loss on the last stage: the norm's saved tensors, the head's input,
-    log_softmax's output (fp32: the loss upcasts the logits) and the int64 targets."""
+    log_softmax's output (fp32: the loss upcasts the logits; with tp the logits stay sharded
+    over the vocabulary and the loss runs under loss_parallel, so V/tp) and the int64 targets."""
     c = DTYPE_BYTES[dtype]
     h = shape.hidden
     div = tp if sp else 1
@@ -71,12 +72,13 @@ def head_bytes_per_token(shape, dtype: str, tp: int = 1, sp: bool = False) -> fl
         norm = (h + 2) * c / div
     else:
         norm = (2 * h + 1) * 4 / div
-    return norm + h * c + shape.vocab * 4 + 8
+    return norm + h * c + shape.vocab * 4 / tp + 8
 
 
 def token_batch_bytes(global_batch: int, seq_len: int) -> int:
-    """The embedding keeps its int64 token ids: a view of the step's whole (B, T+1) batch, so
-    the whole batch's storage is held once, whatever the micro-batches in flight."""
+    """The embedding keeps its int64 token ids: a view of a whole (B, T+1) batch (the step's
+    global batch with gradient accumulation, the rank's concatenated micro-batches with a
+    pipeline), so that batch's storage is held once, whatever the micro-batches in flight."""
     return global_batch * (seq_len + 1) * 8
 
 

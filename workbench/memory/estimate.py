@@ -84,8 +84,6 @@ def _chunk_activation_bytes(shape, lay: Layout, stage: int, num_stages: int, blo
     per_token = n_ckpt * edge + (len(blocks) - n_ckpt) * full
     if stage == num_stages - 1:
         per_token += act.head_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
-    elif num_stages > 1:
-        per_token += edge  # the stage output the schedule keeps until its backward
     out = per_token * tokens
     if stage == 0 and shape.family == "gpt":
         out += shape.seq_len * 8  # the positions' int64 arange, made per forward
@@ -117,7 +115,8 @@ def _activations_cached(shape, tp, pp, chunks, sp, micro_batch, num_micro, sched
         held = (1,)  # gradient accumulation: one micro-batch at a time
     total = sum(n * b for n, b in zip(held, per_chunk))
     if pp_index == 0:
-        total += act.token_batch_bytes(global_batch, shape.seq_len)
+        batch = global_batch if pp == 1 else micro_batch * num_micro
+        total += act.token_batch_bytes(batch, shape.seq_len)
     if shape.family == "llama" and lay.activation_checkpointing != "full":
         # Rotary cos/sin tables, cached by the model (checkpointed blocks do not save them).
         total += shape.seq_len * shape.head_dim * 4
@@ -137,6 +136,11 @@ def _buffers(shape, lay: Layout, pp_index: int, p: int, w: int) -> tuple[float, 
     if pp_index == lay.pp - 1:
         # The head's logits of one micro-batch and, when they are not fp32, the loss's fp32 copy.
         out += tokens * shape.vocab * (w + (4 if w != 4 else 0))
+    if lay.pp > 1 and pp_index < lay.pp - 1:
+        # The schedule keeps each in-flight micro-batch's stage output until its backward (not
+        # a tensor autograd saves, so not counted as activations by the runtime's meter).
+        held = sum(max_in_flight(lay.pp_schedule, lay.pp, lay.num_micro, pp_index, lay.chunks))
+        out += held * tokens * act.boundary_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
     if lay.activation_checkpointing != "none":
         # Backward re-runs one checkpointed block at a time: its activations come back briefly.
         out += tokens * act.block_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
@@ -172,10 +176,19 @@ def estimate_stage(shape, lay: Layout, pp_index: int, convention: str = "workben
         a = _activations(shape, lay, pp_index)
         buf, notes = _buffers(shape, lay, pp_index, p, w)
     states = model_states(p, shard, lay.dp, lay.zero, lay.dtype, lay.optimizer, convention)
-    if lay.optimizer in ("adam", "adamw") and not isinstance(shape, (int, float)):
-        # torch's Adam keeps a 4-byte `step` tensor per parameter tensor (one flat one for zero=1).
-        n_tensors = 1 if lay.zero == 1 else len(prm.rank_tensors(shape, lay.tp, lay.pp, pp_index, lay.chunks))
+    torch_adam = lay.zero >= 2 or (lay.zero == 0 and lay.dtype == "fp32" and lay.offload == "none")
+    if lay.optimizer in ("adam", "adamw") and torch_adam and not isinstance(shape, (int, float)):
+        # torch.optim.Adam keeps a 4-byte `step` tensor per parameter tensor; our master-weight
+        # optimizer (mixed precision, zero=1, nvme) counts steps in Python.
+        n_tensors = len(prm.rank_tensors(shape, lay.tp, lay.pp, pp_index, lay.chunks))
         states = replace(states, optimizer=states.optimizer + 4 * n_tensors)
+    if lay.tp > 1 and pp_index == 0 and lay.zero in (0, 1) and not isinstance(shape, (int, float)):
+        # Measured: the vocab-parallel embedding's weight is Shard(0) but its gradient comes back
+        # as a Replicate DTensor of the full (vocab, hidden) (parallel/tp.py, RowwiseParallel).
+        g = 4 if lay.dtype == "fp32" else 2
+        extra = (shape.vocab - shape.vocab // lay.tp) * shape.hidden * g
+        states = replace(states, grads=states.grads + extra)
+        notes.append("tp: the embedding's gradient is a full (vocab, hidden) replica on every tp rank")
     rng = p if lay.zero == 0 else -(-p // lay.dp)
     states, moved = offload(states, lay.offload, lay.zero, rng, lay.optimizer)
     return StageMemory(int(states.params), int(states.grads), int(states.master), int(states.optimizer),

@@ -61,7 +61,10 @@ def stage_blocks(shape, num_stages: int) -> tuple[range, ...]:
 
 
 def balance_blocks(block_params: tuple[int, ...], first_extra: int, last_extra: int, num_stages: int) -> tuple[range, ...]:
-    """Exact min-max contiguous split (dynamic programming, O(S n^2)); ties keep earlier cuts."""
+    """Exact min-max contiguous split, the same answer (ties: earliest cut) as the runtime's
+    O(S n^2) dynamic programme in O(S n log n): for stage s ending at block j, the best previous
+    cut i minimizes max(best[s-1][i], cost(i, j)), a nondecreasing and a strictly decreasing
+    function of i, so only the two cuts around their crossing can win."""
     n = len(block_params)
     prefix = [0]
     for p in block_params:
@@ -76,11 +79,20 @@ def balance_blocks(block_params: tuple[int, ...], first_extra: int, last_extra: 
     for j in range(1, n + 1):
         best[0][j] = cost(0, 0, j)
     for s in range(1, num_stages):
+        prev = best[s - 1]
         for j in range(s + 1, n + 1):
-            for i in range(s, j):
-                c = max(best[s - 1][i], cost(s, i, j))
-                if c < best[s][j]:
-                    best[s][j], cut[s][j] = c, i
+            lo, hi = s, j  # first i in [s, j) with prev[i] >= cost(s, i, j); j if none
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if prev[mid] >= cost(s, mid, j):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            for i in (lo - 1, lo):
+                if s <= i < j:
+                    c = max(prev[i], cost(s, i, j))
+                    if c < best[s][j]:
+                        best[s][j], cut[s][j] = c, i
     bounds, j = [], n
     for s in range(num_stages - 1, 0, -1):
         i = cut[s][j]
