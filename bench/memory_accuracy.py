@@ -24,7 +24,7 @@ def _fmt(b: int) -> str:
     return f"{b / 2**20:.3f} MiB" if b >= 2**20 else f"{b / 2**10:.1f} KiB"
 
 
-def write_markdown(rows, skipped, path: Path, plot: str | None, elapsed: float) -> None:
+def write_markdown(rows, skipped, path: Path, plot: str | None, elapsed: float, note: str = "") -> None:
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()}), gloo"
@@ -37,6 +37,7 @@ def write_markdown(rows, skipped, path: Path, plot: str | None, elapsed: float) 
         f"Regenerate with `python bench/memory_accuracy.py` ({elapsed:.0f} s here). Measured on "
         f"{datetime.date.today().isoformat()}, {device}, torch {torch.__version__}.",
         "",
+        *([note, ""] if note else []),
         "Predicted: `workbench memory` (workbench/memory). Measured: the runtime's `memory` events "
         "(workbench/runtime/meter.py): exact bytes of each rank's parameters, gradients, master "
         "copy and optimizer state, and the peak bytes saved for backward (saved-tensor hooks, "
@@ -101,6 +102,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="gpt-tiny,gpt-mini")
     ap.add_argument("--out", default=str(ROOT / "docs" / "memory-accuracy.md"))
+    ap.add_argument("--note", default="", help="a line on what was measured (e.g. the runtime's commit)")
     args = ap.parse_args()
     import time
 
@@ -111,7 +113,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     png = out.with_suffix(".png")
     plot = png.name if rows and write_plot(rows, png) else None
-    write_markdown(rows, skipped, out, plot, elapsed)
+    write_markdown(rows, skipped, out, plot, elapsed, args.note)
     out.with_suffix(".json").write_text(json.dumps(
         [{**r.__dict__, "error": r.error} for r in rows], indent=1, default=str))
     bad = [r for r in rows if not r.within]

@@ -37,6 +37,8 @@ class Candidate:
     prices: dict = field(default_factory=dict)
     usd_per_billion_tokens: float = 0.0
     usd_per_billion_tokens_spot: float = 0.0
+    runnable: bool | None = None  # can this release's runtime run it (checked for the top ones)
+    not_runnable: str | None = None
 
 
 @dataclass
@@ -67,11 +69,15 @@ class PlanResult:
                 f"{i:>3} {lay['dp']:>4} {lay['tp']:>3} {lay['pp']:>3} {lay['zero']:>4} {lay['offload']:>7} "
                 f"{lay['activation_checkpointing']:>9} {sched:>16} {c.micro_batch:>3} {c.peak_bytes / 2**30:>9.1f} "
                 f"{c.step_time_s:>8.2f} {c.tokens_per_s:>10,.0f} {c.mfu:>5.0%} {c.usd_per_hour:>8.2f} "
-                f"{c.usd_per_hour_spot:>9.2f} {c.usd_per_billion_tokens_spot:>8.0f}" + ("" if c.fits else "  DOES NOT FIT"))
+                f"{c.usd_per_hour_spot:>9.2f} {c.usd_per_billion_tokens_spot:>8.0f}" + ("" if c.fits else "  DOES NOT FIT")
+                + ("  *" if c.runnable is False else ""))
         fitting = sum(c.fits for c in self.candidates)
         lines.append(f"{fitting} layouts fit on {self.world_size} x {self.device} ({self.searched} searched in "
                      f"{self.elapsed_s:.2f} s); prices {PRICES_DATE}, cheapest cloud; $/B tok = USD per billion "
                      "tokens on spot.")
+        if any(c.runnable is False for c in self.candidates[:top]):
+            lines.append("* not runnable by this release's runtime yet (planned for the hardware; "
+                         "`workbench validate` + run says why)")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -101,7 +107,8 @@ def _layouts(spec, shape, world: int, gpn: int):
                     if pp > 1 and (sched != "gpipe" and m < pp or pp * v > shape.layers):
                         continue
                     for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
-                        for off in (("none", "cpu") if zero else ("none",)):
+                        # CPU offload is FSDP2's CPUOffloadPolicy: zero 2/3 only (docs/strategies.md).
+                        for off in (("none", "cpu") if zero >= 2 else ("none",)):
                             # Checkpointing modes from fastest to leanest: the planner keeps
                             # the first that fits (the others are slower and add nothing).
                             yield [Layout(dp=dp, tp=tp, pp=pp, zero=zero, offload=off, activation_checkpointing=ckpt,
@@ -174,7 +181,25 @@ def plan(spec, prices=None, top: int | None = None) -> PlanResult:
     if not dev_prices:
         notes.append(f"no price known for {dev.name}: pass prices= or set WORKBENCH_PRICES")
     result = fitting[:top] if top else fitting
+    for c in result[:max(top or 0, 20)]:
+        _check_runnable(spec, c)
     return PlanResult(result, world, dev.name, searched, time.perf_counter() - t0, notes)
+
+
+def _check_runnable(spec, c: Candidate) -> None:
+    """Ask the runtime's own rules whether this layout runs today (validate.check_runnable)."""
+    from workbench.errors import ConfigError
+    from workbench.spec import load_spec
+    from workbench.validate import check_runnable
+
+    raw = spec.to_dict()
+    raw["layout"] = {**raw.get("layout", {}), **c.layout}
+    raw["train"] = {**raw.get("train", {}), "micro_batch": c.micro_batch}
+    try:
+        check_runnable(load_spec(raw))
+        c.runnable = True
+    except ConfigError as e:
+        c.runnable, c.not_runnable = False, str(e).splitlines()[0]
 
 
 def _candidate(shape, lay: Layout, dev, spec, gpn: int, peak: int, fits: bool, dev_prices: dict) -> Candidate:

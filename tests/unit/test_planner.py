@@ -103,3 +103,23 @@ def test_size_only_model_cannot_be_planned():
     spec = load_spec({"model": {"params": 7e9}, "layout": {"dp": 2}})
     with pytest.raises(ConfigError, match="shape"):
         plan(spec)
+
+
+def test_candidates_say_whether_the_runtime_runs_them(result):
+    from workbench.validate import check_runnable
+
+    for c in result.candidates[:5]:
+        assert c.runnable is not None
+        raw = load_spec(EXAMPLE).to_dict()
+        raw["layout"] = {**raw["layout"], **c.layout}
+        raw["train"] = {**raw["train"], "micro_batch": c.micro_batch}
+        try:
+            check_runnable(load_spec(raw))
+            expected = True
+        except ConfigError:
+            expected = False
+        assert c.runnable is expected and (c.not_runnable is None) is expected
+
+
+def test_cpu_offload_only_with_fsdp(result):
+    assert all(c.layout["zero"] >= 2 for c in result.candidates if c.layout["offload"] == "cpu")
