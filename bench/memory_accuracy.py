@@ -20,6 +20,24 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from workbench.memory.accuracy import THRESHOLDS, measure  # noqa: E402
 
 
+NOTES = [
+    "FSDP2 (zero 2/3) all-gathers parameters that the layers then save for backward; they are "
+    "transient gathers (`buffers` in the contract), not activations. The meter must skip them: "
+    "`MemoryMeter.watch_params` collects the FSDPParam objects of the modules and `pack` skips a "
+    "storage equal to a current `_unsharded_param` storage. Without that change the measured "
+    "activations of zero 2/3 include the whole unsharded model (zero 2) or the gathered blocks "
+    "(zero 3) and the test fails by 15-45%.",
+    "offload=cpu on a CPU-only machine is a no-op (the states already are in host memory): the "
+    "runtime reports them under the usual keys; they are compared as one `offloaded` total with "
+    "the prediction's `offloaded_bytes` (the device-side prediction is 0).",
+    "Pipeline layouts: the runtime's meter counts the concatenated token batch once per micro-batch "
+    "in flight (one storage shared by all of them); the model counts it once. That is the whole "
+    "0.03-0.3% activation error of the pp rows.",
+    "No GPU was available to this run: the total against torch.cuda.max_memory_allocated is "
+    "compared (a `total` row) when the same command runs on a CUDA machine.",
+]
+
+
 def _fmt(b: int) -> str:
     return f"{b / 2**20:.3f} MiB" if b >= 2**20 else f"{b / 2**10:.1f} KiB"
 
@@ -62,6 +80,7 @@ def write_markdown(rows, skipped, path: Path, plot: str | None, elapsed: float, 
         lines += ["", "## Layouts the runtime does not run yet (skipped)", "",
                   "| model | layout | reason |", "|---|---|---|"]
         lines += [f"| {m} | {label} | {reason.splitlines()[0]} |" for m, label, reason in skipped]
+    lines += ["", "## Notes on the measurement", ""] + [f"- {n}" for n in NOTES]
     lines += ["", "## What the model assumes", "", "See docs/planning.md (memory model) and docs/strategies.md "
               "(bytes per parameter per strategy). Activations are modelled from the tensors autograd saves in "
               "workbench/models.py on PyTorch's SDPA flash/efficient path (CPU flash kernel here); on CUDA, "
