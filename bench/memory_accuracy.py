@@ -100,10 +100,11 @@ def write_plot(rows, path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(7, 6))
     comps = sorted({r.component for r in rows})
-    for c, marker in zip(comps, "os^vDPX*"):  # distinct markers: params and grads often coincide
+    for i, (c, marker) in enumerate(zip(comps, "os^vDPX*")):  # params and grads often coincide
         sel = [r for r in rows if r.component == c and r.measured > 0 and r.predicted > 0]
-        ax.scatter([r.measured for r in sel], [r.predicted for r in sel], label=c, s=26, marker=marker,
-                   facecolors="none" if marker in "sv" else None)
+        hollow = marker in "sv"
+        ax.scatter([r.measured for r in sel], [r.predicted for r in sel], label=c, s=40 if hollow else 22,
+                   marker=marker, facecolors="none" if hollow else f"C{i}", edgecolors=f"C{i}")
     vals = [v for r in rows for v in (r.measured, r.predicted) if v > 0]
     lo, hi = min(vals) / 2, max(vals) * 2
     ax.plot([lo, hi], [lo, hi], color="gray", lw=1)
@@ -122,8 +123,18 @@ def main() -> int:
     ap.add_argument("--models", default="gpt-tiny,gpt-mini")
     ap.add_argument("--out", default=str(ROOT / "docs" / "memory-accuracy.md"))
     ap.add_argument("--note", default="", help="a line on what was measured (e.g. the runtime's commit)")
+    ap.add_argument("--replot", action="store_true", help="redraw the plot from the saved .json, run nothing")
     args = ap.parse_args()
     import time
+
+    if args.replot:
+        from workbench.memory.accuracy import Row
+
+        out = Path(args.out)
+        fields = ("model", "layout", "rank", "component", "predicted", "measured")
+        saved = json.loads(out.with_suffix(".json").read_text())
+        write_plot([Row(**{k: r[k] for k in fields}) for r in saved], out.with_suffix(".png"))
+        return 0
 
     t0 = time.perf_counter()
     rows, skipped = measure(models=tuple(args.models.split(",")))
