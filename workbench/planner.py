@@ -92,6 +92,7 @@ def _divisors(n: int) -> list[int]:
 def _layouts(spec, shape, world: int, gpn: int):
     """Every (dp, tp, pp, zero, offload, schedule, micro_batch), each with its checkpointing options."""
     gb = spec.train.global_batch
+    device = "cpu" if spec.resources.gpu == "cpu" else "cuda"
     for tp in _divisors(min(world, gpn)):
         if gpn % tp or any(v % tp for v in (shape.heads, shape.kv_heads, shape.hidden, shape.ffn_hidden)):
             continue
@@ -116,7 +117,7 @@ def _layouts(spec, shape, world: int, gpn: int):
                                           virtual_stages=spec.layout.virtual_stages,
                                           sequence_parallel=tp > 1, micro_batch=mb, num_micro=m,
                                           dtype=spec.precision.dtype, optimizer=spec.train.optimizer,
-                                          bucket_mb=spec.layout.bucket_mb)
+                                          bucket_mb=spec.layout.bucket_mb, device=device)
                                    for ckpt in ("none", "selective", "full")]
 
 

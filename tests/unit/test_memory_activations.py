@@ -78,3 +78,33 @@ class _Ckpt(torch.nn.Module):
 
     def forward(self, x, rope=None):
         return self.checkpoint(self.block, x, rope, use_reentrant=False)
+
+
+def test_cuda_tables_differ_only_in_the_norms():
+    gpt = resolve_shape(SHAPES["gpt"])
+    llama = resolve_shape(SHAPES["llama-gqa"])
+    h = gpt.hidden
+    # CUDA autocast: fp32 copies of the LayerNorm inputs and fp32 statistics (2 norms per block).
+    diff = act.block_bytes_per_token(gpt, "bf16", device="cuda") - act.block_bytes_per_token(gpt, "bf16")
+    assert diff == 2 * (2 * h + 2 * 2)
+    assert act.block_bytes_per_token(gpt, "fp32", device="cuda") == act.block_bytes_per_token(gpt, "fp32")
+    # Fused rms_norm keeps no fp32 normalized product.
+    diff = act.block_bytes_per_token(llama, "bf16", device="cuda") - act.block_bytes_per_token(llama, "bf16")
+    assert diff == -2 * 4 * llama.hidden
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_cuda_block_table_matches_autograd_under_autocast(name):
+    """What the runtime does on a GPU: bf16 parameters (zero 0/1) under torch.autocast(bf16)."""
+    shape, model = _model(name, "bf16")
+    model = model.cuda()
+    b = 3
+    x = torch.randn(b, shape.seq_len, shape.hidden, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    rope = model.rope_tables(x.device)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        measured = _saved_bytes(lambda: model.blocks["0"](x, rope), model.parameters())
+    rope_tables = 0 if rope is None else sum(t[: shape.seq_len].numel() * 4 for t in rope)
+    predicted = act.block_bytes_per_token(shape, "bf16", device="cuda") * b * shape.seq_len
+    assert measured - rope_tables == pytest.approx(predicted, rel=0.02)

@@ -123,6 +123,7 @@ def layout_from_spec(spec) -> Layout:
         pp_schedule=lay.pp_schedule, virtual_stages=lay.virtual_stages, sequence_parallel=lay.sequence_parallel,
         micro_batch=t.micro_batch, num_micro=max(1, t.global_batch // (lay.dp * t.micro_batch)),
         dtype=spec.precision.dtype, optimizer=t.optimizer, bucket_mb=lay.bucket_mb,
+        device="cpu" if spec.resources.gpu == "cpu" else "cuda",
     )
 
 

@@ -13,25 +13,36 @@ from functools import lru_cache
 
 # (name, elements per token, dtype, split): dtype "c" is the compute dtype, "f32" always fp32;
 # split "tp": divided by tp, "sp": divided by tp only with sequence parallelism, "rep": never.
-_GPT = (
-    ("ln1.input", "h", "c", "sp"), ("ln1.mean_rstd", "2", "c", "sp"), ("ln1.output", "h", "c", "rep"),
-    ("q", "h", "c", "tp"), ("k", "kv", "c", "tp"), ("v", "kv", "c", "tp"),
-    ("attn.logsumexp", "a", "f32", "tp"), ("attn.output", "h", "c", "tp"),
-    ("ln2.input", "h", "c", "sp"), ("ln2.mean_rstd", "2", "c", "sp"), ("ln2.output", "h", "c", "rep"),
-    ("mlp.w1_out", "f", "c", "tp"), ("mlp.gelu_out", "f", "c", "tp"),
-)
-# F.rms_norm on CPU is decomposed: it keeps its input upcast to fp32, 1/rms and the normalized
-# fp32 product (for the weight's gradient); the linear keeps the output in the compute dtype.
-_LLAMA = (
-    ("rms1.input_f32", "h", "f32", "sp"), ("rms1.rstd", "1", "f32", "sp"), ("rms1.normed", "h", "f32", "sp"),
-    ("rms1.output", "h", "c", "rep"),
-    ("q_rope", "h", "c", "tp"), ("k_rope", "kv", "c", "tp"), ("v", "kv", "c", "tp"),
-    ("attn.logsumexp", "a", "f32", "tp"), ("attn.output", "h", "c", "tp"),
-    ("rms2.input_f32", "h", "f32", "sp"), ("rms2.rstd", "1", "f32", "sp"), ("rms2.normed", "h", "f32", "sp"),
-    ("rms2.output", "h", "c", "rep"),
-    ("mlp.w1_out", "f", "c", "tp"), ("mlp.w3_out", "f", "c", "tp"), ("mlp.silu_out", "f", "c", "tp"),
-    ("mlp.product", "f", "c", "tp"),
-)
+# The norms differ by device (the rest does not):
+# - CPU: autocast leaves layer_norm alone (stats in the input dtype); F.rms_norm is decomposed and
+#   keeps its fp32-upcast input, 1/rms and the normalized fp32 product (for the weight's gradient).
+# - CUDA: autocast runs layer_norm and rms_norm in fp32 (their AutocastCUDA kernels): the norm
+#   keeps an fp32 copy of its input and fp32 statistics; rms_norm is the fused kernel (input, 1/rms).
+# In both, the following linear keeps the norm's output in the compute dtype.
+_NORMS = {
+    ("gpt", "cpu"): (("input", "h", "c"), ("mean_rstd", "2", "c")),
+    ("gpt", "cuda"): (("input", "h", "f32"), ("mean_rstd", "2", "f32")),
+    ("llama", "cpu"): (("input_f32", "h", "f32"), ("rstd", "1", "f32"), ("normed", "h", "f32")),
+    ("llama", "cuda"): (("input_f32", "h", "f32"), ("rstd", "1", "f32")),
+}
+_ATTN = (("q", "h", "c", "tp"), ("k", "kv", "c", "tp"), ("v", "kv", "c", "tp"),
+         ("attn.logsumexp", "a", "f32", "tp"), ("attn.output", "h", "c", "tp"))
+_MLP = {
+    "gpt": (("mlp.w1_out", "f", "c", "tp"), ("mlp.gelu_out", "f", "c", "tp")),
+    "llama": (("mlp.w1_out", "f", "c", "tp"), ("mlp.w3_out", "f", "c", "tp"), ("mlp.silu_out", "f", "c", "tp"),
+              ("mlp.product", "f", "c", "tp")),
+}
+
+
+def _table(family: str, device: str) -> tuple:
+    norm = _NORMS[(family, "cuda" if device == "cuda" else "cpu")]
+
+    def norm_rows(prefix):
+        return tuple((f"{prefix}.{n}", d, k, "sp") for n, d, k in norm) + ((f"{prefix}.output", "h", "c", "rep"),)
+
+    return norm_rows("norm1") + _ATTN + norm_rows("norm2") + _MLP[family]
+
+
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
@@ -39,11 +50,14 @@ def _elements(dim: str, shape) -> int:
     return {"h": shape.hidden, "kv": shape.kv_dim, "f": shape.ffn_hidden, "a": shape.heads}.get(dim) or int(dim)
 
 
-def block_tensors(shape, dtype: str, tp: int = 1, sp: bool = False) -> list[tuple[str, float]]:
-    """(name, bytes per token) of everything one block keeps for backward on one tp rank."""
+def block_tensors(shape, dtype: str, tp: int = 1, sp: bool = False, device: str = "cpu") -> list[tuple[str, float]]:
+    """(name, bytes per token) of everything one block keeps for backward on one tp rank.
+
+    device: "cpu" (measured here) or "cuda" (GPUs; differs in the norms, see _NORMS).
+    """
     c = DTYPE_BYTES[dtype]
     out = []
-    for name, dim, kind, split in _GPT if shape.family == "gpt" else _LLAMA:
+    for name, dim, kind, split in _table(shape.family, device):
         size = _elements(dim, shape) * (c if kind == "c" else 4)
         if split == "tp" or (split == "sp" and sp):
             size /= tp
@@ -52,8 +66,8 @@ def block_tensors(shape, dtype: str, tp: int = 1, sp: bool = False) -> list[tupl
 
 
 @lru_cache(maxsize=4096)
-def block_bytes_per_token(shape, dtype: str, tp: int = 1, sp: bool = False) -> float:
-    return sum(b for _, b in block_tensors(shape, dtype, tp, sp))
+def block_bytes_per_token(shape, dtype: str, tp: int = 1, sp: bool = False, device: str = "cpu") -> float:
+    return sum(b for _, b in block_tensors(shape, dtype, tp, sp, device))
 
 
 def boundary_bytes_per_token(shape, dtype: str, tp: int = 1, sp: bool = False) -> float:
@@ -61,17 +75,16 @@ def boundary_bytes_per_token(shape, dtype: str, tp: int = 1, sp: bool = False) -
     return shape.hidden * DTYPE_BYTES[dtype] / (tp if sp else 1)
 
 
-def head_bytes_per_token(shape, dtype: str, tp: int = 1, sp: bool = False) -> float:
+def head_bytes_per_token(shape, dtype: str, tp: int = 1, sp: bool = False, device: str = "cpu") -> float:
     """Final norm + head + loss on the last stage: the norm's saved tensors, the head's input,
     log_softmax's output (fp32: the loss upcasts the logits; with tp the logits stay sharded
     over the vocabulary and the loss runs under loss_parallel, so V/tp) and the int64 targets."""
     c = DTYPE_BYTES[dtype]
     h = shape.hidden
     div = tp if sp else 1
-    if shape.family == "gpt":
-        norm = (h + 2) * c / div
-    else:
-        norm = (2 * h + 1) * 4 / div
+    elements = {"h": h, "1": 1, "2": 2}
+    rows = _NORMS[(shape.family, "cuda" if device == "cuda" else "cpu")]
+    norm = sum(elements[d] * (c if k == "c" else 4) for _, d, k in rows) / div
     return norm + h * c + shape.vocab * 4 / tp + 8
 
 

@@ -34,6 +34,7 @@ class Layout:
     dtype: str = "fp32"
     optimizer: str = "adamw"
     bucket_mb: float = 25.0
+    device: str = "cpu"  # "cpu" or "cuda": which kernels' saved tensors to count (norms differ)
 
     @property
     def chunks(self) -> int:
@@ -78,12 +79,12 @@ def _stage_params(shape, tp: int, pp: int, pp_index: int, chunks: int, dp: int) 
 def _chunk_activation_bytes(shape, lay: Layout, stage: int, num_stages: int, blocks: range) -> float:
     """Bytes one micro-batch leaves in one (virtual) stage until its backward."""
     tokens = lay.micro_batch * shape.seq_len
-    full = act.block_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
+    full = act.block_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel, lay.device)
     edge = act.boundary_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
     n_ckpt = act.checkpointed_blocks(blocks, lay.activation_checkpointing, lay.checkpoint_every)
     per_token = n_ckpt * edge + (len(blocks) - n_ckpt) * full
     if stage == num_stages - 1:
-        per_token += act.head_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
+        per_token += act.head_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel, lay.device)
     out = per_token * tokens
     if stage == 0 and shape.family == "gpt":
         out += shape.seq_len * 8  # the positions' int64 arange, made per forward
@@ -95,16 +96,16 @@ def _chunk_activation_bytes(shape, lay: Layout, stage: int, num_stages: int, blo
 def _activations(shape, lay: Layout, pp_index: int) -> float:
     return _activations_cached(shape, lay.tp, lay.pp, lay.chunks, lay.sequence_parallel, lay.micro_batch,
                                lay.num_micro, lay.pp_schedule, lay.activation_checkpointing,
-                               lay.checkpoint_every, lay.dtype, pp_index, lay.global_batch)
+                               lay.checkpoint_every, lay.dtype, pp_index, lay.global_batch, lay.device)
 
 
 @lru_cache(maxsize=65536)
 def _activations_cached(shape, tp, pp, chunks, sp, micro_batch, num_micro, schedule, ckpt, every, dtype,
-                        pp_index, global_batch) -> float:
+                        pp_index, global_batch, device) -> float:
     # Only the knobs that change activations are in the key (not zero, offload or dp).
     lay = Layout(tp=tp, pp=pp, virtual_stages=chunks, pp_schedule=schedule, sequence_parallel=sp,
                  micro_batch=micro_batch, num_micro=num_micro, activation_checkpointing=ckpt,
-                 checkpoint_every=every, dtype=dtype)
+                 checkpoint_every=every, dtype=dtype, device=device)
     num_stages = lay.pp * lay.chunks
     split = prm.stage_blocks(shape, num_stages)
     stages = list(range(pp_index, num_stages, lay.pp))
@@ -143,7 +144,7 @@ def _buffers(shape, lay: Layout, pp_index: int, p: int, w: int) -> tuple[float, 
         out += held * tokens * act.boundary_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
     if lay.activation_checkpointing != "none":
         # Backward re-runs one checkpointed block at a time: its activations come back briefly.
-        out += tokens * act.block_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
+        out += tokens * act.block_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel, lay.device)
         notes.append("checkpointing: one recomputed block's activations during backward (buffers)")
     rng = -(-p // lay.dp) if lay.zero == 1 else p
     chunk = _chunk_numel(rng)
