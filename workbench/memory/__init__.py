@@ -128,14 +128,15 @@ def layout_from_spec(spec) -> Layout:
 
 
 def model_of(spec):
-    """The model's ModelShape, or its parameter count for a size-only model."""
+    """The model's ModelShape, or its parameter count (a size-only or a factory model)."""
     if spec.model.params is not None:
         return float(spec.model.params)
     if spec.model.factory is not None:
-        from workbench.errors import ConfigError
+        # Count the factory model's parameters on the meta device (nothing is allocated).
+        from workbench.models import build_model_meta
 
-        raise ConfigError("model.factory: memory estimates need the model's shape; give a preset or "
-                          "{family, layers, hidden, heads, vocab, seq_len}, or {params: N} for model states only.")
+        model = build_model_meta(spec)
+        return float(sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()))
     return spec.model.shape()
 
 
@@ -150,7 +151,7 @@ def estimate_memory(spec, convention: str | None = None) -> MemoryEstimate:
     Returns:
         MemoryEstimate; `.to_dict()` is the `workbench memory --json` schema.
     Raises:
-        ConfigError: invalid spec, or a model whose shape is unknown (a factory).
+        ConfigError: invalid spec, or a factory that cannot be imported.
     """
     from workbench.catalog import get_device
     from workbench.errors import ConfigError
@@ -161,7 +162,7 @@ def estimate_memory(spec, convention: str | None = None) -> MemoryEstimate:
     model = model_of(spec)
     lay = layout_from_spec(spec)
     if convention is None:
-        convention = "zero-paper" if isinstance(model, float) else "workbench"
+        convention = "zero-paper" if spec.model.params is not None else "workbench"
     if convention not in CONVENTIONS:
         raise ConfigError(f"convention {convention!r}: use one of {', '.join(CONVENTIONS)}.")
     dev = get_device(spec.resources.gpu)

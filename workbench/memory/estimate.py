@@ -171,7 +171,7 @@ def estimate_stage(shape, lay: Layout, pp_index: int, convention: str = "workben
     if isinstance(shape, (int, float)):  # {params: N}: model states only, spread evenly
         p = float(shape) / (lay.tp * lay.pp)
         shard = p / lay.dp
-        a, buf, notes = 0.0, 0.0, ["size-only model: model states only (no activations or buffers)"]
+        a, buf, notes = 0.0, 0.0, ["model given by its size (or a factory): model states only, no activations or buffers"]
     else:
         p, shard = _stage_params(shape, lay.tp, lay.pp, pp_index, lay.chunks, lay.dp)
         a = _activations(shape, lay, pp_index)
