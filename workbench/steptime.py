@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-# Achievable share of peak for a dense transformer with large matmuls on tensor cores: ~60%
-# (Megatron-LM reports 52-56% MFU at scale on A100; Llama 3 38-43% on 16k H100s including
-# communication). Small matmuls fill the tensor cores less: scaled by t/(t+512) for t tokens
-# per micro-batch and w/(w+256) for w = hidden/tp columns per rank.
+# Achievable share of peak for a dense transformer's matmuls on tensor cores, calibrated on
+# published runs: Megatron-LM's GPT-3 175B on 1536 A100s reached 148 TFLOP/s per GPU end to end
+# (47% of peak; Narayanan et al. 2021, Table 1) and Llama 3 405B 38-43% MFU on 16k H100s (Llama 3
+# paper, 2024). Small matmuls fill the tensor cores less: the share is scaled by t/(t+128) for
+# t tokens per micro-batch and w/(w+64) for w = hidden/tp columns per rank.
 PEAK_EFFICIENCY = 0.6
+DEVICE_EFFICIENCY = {"h100-80gb": 0.5, "h200": 0.5}
 PCIE_BW = 25e9  # bytes/s host <-> device per GPU (PCIe Gen4 x16, practical)
 CPU_ADAM_PARAMS_PER_S = 0.25e9  # fp32 Adam updates per second per GPU's share of host cores
 NVME_BW = 3e9  # bytes/s per GPU to local NVMe (read or write)
@@ -48,7 +50,8 @@ def flops_per_token(shape) -> tuple[float, float]:
 def _efficiency(tokens_per_micro: int, width: float, device_name: str) -> float:
     if device_name == "cpu":
         return 1.0
-    return PEAK_EFFICIENCY * tokens_per_micro / (tokens_per_micro + 512) * width / (width + 256)
+    peak = DEVICE_EFFICIENCY.get(device_name, PEAK_EFFICIENCY)
+    return peak * tokens_per_micro / (tokens_per_micro + 128) * width / (width + 64)
 
 
 def _group_bw(size: int, stride: int, gpus_per_node: int, dev) -> float:

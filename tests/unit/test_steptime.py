@@ -75,3 +75,24 @@ def test_presets_have_finite_predictions():
     for name in PRESETS:
         st = run(name, global_batch=8, micro_batch=1, num_micro=8)
         assert st.step_time_s > 0 and st.tokens_per_s > 0
+
+
+def test_megatron_gpt3_175b_throughput_anchor():
+    """Narayanan et al. 2021 (arXiv:2104.04473), Table 1: GPT-3 175B on 1536 A100s (tp 8, pp 12,
+    interleaved, full recomputation, batch 1536, seq 2048) reached 148 TFLOP/s per GPU, counted
+    with their Eq. 3: 96 B s l h^2 (1 + s/6h + V/16lh) per iteration."""
+    from workbench.spec import load_spec
+    from workbench.memory import layout_from_spec
+
+    spec = load_spec({"model": {"family": "gpt", "layers": 96, "hidden": 12288, "heads": 96, "vocab": 51200,
+                                "seq_len": 2048, "tie_embeddings": False},
+                      "train": {"global_batch": 1536, "micro_batch": 1},
+                      "layout": {"dp": 16, "tp": 8, "pp": 12, "pp_schedule": "interleaved-1f1b",
+                                 "activation_checkpointing": "full"},
+                      "precision": {"dtype": "fp16"}, "resources": {"gpu": "a100-80gb", "gpus_per_node": 8, "nodes": 192}})
+    lay, sh = layout_from_spec(spec), spec.model.shape()
+    p, shard = _stage_params(sh, lay.tp, lay.pp, 0, lay.chunks, lay.dp)
+    st = step_time(sh, lay, DEVICES["a100-80gb"], 1536, 8, p, shard)
+    B, s, l, h, V = 1536, 2048, 96, 12288, 51200
+    eq3 = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    assert eq3 / st.step_time_s / 1536 / 1e12 == pytest.approx(148, rel=0.15)
