@@ -165,6 +165,24 @@ def _buffers(shape, lay: Layout, pp_index: int, p: int, w: int) -> tuple[float, 
     return out, notes
 
 
+def _runtime_details(shape, lay: Layout, pp_index: int, states, notes: list[str]):
+    """Small bytes the runtime really keeps, found by measuring it (docs/memory-accuracy.md)."""
+    torch_adam = lay.zero >= 2 or (lay.zero == 0 and lay.dtype == "fp32" and lay.offload == "none")
+    if lay.optimizer in ("adam", "adamw") and torch_adam:
+        # torch.optim.Adam keeps a 4-byte `step` tensor per parameter tensor; our master-weight
+        # optimizer (mixed precision, zero=1, nvme) counts steps in Python.
+        n_tensors = len(prm.rank_tensors(shape, lay.tp, lay.pp, pp_index, lay.chunks))
+        states = replace(states, optimizer=states.optimizer + 4 * n_tensors)
+    if lay.tp > 1 and pp_index == 0 and lay.zero in (0, 1):
+        # The vocab-parallel embedding's weight is Shard(0) but its gradient comes back as a
+        # Replicate DTensor of the full (vocab, hidden) (parallel/tp.py, RowwiseParallel).
+        g = 4 if lay.dtype == "fp32" else 2
+        extra = (shape.vocab - shape.vocab // lay.tp) * shape.hidden * g
+        states = replace(states, grads=states.grads + extra)
+        notes.append("tp: the embedding's gradient is a full (vocab, hidden) replica on every tp rank")
+    return states
+
+
 def estimate_stage(shape, lay: Layout, pp_index: int, convention: str = "workbench") -> StageMemory:
     """Memory of any rank on pipeline stage `pp_index`. A number as `shape` is a size-only model."""
     w = act.DTYPE_BYTES[lay.dtype]
@@ -177,19 +195,8 @@ def estimate_stage(shape, lay: Layout, pp_index: int, convention: str = "workben
         a = _activations(shape, lay, pp_index)
         buf, notes = _buffers(shape, lay, pp_index, p, w)
     states = model_states(p, shard, lay.dp, lay.zero, lay.dtype, lay.optimizer, convention)
-    torch_adam = lay.zero >= 2 or (lay.zero == 0 and lay.dtype == "fp32" and lay.offload == "none")
-    if lay.optimizer in ("adam", "adamw") and torch_adam and not isinstance(shape, (int, float)):
-        # torch.optim.Adam keeps a 4-byte `step` tensor per parameter tensor; our master-weight
-        # optimizer (mixed precision, zero=1, nvme) counts steps in Python.
-        n_tensors = len(prm.rank_tensors(shape, lay.tp, lay.pp, pp_index, lay.chunks))
-        states = replace(states, optimizer=states.optimizer + 4 * n_tensors)
-    if lay.tp > 1 and pp_index == 0 and lay.zero in (0, 1) and not isinstance(shape, (int, float)):
-        # Measured: the vocab-parallel embedding's weight is Shard(0) but its gradient comes back
-        # as a Replicate DTensor of the full (vocab, hidden) (parallel/tp.py, RowwiseParallel).
-        g = 4 if lay.dtype == "fp32" else 2
-        extra = (shape.vocab - shape.vocab // lay.tp) * shape.hidden * g
-        states = replace(states, grads=states.grads + extra)
-        notes.append("tp: the embedding's gradient is a full (vocab, hidden) replica on every tp rank")
+    if not isinstance(shape, (int, float)):
+        states = _runtime_details(shape, lay, pp_index, states, notes)
     rng = p if lay.zero == 0 else -(-p // lay.dp)
     states, moved = offload(states, lay.offload, lay.zero, rng, lay.optimizer)
     return StageMemory(int(states.params), int(states.grads), int(states.master), int(states.optimizer),
