@@ -25,6 +25,7 @@ from workbench.validate import check_runnable
 
 Sink = Callable[[dict], None]
 MEMORY_EVERY = 5  # steps between memory events (and the first and last step)
+TIMELINE_STEP = 2  # pp > 1: the step whose F/B/W timings are emitted (step 1 also infers shapes)
 
 
 @dataclass
@@ -69,13 +70,20 @@ def forward_backward(par: Parallelized, micro_batches: list[torch.Tensor], meter
     n = len(micro_batches)
     total = torch.zeros((), device=micro_batches[0].device)
     for i, tokens in enumerate(micro_batches):
-        with par.no_sync() if i < n - 1 else contextlib.nullcontext():
+        with par.no_sync() if i < n - 1 else contextlib.nullcontext(), par.loss_context():
             with meter.saving():
                 loss = micro_batch_loss(par.model, tokens) / n
             loss.backward()
         meter.released()
-        total += loss.detach()
+        total += _full(loss.detach())
     return total
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor (a loss computed under loss_parallel is a replicated DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] = lambda: False,
@@ -105,6 +113,12 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
     meter.watch_params(par.modules)
     dp_group = mesh.get_group("dp") if mesh is not None and lay.dp > 1 else None
     tokens_per_step = t.global_batch * source.seq_len
+    pipeline = None
+    if lay.pp > 1:
+        from workbench.runtime.pipeline import PipelineEngine
+
+        pipeline = PipelineEngine(par, mesh, schedule=lay.pp_schedule, device=ctx.device,
+                                  num_microbatches=t.global_batch // (lay.dp * t.micro_batch))
 
     step, loss_value, status = 0, float("nan"), "completed"
     for step in range(1, t.steps + 1):
@@ -112,7 +126,13 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
         batch = source.global_batch(step, t.global_batch).to(ctx.device)
         micro = rank_micro_batches(batch, where["dp"], lay.dp, t.micro_batch)
         meter.reset_peak()
-        loss = forward_backward(par, micro, meter)
+        if pipeline is None:
+            loss = forward_backward(par, micro, meter)
+        else:
+            loss, timeline = pipeline.step(micro, meter, record=step == min(TIMELINE_STEP, t.steps))
+            if timeline is not None:
+                sink({"event": "timeline", "step": step, "rank": ctx.rank, "items": timeline})
+        par.finish_grads()
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         optimizer.step()

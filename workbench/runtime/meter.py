@@ -55,10 +55,11 @@ class MemoryMeter:
         storages = self._storages
 
         def pack(t: torch.Tensor):
-            if t.device.type != "meta":
-                ptr = t.untyped_storage().data_ptr()
+            local = _local(t)  # tensor parallel saves DTensors; count their local storage
+            if local.device.type != "meta":
+                ptr = local.untyped_storage().data_ptr()
                 if ptr not in self._param_ptrs and ptr not in storages:
-                    storages[ptr] = t.untyped_storage().nbytes()
+                    storages[ptr] = local.untyped_storage().nbytes()
                     self.in_flight += storages[ptr]
                     self.peak_activations = max(self.peak_activations, self.in_flight)
             return t
