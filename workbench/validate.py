@@ -152,15 +152,29 @@ def check_runnable(spec: "JobSpec") -> None:
             f"model: {{params: {spec.model.params:g}}} is a size alone, for planning (workbench memory/plan). "
             "To run, give a preset or a shape, e.g. model: {preset: gpt-tiny}."
         )
-    unsupported = []
-    lay = spec.layout
+    _check_dp_combinations(spec)
     _check_model_parallel_runnable(spec)
-    if lay.zero > 0:
-        unsupported.append(f"zero={lay.zero}")
-    if lay.offload != "none":
-        unsupported.append(f"offload={lay.offload}")
-    if unsupported:
-        raise ConfigError(f"not supported yet: {', '.join(unsupported)}. This release runs dp with zero=0.")
+
+
+def _check_dp_combinations(spec: "JobSpec") -> None:
+    """ZeRO / offload / precision combinations the runtime cannot do (docs/strategies.md)."""
+    lay = spec.layout
+    if lay.offload == "cpu" and lay.zero < 2:
+        raise ConfigError(
+            f"layout.offload=cpu with zero={lay.zero}: CPU offload is FSDP2's CPUOffloadPolicy, which needs the "
+            "parameters sharded by FSDP2. Use zero=2 or zero=3 with offload=cpu, or offload=nvme with zero 0/1."
+        )
+    if lay.offload == "nvme" and lay.zero >= 2:
+        raise ConfigError(
+            f"layout.offload=nvme with zero={lay.zero}: FSDP2 owns the fp32 parameter shards and all-gathers "
+            "from them every forward, so they cannot live in files. Use zero=1 with offload=nvme (master and "
+            f"optimizer state in files under {lay.nvme_path}), or zero={lay.zero} with offload=cpu."
+        )
+    if (lay.zero >= 2 or lay.offload == "cpu") and lay.world_size == 1:
+        raise ConfigError(
+            f"layout.zero={lay.zero}, offload={lay.offload} on a single rank: FSDP2 shards over a process group "
+            "and one rank has nothing to shard with. Use zero=0 or 1 (offload=none or nvme) on one rank, or dp>=2."
+        )
 
 
 def _check_model_parallel_runnable(spec: "JobSpec") -> None:
@@ -183,3 +197,11 @@ def _check_model_parallel_runnable(spec: "JobSpec") -> None:
             f"train.grad_clip({t.grad_clip}) with tp({lay.tp}) / pp({lay.pp}) is not supported yet: the global "
             "norm would need a reduction over the tensor- and pipeline-parallel shards. Set train.grad_clip: 0, "
             "or use dp only.")
+    combined = [f"{k}={v}" for k, v, off in (("zero", lay.zero, 0), ("offload", lay.offload, "none"),
+                                             ("precision.dtype", spec.precision.dtype, "fp32"),
+                                             ("activation_checkpointing", lay.activation_checkpointing, "none"))
+                if v != off]
+    if combined:
+        raise ConfigError(
+            f"{', '.join(combined)} together with tp({lay.tp}) / pp({lay.pp}) is not supported yet. Use them with "
+            "dp only, or run tp/pp with zero=0, fp32, no offload and no activation checkpointing.")
