@@ -197,11 +197,19 @@ def _check_model_parallel_runnable(spec: "JobSpec") -> None:
             f"train.grad_clip({t.grad_clip}) with tp({lay.tp}) / pp({lay.pp}) is not supported yet: the global "
             "norm would need a reduction over the tensor- and pipeline-parallel shards. Set train.grad_clip: 0, "
             "or use dp only.")
-    combined = [f"{k}={v}" for k, v, off in (("zero", lay.zero, 0), ("offload", lay.offload, "none"),
-                                             ("precision.dtype", spec.precision.dtype, "fp32"),
-                                             ("activation_checkpointing", lay.activation_checkpointing, "none"))
-                if v != off]
+    if lay.zero > 0 and lay.dp == 1:
+        raise ConfigError(
+            f"layout.zero={lay.zero} with dp=1: ZeRO shards over the data-parallel ranks and tp({lay.tp}) x "
+            f"pp({lay.pp}) leaves one. Set zero=0, or use dp >= 2.")
+    if lay.pp > 1 and lay.zero == 3 and lay.pp_schedule == "zero-bubble":
+        raise ConfigError(
+            "layout.zero=3 with pp_schedule=zero-bubble: the schedule splits backward into input (B) and weight "
+            "(W) passes, and torch's pipeline stage reshards FSDP2 parameters between them, so the weight "
+            "gradients come out wrong (caught by the parity tests). Use zero=2 (parameters stay gathered "
+            "through backward) or pp_schedule=1f1b / interleaved-1f1b with zero=3.")
+    combined = [f"{k}={v}" for k, v, off in (("offload", lay.offload, "none"),
+                                             ("precision.dtype", spec.precision.dtype, "fp32")) if v != off]
     if combined:
         raise ConfigError(
             f"{', '.join(combined)} together with tp({lay.tp}) / pp({lay.pp}) is not supported yet. Use them with "
-            "dp only, or run tp/pp with zero=0, fp32, no offload and no activation checkpointing.")
+            "dp only, or run tp/pp in fp32 without offload.")

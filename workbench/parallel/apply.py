@@ -9,6 +9,7 @@ function.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -89,8 +90,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, layout, *, device: to
 
 def _parallelize_nd(model: nn.Module, mesh: DeviceMesh, layout, *, device: torch.device, seed: int) -> Parallelized:
     """tp > 1 and/or pp > 1, with or without dp."""
-    from workbench.parallel.grad_sync import all_reduce_grads
-
     par = Parallelized(model, [model])
     if layout.pp > 1:
         from workbench.parallel.pp import apply_pp
@@ -107,8 +106,23 @@ def _parallelize_nd(model: nn.Module, mesh: DeviceMesh, layout, *, device: torch
             apply_tp(m, mesh["tp"], sequence_parallel=layout.sequence_parallel)
         par.loss_context = loss_parallel
     for m in par.modules:
+        apply_activation_checkpointing(m, layout.activation_checkpointing, every=layout.checkpoint_every)
+        apply_zero(m, mesh["dp"], stage=layout.zero)  # zero 2/3: FSDP2 over dp, on top of TP's shards
+    for m in par.modules:
         materialize(m, device, seed=seed)
-    if layout.dp > 1:
-        group, modules, bucket_mb = mesh.get_group("dp"), par.modules, layout.bucket_mb
-        par.finish_grads = lambda: all_reduce_grads(modules, group, bucket_mb=bucket_mb)
+    if layout.zero == 1:
+        par.master = build_master(nn.ModuleList(par.modules), mesh["dp"], stage=1)
+    par.finish_grads = functools.partial(_finish_grads, par.modules, layout, mesh)
     return par
+
+
+def _finish_grads(modules: list[nn.Module], layout, mesh: DeviceMesh) -> None:
+    """After the step's last backward: TP gradients laid out like their parameters, then the
+    dp average where no wrapper does it (FSDP2 reduce-scatters by itself for zero 2/3)."""
+    from workbench.parallel.grad_sync import all_reduce_grads
+    from workbench.parallel.tp import align_grad_placements
+
+    if layout.tp > 1:
+        align_grad_placements(modules)
+    if layout.dp > 1 and layout.zero < 2:
+        all_reduce_grads(modules, mesh.get_group("dp"), bucket_mb=layout.bucket_mb)

@@ -163,7 +163,7 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
         from workbench.runtime.materialize import canonical_name
 
         named = [(canonical_name(n), p) for m in par.modules for n, p in m.named_parameters()]
-        state = step_fn.full_state(named)
+        state = _gather_tp_shards(step_fn.full_state(named), named)
         if lay.pp > 1:  # each pipeline rank holds its stages: collect them all on rank 0
             parts = [None] * ctx.world_size if ctx.rank == 0 else None
             dist.gather_object(state, parts, dst=0)
@@ -182,6 +182,18 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
     t = torch.tensor([int(flag)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def _gather_tp_shards(state: dict, named: list) -> dict:
+    """Values that came back as this rank's tensor-parallel shard (a master over local tensors)
+    are all-gathered to the full tensor. Collective over the tp mesh."""
+    from torch.distributed.tensor import DTensor
+
+    for name, p in named:
+        if isinstance(p, DTensor) and name in state and state[name].shape != p.shape:
+            local = state[name].to(p.device).view(p.to_local().shape)
+            state[name] = DTensor.from_local(local, p.device_mesh, p.placements).full_tensor().cpu()
+    return state
 
 
 def train_with_state(spec: JobSpec | dict, sink: Sink) -> dict:
