@@ -36,6 +36,10 @@ def tensor_bytes(tensors) -> int:
     return total
 
 
+def _is_param(t: torch.Tensor) -> bool:
+    return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
+
+
 class MemoryMeter:
     """Tracks saved activations and reports a rank's memory breakdown."""
 
@@ -55,8 +59,11 @@ class MemoryMeter:
         storages = self._storages
 
         def pack(t: torch.Tensor):
-            local = _local(t)  # tensor parallel saves DTensors; count their local storage
-            if local.device.type != "meta":
+            # FSDP2's gathered (unsharded) parameters are Parameters too, in storages made per
+            # forward: they are transient buffers, not activations. Tensor parallel saves
+            # DTensors: count their local storage.
+            local = _local(t)
+            if local.device.type != "meta" and not _is_param(t):
                 ptr = local.untyped_storage().data_ptr()
                 if ptr not in self._param_ptrs and ptr not in storages:
                     storages[ptr] = local.untyped_storage().nbytes()

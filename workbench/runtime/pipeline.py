@@ -149,7 +149,9 @@ class PipelineEngine:
 
         def pack(t: torch.Tensor):
             local = _local(t)
-            if local.device.type != "meta":
+            # FSDP2's gathered parameters are transient buffers, not activations (as in the meter).
+            is_param = isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None), torch.nn.Parameter)
+            if local.device.type != "meta" and not is_param:
                 ptr = local.untyped_storage().data_ptr()
                 if ptr not in self._param_ptrs and ptr not in saved:
                     saved[ptr] = local.untyped_storage().nbytes()
