@@ -126,7 +126,8 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
         from workbench.runtime.pipeline import PipelineEngine
 
         pipeline = PipelineEngine(par, mesh, schedule=lay.pp_schedule, device=ctx.device,
-                                  num_microbatches=t.global_batch // (lay.dp * t.micro_batch))
+                                  num_microbatches=t.global_batch // (lay.dp * t.micro_batch),
+                                  dtype=spec.precision.dtype, scale_loss=step_fn.scale_loss)
 
     step, loss_value, status = 0, float("nan"), "completed"
     for step in range(1, t.steps + 1):
