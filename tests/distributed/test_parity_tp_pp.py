@@ -104,3 +104,21 @@ def test_1f1b_holds_fewer_activations_than_gpipe(runs):
 
 def test_sequence_parallel_saves_activations(runs):
     assert peak_activations(runs("tp2-sp"), 0) < peak_activations(runs("tp2"), 0)
+
+
+# Mixed precision against the fp32 reference (the dp tests' tolerances): bf16 rounds to 8
+# mantissa bits, fp16 to 11; fp32 master weights keep the update exact.
+MIXED = {
+    "pp2-1f1b-bf16": ({"pp": 2, "pp_schedule": "1f1b"}, {"dtype": "bf16"}, 2e-2),
+    "pp2-interleaved-fp16": ({"pp": 2, "pp_schedule": "interleaved-1f1b"}, {"dtype": "fp16"}, 5e-3),
+}
+
+
+@pytest.mark.parametrize("name", list(MIXED))
+def test_mixed_precision_pipeline_stays_close(name, spawn_pools, reference):
+    layout, precision, rtol = MIXED[name]
+    events = spawn_pools.get(2).run({**BASE, "layout": layout, "precision": precision}, timeout_s=240)
+    torch.testing.assert_close(losses(events), reference[0], rtol=rtol, atol=0)
+    steps = [e for e in events if e["event"] == "step"]
+    if precision["dtype"] == "fp16":  # loss scaling is on, and no step overflowed here
+        assert all(e["loss_scale"] > 1 and not e["skipped"] for e in steps)
