@@ -122,3 +122,17 @@ def test_mixed_precision_pipeline_stays_close(name, spawn_pools, reference):
     steps = [e for e in events if e["event"] == "step"]
     if precision["dtype"] == "fp16":  # loss scaling is on, and no step overflowed here
         assert all(e["loss_scale"] > 1 and not e["skipped"] for e in steps)
+
+
+def test_llama_tp2_sequence_parallel_with_grouped_kv_heads(spawn_pools):
+    # RMSNorm under SequenceParallel, rotary embeddings, SwiGLU's w3, and 2 kv heads: 1 per rank.
+    model = {"family": "llama", "layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 256, "seq_len": 64}
+    spec = {**BASE, "model": model, "train": {**BASE["train"], "steps": 3}}
+    ref = []
+    result = train(spec, ref.append, gather_state=True)
+    events = spawn_pools.get(2).run({**spec, "layout": {"tp": 2, "sequence_parallel": True}}, fn=train_with_state,
+                                    timeout_s=240)
+    torch.testing.assert_close(losses(events), losses(ref), rtol=1e-4, atol=0)
+    state = final_state(events)
+    for key, value in result["state"].items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=key)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from workbench.parallel.pp import build_schedule
 from workbench.parallel.precision import autocast
-from workbench.runtime.meter import MemoryMeter
+from workbench.runtime.meter import MemoryMeter, storage_of
 
 Sink = Callable[[dict], None]
 
@@ -162,13 +162,12 @@ class PipelineEngine:
         saved = self._saved.setdefault(key, {})
 
         def pack(t: torch.Tensor):
-            local = _local(t)
             # FSDP2's gathered parameters are transient buffers, not activations (as in the meter).
             is_param = isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None), torch.nn.Parameter)
-            if local.device.type != "meta" and not is_param:
-                ptr = local.untyped_storage().data_ptr()
+            if t.device.type != "meta" and not is_param:
+                ptr, nbytes = storage_of(t)
                 if ptr not in self._param_ptrs and ptr not in saved:
-                    saved[ptr] = local.untyped_storage().nbytes()
+                    saved[ptr] = nbytes
                     meter.in_flight += saved[ptr]
                     meter.peak_activations = max(meter.peak_activations, meter.in_flight)
             return t
