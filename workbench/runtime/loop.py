@@ -27,6 +27,7 @@ from workbench.validate import check_runnable
 
 Sink = Callable[[dict], None]
 MEMORY_EVERY = 5  # steps between memory events (and the first and last step)
+TIMELINE_STEP = 2  # pp > 1: the step whose F/B/W timings are emitted (step 1 also infers shapes)
 
 
 @dataclass
@@ -73,13 +74,20 @@ def forward_backward(par: Parallelized, micro_batches: list[torch.Tensor], meter
     n = len(micro_batches)
     total = torch.zeros((), device=micro_batches[0].device)
     for i, tokens in enumerate(micro_batches):
-        with par.no_sync() if i < n - 1 else contextlib.nullcontext():
+        with par.no_sync() if i < n - 1 else contextlib.nullcontext(), par.loss_context():
             with meter.saving(), autocast(tokens.device.type, dtype):
                 loss = micro_batch_loss(par.model, tokens) / n
             step.scale_loss(loss).backward()
         meter.released()
-        total += loss.detach()
+        total += _full(loss.detach())
     return total
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor (a loss computed under loss_parallel is a replicated DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] = lambda: False,
@@ -113,6 +121,13 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
     meter.watch_params(par.modules)
     dp_group = mesh.get_group("dp") if mesh is not None and lay.dp > 1 else None
     tokens_per_step = t.global_batch * source.seq_len
+    pipeline = None
+    if lay.pp > 1:
+        from workbench.runtime.pipeline import PipelineEngine
+
+        pipeline = PipelineEngine(par, mesh, schedule=lay.pp_schedule, device=ctx.device,
+                                  num_microbatches=t.global_batch // (lay.dp * t.micro_batch),
+                                  dtype=spec.precision.dtype, scale_loss=step_fn.scale_loss)
 
     step, loss_value, status = 0, float("nan"), "completed"
     for step in range(1, t.steps + 1):
@@ -120,7 +135,13 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
         batch = source.global_batch(step, t.global_batch).to(ctx.device)
         micro = rank_micro_batches(batch, where["dp"], lay.dp, t.micro_batch)
         meter.reset_peak()
-        loss = forward_backward(par, micro, meter, step_fn, spec.precision.dtype)
+        if pipeline is None:
+            loss = forward_backward(par, micro, meter, step_fn, spec.precision.dtype)
+        else:
+            loss, timeline = pipeline.step(micro, meter, record=step == min(TIMELINE_STEP, t.steps))
+            if timeline is not None:
+                sink({"event": "timeline", "step": step, "rank": ctx.rank, "items": timeline})
+        par.finish_grads()
         step_extra = step_fn.step()
         if dp_group is not None:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=dp_group)
@@ -143,7 +164,11 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
         from workbench.runtime.materialize import canonical_name
 
         named = [(canonical_name(n), p) for m in par.modules for n, p in m.named_parameters()]
-        state = step_fn.full_state(named)
+        state = _gather_tp_shards(step_fn.full_state(named), named)
+        if lay.pp > 1:  # each pipeline rank holds its stages: collect them all on rank 0
+            parts = [None] * ctx.world_size if ctx.rank == 0 else None
+            dist.gather_object(state, parts, dst=0)
+            state = {k: v for part in parts or [] for k, v in part.items()}
         if ctx.rank == 0:
             result["state"] = state
     if ctx.rank == 0:
@@ -158,6 +183,18 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
     t = torch.tensor([int(flag)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def _gather_tp_shards(state: dict, named: list) -> dict:
+    """Values that came back as this rank's tensor-parallel shard (a master over local tensors)
+    are all-gathered to the full tensor. Collective over the tp mesh."""
+    from torch.distributed.tensor import DTensor
+
+    for name, p in named:
+        if isinstance(p, DTensor) and name in state and state[name].shape != p.shape:
+            local = state[name].to(p.device).view(p.to_local().shape)
+            state[name] = DTensor.from_local(local, p.device_mesh, p.placements).full_tensor().cpu()
+    return state
 
 
 def train_with_state(spec: JobSpec | dict, sink: Sink) -> dict:
