@@ -35,7 +35,7 @@ def assert_matches(events, reference, name):
     state = final_state(events)
     assert set(state) == set(ref_state)
     for key, value in ref_state.items():
-        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{name}: {key}: {m}")
     assert [e for e in events if e["event"] == "end"] == [{"event": "end", "status": "completed", "step": 5}]
 
 
@@ -134,5 +134,7 @@ def test_llama_tp2_sequence_parallel_with_grouped_kv_heads(spawn_pools):
                                     timeout_s=240)
     torch.testing.assert_close(losses(events), losses(ref), rtol=1e-4, atol=0)
     state = final_state(events)
+    # atol 5e-5: Adam divides by sqrt(v), so an element whose gradient is ~0 turns the TP
+    # all-reduce's different summation order into a visible step (seen: 1 of 16384, 2.2e-5).
     for key, value in result["state"].items():
-        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=key)
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=5e-5, msg=lambda m, key=key: f"{key}: {m}")

@@ -70,3 +70,10 @@ def test_interleaved_needs_whole_rounds():
     with pytest.raises(ConfigError, match="divisible by max"):
         validate_spec(spec({"pp": 2, "pp_schedule": "interleaved-1f1b"}, {"global_batch": 10}))
     validate_spec(spec({"pp": 2, "pp_schedule": "interleaved-1f1b"}, {"global_batch": 12}))
+
+
+@pytest.mark.parametrize("path", ["examples/tp2.yaml", "examples/pp2-1f1b.yaml", "examples/3d-8rank.yaml"])
+def test_model_parallel_examples_are_runnable(path):
+    s = load_spec(path)
+    check_runnable(s)
+    assert s.layout.tp * s.layout.pp > 1
