@@ -19,8 +19,6 @@ from workbench.parallel.pp import build_schedule
 from workbench.parallel.precision import autocast
 from workbench.runtime.meter import MemoryMeter, storage_of
 
-Sink = Callable[[dict], None]
-
 
 def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of one micro-batch (the same as the pp=1 loop's)."""
