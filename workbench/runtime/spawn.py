@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
+import tempfile
 import traceback
 
 import torch.multiprocessing as mp
@@ -17,20 +17,15 @@ from workbench.errors import WorkerError
 _STOP = "__stop__"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, jobs, results, threads: int) -> None:
+def _worker(rank: int, world: int, rendezvous: str, jobs, results, threads: int) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    # A file rendezvous: a free TCP port found in advance can be taken by another process
+    # before rank 0 binds it.
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     from workbench.runtime.loop import train
 
     while True:
@@ -63,9 +58,12 @@ class SpawnPool:
         ctx = mp.get_context("spawn")
         self._jobs = [ctx.Queue() for _ in range(world)]
         self._results = ctx.Queue()
-        port = free_port()
+        fd, self._rendezvous = tempfile.mkstemp(prefix="workbench-pg-")
+        os.close(fd)
+        os.unlink(self._rendezvous)  # the store creates it; a stale file would hold old ranks
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world, port, self._jobs[r], self._results, threads_per_rank), daemon=True)
+            ctx.Process(target=_worker, args=(r, world, self._rendezvous, self._jobs[r], self._results, threads_per_rank),
+                        daemon=True)
             for r in range(world)
         ]
         for p in self._procs:
@@ -102,6 +100,8 @@ class SpawnPool:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        if os.path.exists(self._rendezvous):
+            os.unlink(self._rendezvous)
 
     def __enter__(self):
         return self
