@@ -192,11 +192,6 @@ def _check_model_parallel_runnable(spec: "JobSpec") -> None:
                 f"layout.sequence_parallel with tp({lay.tp}) splits each sequence into tp equal parts, but "
                 f"model.seq_len({seq}) is not divisible by {lay.tp}. Use a seq_len that is a multiple of {lay.tp}, "
                 "or sequence_parallel: false.")
-    if t.grad_clip > 0:
-        raise ConfigError(
-            f"train.grad_clip({t.grad_clip}) with tp({lay.tp}) / pp({lay.pp}) is not supported yet: the global "
-            "norm would need a reduction over the tensor- and pipeline-parallel shards (and the clip a scaling of "
-            "mixed sharded and replicated gradients). Set train.grad_clip: 0, or use dp only.")
     if lay.zero > 0 and lay.dp == 1:
         raise ConfigError(
             f"layout.zero={lay.zero} with dp=1: ZeRO shards over the data-parallel ranks and tp({lay.tp}) x "

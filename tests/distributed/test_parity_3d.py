@@ -52,3 +52,16 @@ def test_8_rank_dp2_tp2_pp2(spawn_pools, reference):
     events = spawn_pools.get(8).run({**BASE, "layout": layout}, fn=train_with_state, timeout_s=480)
     assert_matches(events, reference, "dp2-tp2-pp2")
     assert {e["rank"] for e in events if e["event"] == "timeline"} == set(range(8))
+
+
+@pytest.mark.parametrize("layout", [{"dp": 2, "tp": 2}, {"tp": 2, "pp": 2, "pp_schedule": "1f1b"},
+                                    {"dp": 2, "pp": 2, "zero": 3}], ids=["dp2-tp2", "tp2-pp2", "dp2-pp2-zero3"])
+def test_gradient_clipping_spans_tensor_and_pipeline_shards(layout, spawn_pools, reference):
+    # A clip far below the gradient norm: every step is clipped, so a norm that missed the other
+    # tp shards or pp stages would scale the update differently from the single process.
+    spec = {**BASE, "train": {**BASE["train"], "grad_clip": 0.05}}
+    ref = []
+    result = train(spec, ref.append, gather_state=True)
+    assert losses(ref)[-1] != pytest.approx(reference[0][-1], rel=1e-4)  # clipping is active
+    events = spawn_pools.get(4).run({**spec, "layout": layout}, fn=train_with_state, timeout_s=240)
+    assert_matches(events, (losses(ref), result["state"]), "grad_clip")

@@ -52,7 +52,6 @@ def test_split_keeps_names_and_ends():
 
 
 @pytest.mark.parametrize("layout, train, precision, words", [
-    ({"tp": 2, "pp": 1, "dp": 1}, {"grad_clip": 1.0}, None, "grad_clip"),
     ({"dp": 2, "sequence_parallel": True}, None, None, "tp=1"),
     ({"tp": 2, "zero": 2}, None, None, "dp=1"),
     ({"dp": 2, "pp": 2, "zero": 3, "pp_schedule": "zero-bubble"}, {"global_batch": 8}, None, "zero=2"),

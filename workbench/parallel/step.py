@@ -47,9 +47,10 @@ def functional_update(name: str, lr: float, weight_decay: float):
     return update, 2
 
 
-def total_norm(grads: list[torch.Tensor | None], comm_device: torch.device) -> float:
+def total_norm(grads: list[torch.Tensor | None], comm_device: torch.device, pp_group=None) -> float:
     """Global L2 norm of `grads`: plain tensors count as they are (DDP's are already identical on
-    every dp rank); DTensor shards are summed over their mesh, replicas counted once.
+    every dp rank); DTensor shards are summed over their mesh, replicas counted once; with
+    pipeline parallelism each stage's part is then summed over the pp group.
 
     The per-rank sums hop to `comm_device` for the collective: with FSDP2's CPUOffloadPolicy the
     shards live in host memory but NCCL only reduces device tensors (pytorch/pytorch#148532).
@@ -76,6 +77,8 @@ def total_norm(grads: list[torch.Tensor | None], comm_device: torch.device) -> f
             if mesh.size(dim) > 1:
                 dist.all_reduce(acc, group=mesh.get_group(dim))
         total = total + acc
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
     return float(total.sqrt())
 
 
@@ -89,12 +92,14 @@ class TrainStep:
         scaler: the loss scaler (disabled for fp32/bf16).
         master: a MasterOptimizer (master path) or None (direct path).
         comm_device: device of the collectives (default: the first parameter's).
+        pp_group: the pipeline-parallel group (pp > 1): stages hold different parameters.
     """
 
     def __init__(self, params, *, optimizer: str, lr: float, weight_decay: float, grad_clip: float,
                  scaler: DynamicLossScaler, master: MasterOptimizer | None = None,
-                 comm_device: torch.device | None = None):
+                 comm_device: torch.device | None = None, pp_group=None):
         self.params = list(params)
+        self.pp_group = pp_group
         self.grad_clip, self.scaler, self.master = grad_clip, scaler, master
         # Collectives (overflow flag, norm) run here: the compute device, even when the states are offloaded.
         self.device = comm_device or _local(self.params[0]).device
@@ -116,13 +121,14 @@ class TrainStep:
         if not skipped:
             coef = 1.0 / used_scale
             if self.grad_clip > 0:
-                norm = total_norm(grads, self.device) * coef
+                norm = total_norm(grads, self.device, self.pp_group) * coef
                 coef *= min(1.0, self.grad_clip / (norm + 1e-6))
             if self.master is not None:
                 self.master.step(self._update, coef)
             else:
                 if coef != 1.0:
-                    torch._foreach_mul_([g for g in grads if g is not None], coef)
+                    # Local pieces: DTensor (TP-sharded) and plain gradients in one foreach call.
+                    torch._foreach_mul_([_local(g) for g in grads if g is not None], coef)
                 self.optimizer.step()
         self.scaler.update(skipped)
         return {"loss_scale": used_scale, "skipped": skipped} if self.scaler.enabled else {}
