@@ -220,8 +220,13 @@ class SageMakerJob:
         logs = self._session.client("logs") if self._session else None
         if logs is None:
             return ""
+        from botocore.exceptions import ClientError
+
         group = "/aws/sagemaker/TrainingJobs"
-        streams = logs.describe_log_streams(logGroupName=group, logStreamNamePrefix=f"{self.job_id}/")
+        try:
+            streams = logs.describe_log_streams(logGroupName=group, logStreamNamePrefix=f"{self.job_id}/")
+        except ClientError:  # no log group yet: the job has not started
+            return ""
         lines = []
         for stream in streams.get("logStreams", []):
             events = logs.get_log_events(logGroupName=group, logStreamName=stream["logStreamName"], limit=tail)
