@@ -198,13 +198,18 @@ def build_bundle(spec: "JobSpec", root: str | Path | None = None) -> Bundle:
     size = sum(p.stat().st_size for p in bundle.files.values())
     if size > MAX_BUNDLE_BYTES:
         biggest = sorted(bundle.files, key=lambda n: bundle.files[n].stat().st_size, reverse=True)[:3]
-        raise ConfigError(f"code bundle: {size / 2**20:.0f} MiB exceeds {MAX_BUNDLE_BYTES // 2**20} MiB. Largest files: "
+        raise ConfigError(f"code bundle: {size / 2**20:.1f} MiB exceeds {MAX_BUNDLE_BYTES / 2**20:.0f} MiB. Largest files: "
                           f"{', '.join(biggest)}. List data and outputs in .gitignore; read data from a bucket.")
     return bundle
 
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def slug(name: str) -> str:
+    """The spec name as a path segment: letters, digits, '.', '_' and '-'."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "job"
 
 
 def job_name(spec: "JobSpec", max_len: int = 63) -> str:
@@ -226,7 +231,7 @@ def checkpoint_uri(spec: "JobSpec", scheme: str, default_root: str, cloud: str) 
         ConfigError: a URI of another cloud's scheme.
     """
     uri = spec.checkpoint.uri
-    default = f"{default_root.rstrip('/')}/workbench/{spec.name}/checkpoints/"
+    default = f"{default_root.rstrip('/')}/workbench/{slug(spec.name)}/checkpoints/"
     if not uri:
         return default, ""
     if "://" not in uri:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from backends import instances
 from backends.base import JobState, JobStatus
-from backends.bundle import SPEC_FILE, build_bundle, checkpoint_uri, job_name, sha256
+from backends.bundle import SPEC_FILE, build_bundle, checkpoint_uri, job_name, sha256, slug
 from workbench.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ def build_request(spec: "JobSpec", name: str, code_uri: str, ckpt_uri: str) -> t
         img = instances.sagemaker_image(sm.region, res.gpu)
         image = img.uri
         notes += [img.note] if img.note else []
-    prefix = f"s3://{_bucket(spec)}/workbench/{spec.name}"
+    prefix = f"s3://{_bucket(spec)}/workbench/{slug(spec.name)}"
     stopping = {"MaxRuntimeInSeconds": b.max_runtime_s}
     if b.spot:
         stopping["MaxWaitTimeInSeconds"] = b.max_wait_s
@@ -123,7 +123,7 @@ class SageMakerBackend:
         ckpt, note = checkpoint_uri(spec, "s3://", f"s3://{_bucket(spec)}", "SageMaker")
         run_spec = spec.replace(**{"checkpoint.uri": ckpt})
         name = job_name(spec)
-        code_key = f"workbench/{spec.name}/{name}/source/sourcedir.tar.gz"
+        code_key = f"workbench/{slug(spec.name)}/{name}/source/sourcedir.tar.gz"
         code_uri = f"s3://{_bucket(spec)}/{code_key}"
         params, notes = build_request(run_spec, name, code_uri, ckpt)
         return run_spec, params, code_key, notes + ([note] if note else [])

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from backends import instances
 from backends.base import JobState, JobStatus
-from backends.bundle import SPEC_FILE, build_bundle, checkpoint_uri, job_name, sha256
+from backends.bundle import SPEC_FILE, build_bundle, checkpoint_uri, job_name, sha256, slug
 from workbench.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def build_body(spec: "JobSpec", name: str, code_key: str, ckpt_uri: str) -> tupl
     if ckpt_uri.rstrip("/").endswith("/checkpoints"):
         base = ckpt_uri.rstrip("/")[: -len("/checkpoints")] + "/"
     else:
-        base = f"gs://{_bucket(spec)}/workbench/{spec.name}/"
+        base = f"gs://{_bucket(spec)}/workbench/{slug(spec.name)}/"
         env.append({"name": "WORKBENCH_CHECKPOINT_DIR", "value": ckpt_uri})
     pool = {"machineSpec": machine_spec, "replicaCount": "1",
             "diskSpec": {"bootDiskType": "pd-ssd", "bootDiskSizeGb": BOOT_DISK_GB},
@@ -124,7 +124,7 @@ class VertexBackend:
         ckpt, note = checkpoint_uri(spec, "gs://", f"gs://{_bucket(spec)}", "Vertex AI")
         run_spec = spec.replace(**{"checkpoint.uri": ckpt})
         name = job_name(spec, max_len=128)
-        code_key = f"workbench/{spec.name}/{name}/code.tar.gz"
+        code_key = f"workbench/{slug(spec.name)}/{name}/code.tar.gz"
         body, notes = build_body(run_spec, name, code_key, ckpt)
         job = _sdk().CustomJob.from_json(json.dumps(body))  # validates names, enums and types
         return run_spec, job, code_key, notes + ([note] if note else [])
