@@ -35,10 +35,12 @@ def check(spec: "JobSpec") -> None:
 
 
 def _notes(spec: "JobSpec") -> list[str]:
-    uri = spec.checkpoint.uri
-    if uri and "://" not in uri and not uri.startswith("/"):
-        return [f"checkpoint.uri {uri!r} is relative: on the cluster it lands in the job's temporary working "
-                "directory and is lost with it. Use an absolute path on shared storage, or s3:// / gs://."]
+    uri, ck = spec.checkpoint.uri, spec.checkpoint
+    saving = ck.every_steps > 0 or ck.every_minutes > 0
+    if saving and (not uri or "://" not in uri and not uri.startswith("/")):
+        where = f"checkpoint.uri {uri!r} is relative" if uri else "no checkpoint.uri"
+        return [f"{where}: on the cluster checkpoints land in the job's temporary working directory and are "
+                "lost with it. Use an absolute path on shared storage, or s3:// / gs://."]
     return []
 
 
