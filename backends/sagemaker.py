@@ -130,7 +130,7 @@ class SageMakerBackend:
 
     def dry_run(self, spec: "JobSpec") -> dict:
         """The validated, serialized CreateTrainingJob request; no credentials, no network."""
-        boto3, botocore = _sdk()
+        _, botocore = _sdk()
         from botocore.awsrequest import AWSResponse
         from botocore.config import Config
 
