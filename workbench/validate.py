@@ -150,5 +150,9 @@ def check_runnable(spec: "JobSpec") -> None:
         unsupported.append(f"zero={lay.zero}")
     if lay.offload != "none":
         unsupported.append(f"offload={lay.offload}")
+    if lay.activation_checkpointing != "none":
+        unsupported.append(f"activation_checkpointing={lay.activation_checkpointing}")
+    if spec.precision.dtype != "fp32":
+        unsupported.append(f"precision.dtype={spec.precision.dtype}")
     if unsupported:
         raise ConfigError(f"not supported yet: {', '.join(unsupported)}. This release runs dp with zero=0.")
