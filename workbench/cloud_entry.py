@@ -139,25 +139,22 @@ def run_ranks(spec, ckpt: str | None) -> dict:
     """This process is one rank: run the per-rank loop, resuming from the newest checkpoint in `ckpt`."""
     from workbench.runtime.loop import train
 
-    rank = int(os.environ.get("RANK", "0"))
-    return train(spec, sink=_print_sink(rank), resume=True, checkpoint_uri=ckpt)
+    if ckpt:
+        spec = spec.replace(**{"checkpoint.uri": ckpt})
+    return train(spec, sink=_print_sink(int(os.environ.get("RANK", "0"))), resume=True)
 
 
 def run_on_ray(spec, ckpt: str | None) -> int:
-    """Inside a Ray job: run the job with the local-Ray launcher, which joins this cluster, and
-    print its metrics events as JSON lines (they are the job's log)."""
-    import tempfile
-
-    from workbench.launch import run
+    """Inside a Ray job: run with the local-Ray launcher, which joins the cluster this job runs on,
+    and print its metrics events as JSON lines as they come (they are the job's log)."""
+    from workbench.launch import start
 
     if ckpt:
         spec = spec.replace(**{"checkpoint.uri": ckpt})
-    spec = spec.replace(**{"backend.name": "local"})
-    metrics = Path(tempfile.mkdtemp(prefix="workbench-")) / "metrics.jsonl"
-    result = run(spec, metrics_out=str(metrics), resume=True, progress=False)
-    if metrics.exists():
-        sys.stdout.write(metrics.read_text())
-    return 0 if result.status == "completed" else getattr(result, "exit_code", 1)
+    handle = start(spec.replace(**{"backend.name": "local"}), resume=True)
+    for event in handle.follow():
+        print(json.dumps(event), flush=True)
+    return 0 if handle.status().state.value == "completed" else 1
 
 
 def main(argv: list[str] | None = None) -> int:
