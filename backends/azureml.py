@@ -17,6 +17,7 @@ from backends import instances
 from backends.base import JobState, JobStatus
 from backends.bundle import SPEC_FILE, build_bundle, checkpoint_uri, job_name, sha256
 from workbench.errors import ConfigError
+from workbench.validate import check_runnable
 
 if TYPE_CHECKING:
     from workbench.spec import JobSpec
@@ -48,6 +49,7 @@ def _sdk():
 
 def check(spec: "JobSpec") -> None:
     """Azure-specific rules, before anything is built or sent. Raises ConfigError."""
+    check_runnable(spec)  # what the job could not run is refused here, not after the machines start
     az = spec.backend.azureml
     for field, example in (("subscription_id", "00000000-0000-0000-0000-000000000000"),
                            ("resource_group", "my-rg"), ("workspace", "my-workspace")):

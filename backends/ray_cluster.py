@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from backends.base import JobState, JobStatus
 from backends.bundle import SPEC_FILE, build_bundle, job_name, sha256
 from workbench.errors import ConfigError
+from workbench.validate import check_runnable
 
 if TYPE_CHECKING:
     from workbench.spec import JobSpec
@@ -28,6 +29,7 @@ _STATES = {"PENDING": JobState.PENDING, "RUNNING": JobState.RUNNING, "SUCCEEDED"
 
 def check(spec: "JobSpec") -> None:
     """Ray-cluster rules. Raises ConfigError."""
+    check_runnable(spec)  # what the job could not run is refused here, not after the machines start
     address = spec.backend.ray.address
     if not address.startswith(("http://", "https://", "ray://")):
         raise ConfigError(f"backend.ray.address {address!r}: give the cluster's dashboard (Jobs API) address, "

@@ -14,6 +14,7 @@ from backends import instances
 from backends.base import JobState, JobStatus
 from backends.bundle import SPEC_FILE, build_bundle, checkpoint_uri, job_name, sha256, slug
 from workbench.errors import ConfigError
+from workbench.validate import check_runnable
 
 if TYPE_CHECKING:
     from workbench.spec import JobSpec
@@ -43,6 +44,7 @@ def _bucket(spec: "JobSpec") -> str:
 
 def check(spec: "JobSpec") -> None:
     """SageMaker-specific rules, before anything is built or sent. Raises ConfigError."""
+    check_runnable(spec)  # what the job could not run is refused here, not after the machines start
     sm, b = spec.backend.sagemaker, spec.backend
     if not sm.role:
         raise ConfigError("backend.sagemaker.role is required: the IAM role ARN the training job runs as, e.g. "

@@ -17,6 +17,7 @@ from backends import instances
 from backends.base import JobState, JobStatus
 from backends.bundle import SPEC_FILE, build_bundle, checkpoint_uri, job_name, sha256, slug
 from workbench.errors import ConfigError
+from workbench.validate import check_runnable
 
 if TYPE_CHECKING:
     from workbench.spec import JobSpec
@@ -45,6 +46,7 @@ def _bucket(spec: "JobSpec") -> str:
 
 def check(spec: "JobSpec") -> None:
     """Vertex-specific rules, before anything is built or sent. Raises ConfigError."""
+    check_runnable(spec)  # what the job could not run is refused here, not after the machines start
     vx = spec.backend.vertex
     if not vx.project:
         raise ConfigError("backend.vertex.project is required: the GCP project id that runs the job, e.g. "

@@ -57,3 +57,12 @@ def test_cli_prints_the_request(tmp_path):
                           "sagemaker", "--dry-run", "--set", "backend.sagemaker.region=mars-1"],
                          env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "not a SageMaker training region" in bad.stderr
+
+
+@pytest.mark.parametrize("name", ["ray", "sagemaker", "vertex", "azureml"])
+def test_what_the_runtime_cannot_run_is_refused_before_submission(name):
+    from workbench.errors import ConfigError
+
+    spec = load_spec("examples/cloud-spot.yaml").replace(**{"precision.dtype": "bf16"})
+    with pytest.raises(ConfigError, match="not supported yet"):
+        backends.dispatch(spec, backend=name, dry_run=True)
