@@ -42,8 +42,15 @@ def _start_head(token: str):
     gcs, dash, client, agent_http, agent_grpc, metrics, rt_env, node_mgr, obj_mgr = _free_ports(9)
     temp_dir = tempfile.mkdtemp(prefix="wbray-", dir="/tmp")  # short: Ray's socket paths have a length limit
     bin_dir = str(Path(sys.executable).parent)
+    # jsonschema imports rfc3987_syntax when installed (jupyter-events pulls it in through
+    # jsonschema[format-nongpl]) and that builds a lark grammar at import: ~3 s of CPU in every Ray
+    # process, enough on a busy 2-core machine for the dashboard agent to miss the raylet's fixed
+    # 15 s start window. Ray does not use the IRI format check it enables.
+    shim = Path(temp_dir) / "shim"
+    shim.mkdir()
+    (shim / "rfc3987_syntax.py").write_text("raise ImportError('not loaded in this test cluster')\n")
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "RAY_AUTH_MODE": "token",
-           "RAY_AUTH_TOKEN": token, "PYTHONPATH": ""}
+           "RAY_AUTH_TOKEN": token, "PYTHONPATH": str(shim)}
     cmd = [f"{bin_dir}/ray", "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
            "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--ray-client-server-port", str(client),
            "--dashboard-agent-listen-port", str(agent_http), "--dashboard-agent-grpc-port", str(agent_grpc),
@@ -80,8 +87,8 @@ def _stop(proc, log_path: Path) -> None:
 def cluster():
     """A head node in its own process group, every port chosen free, its own token (not ~/.ray)."""
     token = uuid.uuid4().hex
-    # The raylet waits a fixed ~15 s for the dashboard agent's port files and aborts past that; a
-    # 2-core machine busy with other test runs can miss it, so a failed start gets another try.
+    # The raylet waits a fixed 15 s for the dashboard agent's port files and aborts past that; a
+    # 2-core machine busy with other test runs can still miss it, so a failed start gets another try.
     for _attempt in range(3):
         proc, address, log = _start_head(token)
         if proc is not None:
