@@ -147,8 +147,14 @@ def run_ranks(spec, ckpt: str | None) -> dict:
 def run_on_ray(spec, ckpt: str | None) -> int:
     """Inside a Ray job: run with the local-Ray launcher, which joins the cluster this job runs on,
     and print its metrics events as JSON lines as they come (they are the job's log)."""
+    import ray
+
     from workbench.launch import start
 
+    if not ray.is_initialized():
+        # Join the cluster this job runs on (RAY_ADDRESS is set by the Jobs API) before the local
+        # launcher would start a cluster of its own; workers inherit the job's working_dir.
+        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
     if ckpt:
         spec = spec.replace(**{"checkpoint.uri": ckpt})
     handle = start(spec.replace(**{"backend.name": "local"}), resume=True)
