@@ -128,10 +128,17 @@ def check_world(spec, env: Mapping[str, str]) -> None:
             "nodes to the machines' GPUs, or change the layout.")
 
 
+def _emit(event: dict) -> None:
+    # One write per line: ranks share the job's stdout, and a single write below PIPE_BUF is not
+    # interleaved with another rank's (print() writes the text and the newline separately).
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
 def _print_sink(rank: int):
     def sink(event: dict) -> None:
         if rank == 0 or event.get("event") == "memory":
-            print(json.dumps(event), flush=True)
+            _emit(event)
     return sink
 
 
@@ -159,7 +166,7 @@ def run_on_ray(spec, ckpt: str | None) -> int:
         spec = spec.replace(**{"checkpoint.uri": ckpt})
     handle = start(spec.replace(**{"backend.name": "local"}), resume=True)
     for event in handle.follow():
-        print(json.dumps(event), flush=True)
+        _emit(event)
     return 0 if handle.status().state.value == "completed" else 1
 
 
