@@ -17,6 +17,7 @@ from backends.base import JobState, JobStatus
 from workbench.errors import WorkerError
 
 _POLL_S = 0.2
+_START_ATTEMPTS = 3
 
 
 def _package_root() -> str:
@@ -32,13 +33,21 @@ def ensure_ray(num_cpus: int | None = None):
     if not ray.is_initialized():
         root = _package_root()
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-        ray.init(
-            num_cpus=num_cpus or os.cpu_count() or 1,
-            include_dashboard=False,
-            logging_level="ERROR",
-            log_to_driver=False,
-            runtime_env={"env_vars": {"PYTHONPATH": path}},
-        )
+        for attempt in range(_START_ATTEMPTS):
+            try:
+                ray.init(
+                    num_cpus=num_cpus or os.cpu_count() or 1,
+                    include_dashboard=False,
+                    logging_level="ERROR",
+                    log_to_driver=False,
+                    runtime_env={"env_vars": {"PYTHONPATH": path}},
+                )
+                break
+            except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception on a slow start
+                # Ray gives its raylet a fixed 30 s to register; a loaded machine can miss that.
+                ray.shutdown()
+                if attempt == _START_ATTEMPTS - 1 or "timed out during startup" not in str(e):
+                    raise
     return ray
 
 

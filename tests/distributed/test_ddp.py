@@ -3,7 +3,6 @@ import pytest
 import torch
 
 from workbench.runtime.loop import train
-from workbench.runtime.spawn import SpawnPool
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -15,21 +14,15 @@ def losses(events):
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with SpawnPool(2) as p:
-        yield p
-
-
-@pytest.fixture(scope="module")
 def reference():
     events = []
     train(BASE, events.append)
     return losses(events)
 
 
-def test_ddp_matches_single_process(pool, reference):
+def test_ddp_matches_single_process(pool2, reference):
     spec = {**BASE, "layout": {"dp": 2, "bucket_mb": 0.05}}  # small buckets: several all-reduces overlap backward
-    events = pool.run(spec)
+    events = pool2.run(spec)
     torch.testing.assert_close(losses(events), reference, rtol=1e-4, atol=0)
     assert reference[-1] < reference[0]
     end = [e for e in events if e["event"] == "end"]
@@ -42,7 +35,7 @@ def test_ddp_matches_single_process(pool, reference):
     assert m["grads"] == m["params"] and m["activations"] > 0
 
 
-def test_gradient_accumulation_is_invisible(pool, reference):
+def test_gradient_accumulation_is_invisible(pool2, reference):
     # dp=2 with one micro-batch per rank vs four: the same global batch, the same losses.
-    events = pool.run({**BASE, "layout": {"dp": 2}, "train": {**BASE["train"], "micro_batch": 8}})
+    events = pool2.run({**BASE, "layout": {"dp": 2}, "train": {**BASE["train"], "micro_batch": 8}})
     torch.testing.assert_close(losses(events), reference, rtol=1e-4, atol=0)
