@@ -63,6 +63,7 @@ def test_cli_prints_the_request(tmp_path):
 def test_what_the_runtime_cannot_run_is_refused_before_submission(name):
     from workbench.errors import ConfigError
 
-    spec = load_spec("examples/cloud-spot.yaml").replace(**{"precision.dtype": "bf16"})
-    with pytest.raises(ConfigError, match="not supported yet"):
+    # offload=cpu with zero=0 is a valid spec to plan, but no worker could run it (check_runnable).
+    spec = load_spec("examples/cloud-spot.yaml").replace(**{"layout.offload": "cpu"})
+    with pytest.raises(ConfigError, match="offload=cpu with zero=0"):
         backends.dispatch(spec, backend=name, dry_run=True)
