@@ -1,0 +1,160 @@
+"""Ray cluster backend: submit the job to an existing cluster through the Ray Jobs API (what
+`ray job submit` uses), shipping the code bundle as the job's working_dir with the spec in it.
+
+Token authentication (Ray's default): the cluster's token is read from where Ray keeps it
+(RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token) and sent only as an Authorization header.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from backends.base import JobState, JobStatus
+from backends.bundle import SPEC_FILE, build_bundle, job_name, sha256
+from workbench.errors import ConfigError
+from workbench.validate import check_runnable
+
+if TYPE_CHECKING:
+    from workbench.spec import JobSpec
+
+ENTRYPOINT = f"python -m workbench.cloud_entry --spec {SPEC_FILE}"
+_STATES = {"PENDING": JobState.PENDING, "RUNNING": JobState.RUNNING, "SUCCEEDED": JobState.COMPLETED,
+           "FAILED": JobState.FAILED, "STOPPED": JobState.STOPPED}
+
+
+def check(spec: "JobSpec") -> None:
+    """Ray-cluster rules. Raises ConfigError."""
+    check_runnable(spec)  # what the job could not run is refused here, not after the machines start
+    address = spec.backend.ray.address
+    if not address.startswith(("http://", "https://", "ray://")):
+        raise ConfigError(f"backend.ray.address {address!r}: give the cluster's dashboard (Jobs API) address, "
+                          "e.g. http://head-node:8265.")
+
+
+def _notes(spec: "JobSpec") -> list[str]:
+    uri, ck = spec.checkpoint.uri, spec.checkpoint
+    saving = ck.every_steps > 0 or ck.every_minutes > 0
+    if saving and (not uri or "://" not in uri and not uri.startswith("/")):
+        where = f"checkpoint.uri {uri!r} is relative" if uri else "no checkpoint.uri"
+        return [f"{where}: on the cluster checkpoints land in the job's temporary working directory and are "
+                "lost with it. Use an absolute path on shared storage, or s3:// / gs://."]
+    return []
+
+
+def build_request(spec: "JobSpec", name: str, working_dir: str) -> dict:
+    """The Jobs API submission (JobSubmissionClient.submit_job keyword arguments)."""
+    return {
+        "entrypoint": ENTRYPOINT,
+        "submission_id": name,
+        "runtime_env": {"working_dir": working_dir, "env_vars": {"WORKBENCH_CLOUD": "ray", "WORKBENCH_JOB": name}},
+        "metadata": {"workbench": "true", "workbench_job": spec.name},
+    }
+
+
+def _auth_headers() -> dict:
+    """The cluster token as a header. Passed explicitly because Ray's client reads RAY_AUTH_MODE
+    once per process (at import), so a token made available later would otherwise be ignored."""
+    token = os.environ.get("RAY_AUTH_TOKEN")
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if not token and path.is_file():
+        token = path.read_text().strip()
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+class RayClusterBackend:
+    """Submit a JobSpec to a running Ray cluster."""
+
+    name = "ray"
+
+    def __init__(self, root=None):
+        self._root = root  # project directory to bundle; default: the current directory
+
+    def dry_run(self, spec: "JobSpec") -> dict:
+        """The Jobs API request (POST /api/jobs/), the bundle standing in for working_dir."""
+        check(spec)
+        bundle = build_bundle(spec, self._root)
+        request = build_request(spec, job_name(spec), "<the code bundle below, uploaded as a package>")
+        return {"operation": "POST /api/jobs/", "endpoint": spec.backend.ray.address.rstrip("/") + "/api/jobs/",
+                "body": request, "code": {"sha256": sha256(bundle.tar_gz()), **bundle.summary()},
+                "notes": _notes(spec)}
+
+    def submit(self, spec: "JobSpec") -> "RayClusterJob":
+        """Upload the bundle and start the job; returns a handle that follows it."""
+        return self.submit_entrypoint(spec, ENTRYPOINT)
+
+    def submit_entrypoint(self, spec: "JobSpec", entrypoint: str) -> "RayClusterJob":
+        """Submit the spec's bundle with another entrypoint (e.g. a smoke-test command)."""
+        from ray.job_submission import JobSubmissionClient
+
+        check(spec)
+        name = job_name(spec)
+        client = JobSubmissionClient(spec.backend.ray.address, headers=_auth_headers())
+        with tempfile.TemporaryDirectory(prefix="workbench-bundle-") as tmp:
+            working_dir = build_bundle(spec, self._root).write_dir(Path(tmp) / "code")
+            request = build_request(spec, name, str(working_dir))
+            request["entrypoint"] = entrypoint
+            _submit_with_retry(client, request)
+        return RayClusterJob(client, name)
+
+
+def _submit_with_retry(client, request: dict, timeout_s: float = 60.0) -> None:
+    """submit_job (which first uploads working_dir), retried while a freshly started head's job
+    agent is not up yet ("No available agent to submit job")."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.submit_job(**request)
+            return
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
+class RayClusterJob:
+    """A job on a Ray cluster: status, logs, metrics events from the logs, stop."""
+
+    def __init__(self, client, submission_id: str):
+        self.job_id = submission_id
+        self._client = client
+
+    def status(self) -> JobStatus:
+        info = self._client.get_job_info(self.job_id)
+        state = _STATES.get(str(info.status.value if hasattr(info.status, "value") else info.status),
+                            JobState.PENDING)
+        return JobStatus(state, info.message or "", 0, {"status": str(info.status), "entrypoint": info.entrypoint})
+
+    def logs(self, tail: int = 100) -> str:
+        return "\n".join(self._client.get_job_logs(self.job_id).splitlines()[-tail:])
+
+    def metrics(self) -> list[dict]:
+        """The metrics events (DESIGN.md contract) the job printed as JSON lines."""
+        events = []
+        for line in self._client.get_job_logs(self.job_id).splitlines():
+            if line.startswith('{"event"'):
+                try:
+                    events.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        return events
+
+    def cancel(self) -> None:
+        self._client.stop_job(self.job_id)
+
+    def wait(self, timeout_s: float | None = None, poll_s: float = 1.0) -> JobStatus:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            status = self.status()
+            if status.state.done or deadline is not None and time.monotonic() >= deadline:
+                return status
+            time.sleep(poll_s)
+
+
+def quote(args: list[str]) -> str:
+    """A shell-safe entrypoint from an argument list."""
+    return " ".join(shlex.quote(a) for a in args)

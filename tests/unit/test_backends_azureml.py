@@ -1,0 +1,58 @@
+"""Azure ML backend: the command job's REST body and the rules."""
+from __future__ import annotations
+
+import pytest
+
+from backends.azureml import AzureMLBackend, check, map_status
+from backends.base import JobState
+from workbench.errors import ConfigError
+from workbench.spec import load_spec
+
+pytest.importorskip("azure.ai.ml")
+pytestmark = pytest.mark.filterwarnings("ignore:The `context` parameter is deprecated")
+
+
+def spec(**overrides):
+    s = load_spec("examples/cloud-spot.yaml")
+    return s.replace(**overrides) if overrides else s
+
+
+def test_dry_run_body():
+    req = AzureMLBackend().dry_run(spec())
+    props = req["body"]["properties"]
+    assert req["endpoint"].endswith("/workspaces/fake-workspace/jobs/" + req["body"]["name"])
+    assert props["queueSettings"] == {"jobTier": "Spot"}
+    assert props["distribution"]["processCountPerInstance"] == 4
+    assert props["limits"]["timeout"] == "PT4H"
+    assert props["resources"]["shmSize"] == "16g"
+
+
+def test_user_environment_or_image():
+    props = AzureMLBackend().dry_run(spec(**{"backend.azureml.environment": "my-env:3"}))["body"]["properties"]
+    assert props["environmentId"] == "azureml:my-env:3"
+    on_demand = AzureMLBackend().dry_run(spec(**{"backend.spot": False}))["body"]["properties"]
+    assert "queueSettings" not in on_demand or not on_demand["queueSettings"].get("jobTier")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"backend.azureml.subscription_id": None}, "subscription_id is required"),
+    ({"backend.azureml.workspace": None}, "workspace is required"),
+    ({"backend.azureml.subscription_id": "my-sub"}, "not a subscription id"),
+])
+def test_rules(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check(spec(**overrides))
+
+
+def test_shape_and_checkpoint_scheme():
+    with pytest.raises(ConfigError, match="Azure ML offers no l4"):
+        AzureMLBackend().dry_run(spec(**{"resources.gpu": "l4"}))
+    with pytest.raises(ConfigError, match="azureml:// URIs"):
+        AzureMLBackend().dry_run(spec(**{"checkpoint.uri": "s3://b/c"}))
+
+
+def test_status_map_counts_back_to_queue_as_restart():
+    assert map_status("Preparing", has_run=False) is JobState.PENDING
+    assert map_status("Queued", has_run=True) is JobState.RESTARTING
+    assert map_status("Completed", has_run=True) is JobState.COMPLETED
+    assert map_status("Failed", has_run=False) is JobState.FAILED

@@ -1,0 +1,69 @@
+"""`dispatch --dry-run` for every remote target: a complete request, no SDK at import, no secrets."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import backends
+from workbench.spec import load_spec
+
+SECRETS = {"AWS_SECRET_ACCESS_KEY": "wbLeakAws" + "X" * 20, "AZURE_CLIENT_SECRET": "wbLeakAzure" + "Y" * 20,
+           "RAY_AUTH_TOKEN": "wbLeakRay" + "Z" * 20, "GOOGLE_OAUTH_ACCESS_TOKEN": "wbLeakGcp" + "W" * 20}
+SDKS = {"sagemaker": "boto3", "vertex": "google.cloud.aiplatform_v1", "azureml": "azure.ai.ml", "ray": "ray"}
+
+
+def test_backend_modules_import_no_sdk():
+    code = ("import sys, workbench, backends, backends.sagemaker, backends.vertex, backends.azureml, "
+            "backends.ray_cluster, backends.bundle, backends.instances, workbench.cloud_entry\n"
+            "bad = [m for m in ('boto3', 'botocore', 'google.cloud.aiplatform', 'google.cloud.aiplatform_v1', "
+            "'azure.ai.ml', 'azure.identity', 'ray', 'torch') if m in sys.modules]\n"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.filterwarnings("ignore:The `context` parameter is deprecated")
+@pytest.mark.parametrize("name", ["ray", "sagemaker", "vertex", "azureml"])
+def test_dry_run_of_the_example_is_complete_and_clean(name, monkeypatch):
+    pytest.importorskip(SDKS[name])
+    for key, value in SECRETS.items():
+        monkeypatch.setenv(key, value)
+    out = backends.dispatch(load_spec("examples/cloud-spot.yaml"), backend=name, dry_run=True)
+    text = json.dumps(out)
+    assert out["backend"] == name
+    request = out["request"]
+    assert {"operation", "endpoint", "body", "code"} <= set(request)
+    assert request["code"]["files"] > 10 and "workbench_job.json" in request["code"]["top_level"]
+    assert "workbench.cloud_entry" in text or "cloud_entry.py" in text
+    for value in SECRETS.values():
+        assert value not in text
+
+
+def test_cli_prints_the_request(tmp_path):
+    pytest.importorskip("boto3")
+    env = {**os.environ, **SECRETS, "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent"}
+    env.pop("AWS_ACCESS_KEY_ID", None)
+    out = subprocess.run([sys.executable, "-m", "workbench.cli", "dispatch", "examples/cloud-spot.yaml", "--backend",
+                          "sagemaker", "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    printed = json.loads(out.stdout)
+    assert printed["backend"] == "sagemaker"
+    assert printed["request"]["body"]["EnableManagedSpotTraining"] is True
+    assert not any(v in out.stdout + out.stderr for v in SECRETS.values())
+    bad = subprocess.run([sys.executable, "-m", "workbench.cli", "dispatch", "examples/cloud-spot.yaml", "--backend",
+                          "sagemaker", "--dry-run", "--set", "backend.sagemaker.region=mars-1"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "not a SageMaker training region" in bad.stderr
+
+
+@pytest.mark.parametrize("name", ["ray", "sagemaker", "vertex", "azureml"])
+def test_what_the_runtime_cannot_run_is_refused_before_submission(name):
+    from workbench.errors import ConfigError
+
+    # offload=cpu with zero=0 is a valid spec to plan, but no worker could run it (check_runnable).
+    spec = load_spec("examples/cloud-spot.yaml").replace(**{"layout.offload": "cpu"})
+    with pytest.raises(ConfigError, match="offload=cpu with zero=0"):
+        backends.dispatch(spec, backend=name, dry_run=True)

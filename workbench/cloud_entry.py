@@ -1,0 +1,204 @@
+"""The one entrypoint that runs inside a remote job (SageMaker, Vertex AI, Azure ML, a Ray cluster).
+
+It reads the cloud's rendezvous environment and checkpoint location, starts one process per rank
+when the cloud started one per node, and runs the same per-rank runtime, resuming from the newest
+checkpoint there. `python -m workbench.cloud_entry --spec workbench_job.json` (or as a script).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+if __name__ == "__main__" and __package__ in (None, ""):
+    # Started as a script (SageMaker's launcher runs `torchrun workbench/cloud_entry.py`): make the
+    # bundle root importable so `import workbench` finds the shipped package.
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from workbench.errors import ConfigError  # noqa: E402
+
+SAGEMAKER_CHECKPOINTS = "/opt/ml/checkpoints"
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where this node sits in the job: what torchrun needs to start its ranks."""
+
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+
+def detect_cloud(env: Mapping[str, str]) -> str:
+    """sagemaker | vertex | azureml | ray | generic, from the variables each service sets."""
+    if env.get("WORKBENCH_CLOUD"):
+        return env["WORKBENCH_CLOUD"]
+    if "SM_TRAINING_ENV" in env or "SM_CURRENT_HOST" in env:
+        return "sagemaker"
+    if "CLUSTER_SPEC" in env or "AIP_CHECKPOINT_DIR" in env or "CLOUD_ML_JOB_ID" in env:
+        return "vertex"
+    if "AZUREML_RUN_ID" in env or any(k.startswith("AZ_BATCHAI_") for k in env):
+        return "azureml"
+    return "generic"
+
+
+def launched_per_rank(env: Mapping[str, str]) -> bool:
+    """True when a launcher already started one process per rank (torchrun, Azure's PyTorch
+    distribution). Vertex sets RANK/WORLD_SIZE per *node*, so LOCAL_RANK is the reliable sign."""
+    return "LOCAL_RANK" in env
+
+
+def gcs_fuse_path(uri: str) -> str:
+    """gs://bucket/path -> /gcs/bucket/path: Vertex mounts every bucket the job can read there."""
+    return "/gcs/" + uri[len("gs://"):] if uri.startswith("gs://") else uri
+
+
+def checkpoint_dir(cloud: str, env: Mapping[str, str], given: str | None = None) -> str | None:
+    """The local folder the runtime reads and writes checkpoints in, for this cloud.
+
+    SageMaker syncs /opt/ml/checkpoints with CheckpointConfig.S3Uri; Vertex points
+    AIP_CHECKPOINT_DIR at <base_output_dir>/checkpoints/ (reached through the /gcs mount); Azure ML
+    mounts the read-write output whose path the command passes as --checkpoint-dir.
+    """
+    if given:
+        return gcs_fuse_path(given)
+    if env.get("WORKBENCH_CHECKPOINT_DIR"):
+        return gcs_fuse_path(env["WORKBENCH_CHECKPOINT_DIR"])
+    if cloud == "sagemaker":
+        return SAGEMAKER_CHECKPOINTS
+    if cloud == "vertex" and env.get("AIP_CHECKPOINT_DIR"):
+        return gcs_fuse_path(env["AIP_CHECKPOINT_DIR"])
+    if cloud == "azureml" and env.get("AZURE_ML_OUTPUT_CHECKPOINTS"):
+        return env["AZURE_ML_OUTPUT_CHECKPOINTS"]
+    return None
+
+
+def _vertex_rendezvous(env: Mapping[str, str]) -> Rendezvous:
+    spec = json.loads(env["CLUSTER_SPEC"])
+    cluster, task = spec["cluster"], spec["task"]
+    pools = sorted(k for k in cluster if k.startswith("workerpool"))  # workerpool0 = the chief
+    offsets, total = {}, 0
+    for pool in pools:
+        offsets[pool] = total
+        total += len(cluster[pool])
+    host, _, port = cluster["workerpool0"][0].partition(":")
+    # Vertex's own MASTER_PORT (prebuilt images) wins; the chief's CLUSTER_SPEC port is its gRPC port.
+    return Rendezvous(total, offsets[task["type"]] + int(task.get("index", 0)), env.get("MASTER_ADDR", host),
+                      int(env.get("MASTER_PORT", port or DEFAULT_PORT)))
+
+
+def _sagemaker_rendezvous(env: Mapping[str, str]) -> Rendezvous:
+    hosts = sorted(json.loads(env.get("SM_HOSTS", '["algo-1"]')))
+    current = env.get("SM_CURRENT_HOST", hosts[0])
+    return Rendezvous(len(hosts), hosts.index(current), hosts[0], DEFAULT_PORT)
+
+
+def node_rendezvous(cloud: str, env: Mapping[str, str]) -> Rendezvous:
+    """This node's rank among the job's nodes and the master's address, from the cloud's variables."""
+    if cloud == "vertex" and "CLUSTER_SPEC" in env:
+        return _vertex_rendezvous(env)
+    if cloud == "sagemaker" and "SM_HOSTS" in env:
+        return _sagemaker_rendezvous(env)
+    # torch-style variables (Vertex's prebuilt images, Azure's NODE_RANK): per node here.
+    nnodes = int(env.get("WORLD_SIZE", env.get("NODE_COUNT", "1")))
+    node_rank = int(env.get("NODE_RANK", env.get("RANK", "0")))
+    return Rendezvous(nnodes, node_rank, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", DEFAULT_PORT)))
+
+
+def torchrun_command(rdzv: Rendezvous, nproc_per_node: int, args: list[str]) -> list[str]:
+    """The command that starts this node's ranks and runs this module in each, with the same args."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={rdzv.nnodes}", f"--node_rank={rdzv.node_rank}",
+            f"--nproc_per_node={nproc_per_node}", f"--master_addr={rdzv.master_addr}",
+            f"--master_port={rdzv.master_port}", "-m", "workbench.cloud_entry", *args]
+
+
+def check_world(spec, env: Mapping[str, str]) -> None:
+    """The launcher's world size must be the layout's: a mismatch means a wrong instance shape."""
+    world = int(env.get("WORLD_SIZE", "1"))
+    if world != spec.world_size:
+        raise ConfigError(
+            f"the launcher started {world} ranks (WORLD_SIZE) but the spec's layout has dp({spec.layout.dp}) x "
+            f"tp({spec.layout.tp}) x pp({spec.layout.pp}) = {spec.world_size}. Match resources.gpus_per_node x "
+            "nodes to the machines' GPUs, or change the layout.")
+
+
+def _emit(event: dict) -> None:
+    # One write per line: ranks share the job's stdout, and a single write below PIPE_BUF is not
+    # interleaved with another rank's (print() writes the text and the newline separately).
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+def _print_sink(rank: int):
+    def sink(event: dict) -> None:
+        if rank == 0 or event.get("event") == "memory":
+            _emit(event)
+    return sink
+
+
+def run_ranks(spec, ckpt: str | None) -> dict:
+    """This process is one rank: run the per-rank loop, resuming from the newest checkpoint in `ckpt`."""
+    from workbench.runtime.loop import train
+
+    if ckpt:
+        spec = spec.replace(**{"checkpoint.uri": ckpt})
+    return train(spec, sink=_print_sink(int(os.environ.get("RANK", "0"))), resume=True)
+
+
+def run_on_ray(spec, ckpt: str | None) -> int:
+    """Inside a Ray job: run with the local-Ray launcher, which joins the cluster this job runs on,
+    and print its metrics events as JSON lines as they come (they are the job's log)."""
+    import ray
+
+    from workbench.launch import start
+
+    if not ray.is_initialized():
+        # Join the cluster this job runs on (RAY_ADDRESS is set by the Jobs API) before the local
+        # launcher would start a cluster of its own; workers inherit the job's working_dir.
+        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    if ckpt:
+        spec = spec.replace(**{"checkpoint.uri": ckpt})
+    handle = start(spec.replace(**{"backend.name": "local"}), resume=True)
+    for event in handle.follow():
+        _emit(event)
+    return 0 if handle.status().state.value == "completed" else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m workbench.cloud_entry")
+    p.add_argument("--spec", default="workbench_job.json", help="the job spec shipped in the bundle")
+    p.add_argument("--checkpoint-dir", help="local checkpoint folder (default: the cloud's)")
+    args, _ = p.parse_known_args(argv)  # clouds may append their own arguments
+
+    from workbench.spec import load_spec
+
+    env = os.environ
+    spec = load_spec(args.spec)
+    cloud = detect_cloud(env)
+    ckpt = checkpoint_dir(cloud, env, args.checkpoint_dir)
+    if cloud == "ray":
+        return run_on_ray(spec, ckpt)
+    if not launched_per_rank(env) and spec.world_size > 1:
+        rdzv = node_rendezvous(cloud, env)
+        cmd = torchrun_command(rdzv, spec.resources.gpus_per_node, argv)
+        print(f"workbench: {cloud} node {rdzv.node_rank}/{rdzv.nnodes}: {' '.join(cmd)}", flush=True)
+        os.execv(cmd[0], cmd)
+    if launched_per_rank(env):
+        check_world(spec, env)
+    result = run_ranks(spec, ckpt)
+    return 0 if not isinstance(result, dict) or result.get("status", "completed") == "completed" else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
