@@ -152,3 +152,47 @@ def check_runnable(spec: "JobSpec") -> None:
         unsupported.append(f"offload={lay.offload}")
     if unsupported:
         raise ConfigError(f"not supported yet: {', '.join(unsupported)}. This release runs dp with zero=0.")
+
+
+def check_resume(spec: "JobSpec", saved: dict) -> list[str]:
+    """Can `spec` continue from a checkpoint written by the spec `saved` (a dict)?
+
+    The model's shape and the optimizer must match (their state is what the checkpoint holds);
+    the layout and world size may differ (the checkpoint is resharded). Other differences that
+    change the data or the numerics are allowed but reported.
+    Returns:
+        Notes on allowed differences that make the resumed run differ from an uninterrupted one.
+    Raises:
+        ConfigError: an incompatible difference, named with both values and a fix.
+    """
+    from workbench.spec import load_spec
+
+    old = load_spec(saved)
+    diffs = [(f"model.{k}", a, b) for k, a, b in _model_identity(old, spec)]
+    if old.train.optimizer != spec.train.optimizer:
+        diffs.append(("train.optimizer", old.train.optimizer, spec.train.optimizer))
+    if diffs:
+        listed = "; ".join(f"{k}: checkpoint has {a!r}, this spec has {b!r}" for k, a, b in diffs)
+        raise ConfigError(
+            f"cannot resume: the checkpoint was written by an incompatible spec ({listed}). A checkpoint holds "
+            "the model's and optimizer's state, so these must match (the layout may change). Restore those "
+            "values, or start a fresh run without --resume (or with another checkpoint.uri).")
+    notes = []
+    for key, a, b in (("data", old.data.model_dump(),
+                       spec.data.model_dump()),
+                      ("train.global_batch", old.train.global_batch, spec.train.global_batch),
+                      ("precision.dtype", old.precision.dtype, spec.precision.dtype)):
+        if a != b:
+            notes.append(f"resuming with {key} changed ({a!r} -> {b!r}): the run continues, but not on the "
+                         "exact curve of the original run")
+    return notes
+
+
+def _model_identity(old: "JobSpec", new: "JobSpec") -> list[tuple[str, object, object]]:
+    """Differences between the two specs' model architectures: [(field, old, new)]."""
+    if old.model.factory or new.model.factory:
+        a = (old.model.factory, old.model.kwargs)
+        b = (new.model.factory, new.model.kwargs)
+        return [] if a == b else [("factory", a, b)]
+    sa, sb = old.model.shape(), new.model.shape()
+    return [(f, getattr(sa, f), getattr(sb, f)) for f in sa.__dataclass_fields__ if getattr(sa, f) != getattr(sb, f)]

@@ -19,7 +19,9 @@ from workbench.data import build_token_source, rank_micro_batches
 from workbench.models import build_model_meta
 from workbench.parallel.apply import Parallelized, parallelize
 from workbench.parallel.layout import build_mesh, coords
+from workbench.runtime.checkpoint import build_checkpointer
 from workbench.runtime.meter import MemoryMeter
+from workbench.runtime.preemption import PreemptionNotice
 from workbench.spec import JobSpec, load_spec
 from workbench.validate import check_runnable
 
@@ -79,7 +81,7 @@ def forward_backward(par: Parallelized, micro_batches: list[torch.Tensor], meter
 
 
 def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] = lambda: False,
-          resume: bool = False) -> dict:
+          resume: bool = False, attempt: int = 0) -> dict:
     """Train `spec` on this rank. Returns the final {"status", "step", "loss"}.
 
     Args:
@@ -88,7 +90,13 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
         should_stop: polled after each step on every rank; if any rank says True, all ranks
             stop after the same step and the run ends with status "preempted".
         resume: continue from the newest complete checkpoint under checkpoint.uri.
+        attempt: how many times the launcher restarted the workers (recorded in the restart event).
     """
+    with PreemptionNotice() as notice:  # SIGTERM -> stop after this step (main thread only)
+        return _train(spec, sink, lambda: should_stop() or notice.requested, resume, attempt)
+
+
+def _train(spec, sink: Sink, should_stop: Callable[[], bool], resume: bool, attempt: int) -> dict:
     spec = load_spec(spec)
     check_runnable(spec)
     ctx = init_distributed()
@@ -106,8 +114,12 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
     dp_group = mesh.get_group("dp") if mesh is not None and lay.dp > 1 else None
     tokens_per_step = t.global_batch * source.seq_len
 
-    step, loss_value, status = 0, float("nan"), "completed"
-    for step in range(1, t.steps + 1):
+    ckpt = build_checkpointer(spec, par.modules, optimizer, ctx.device, sink)
+    first = ckpt.restore() + 1 if resume else 1
+    if resume and ctx.rank == 0:
+        sink({"event": "restart", "attempt": attempt, "from_step": first - 1})
+    step, loss_value, status = first - 1, float("nan"), "completed"
+    for step in range(first, t.steps + 1):
         start = time.perf_counter()
         batch = source.global_batch(step, t.global_batch).to(ctx.device)
         micro = rank_micro_batches(batch, where["dp"], lay.dp, t.micro_batch)
@@ -127,18 +139,14 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
         if ctx.rank == 0:
             sink({"event": "step", "step": step, "loss": loss_value,
                   "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed})
-        if step < t.steps and _any_rank(should_stop(), ctx.device):
+        save, stop = ckpt.poll(step, should_stop(), last_step=t.steps)
+        if save:
+            ckpt.save(step, block=stop or step == t.steps)
+        if stop:
             status = "preempted"
             break
+    ckpt.close()
     if ctx.rank == 0:
         sink({"event": "end", "status": status, "step": step})
     return {"status": status, "step": step, "loss": loss_value}
 
-
-def _any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank if it is True on any: ranks must stop after the same step."""
-    if not dist.is_initialized():
-        return flag
-    t = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
