@@ -22,6 +22,9 @@ import torch.nn as nn
 
 from workbench.runtime.checkpoint_store import CorruptCheckpoint, Store, new_manifest
 
+# DCP says this on every single-process save/load, which is what we mean there.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written; the message says why and what is still intact."""
