@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import os
 import random
 import threading
 import time
@@ -19,6 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from workbench.runtime.checkpoint_store import CorruptCheckpoint, Store, new_manifest
 
@@ -73,6 +75,7 @@ class Checkpointer:
         self._last_save_time = clock()
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
+        self._need_bytes = 0
 
     @property
     def enabled(self) -> bool:
@@ -132,6 +135,7 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         start, store = time.perf_counter(), self.store
+        self._need_bytes = _state_bytes(state)
         staging = store.staging_dir(step)
 
         def prepare():
@@ -176,12 +180,15 @@ class Checkpointer:
         result, error = None, None
         try:
             result = fn()
-        except Exception as e:  # noqa: BLE001 - turned into a CheckpointError below
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - turned into a CheckpointError below
             error = _describe(e)
         errors = [e for e in self._gather(error) if e]
         if errors:
-            if self.rank == 0:
-                self.store.remove(self.store.staging_dir(step))  # frees the space a full disk needs
+            if self.rank == 0:  # frees the space a full disk needs
+                self.store.remove(self.store.staging_dir(step))
+                self.store.prune(self.keep, current=step + 1)
+            full = None if error is None or "no space left" in error else _disk_full(self.store, self._need_bytes)
+            errors = [e for e in self._gather(full) if e] + errors
             prev = f"step {self.last_saved_step}" if self.last_saved_step else "none written by this run"
             raise CheckpointError(
                 f"checkpoint of step {step} to {self.uri} failed while {what}: {errors[0]}. "
@@ -360,10 +367,44 @@ def _stage(obj):
 
 def _describe(e: BaseException) -> str:
     """A one-line cause, unwrapping DCP's per-rank CheckpointException; names a full disk."""
-    for inner in _causes(e):
+    causes = list(_causes(e))
+    for inner in causes:
         if isinstance(inner, OSError) and inner.errno == errno.ENOSPC:
             return f"no space left on device ({inner})"
-    return f"{type(e).__name__}: {e}"
+    root = causes[-1] if len(causes) > 1 and getattr(e, "failures", None) else e
+    return f"{type(root).__name__}: {str(root).splitlines()[0] if str(root) else ''}"
+
+
+def _disk_full(store: Store, need_bytes: int) -> str | None:
+    """On a local disk, a failure with less free space than the checkpoint needs is a full disk.
+
+    torch.save's zip writer turns the OSError(ENOSPC) of a full disk into "unexpected pos", so
+    the cause is recovered from the volume itself.
+    """
+    import shutil
+
+    if not store.local:
+        return None
+    path = store.root
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    free = shutil.disk_usage(path).free
+    if free >= need_bytes:
+        return None
+    return (f"no space left on device: {free / 2**20:.1f} MiB free on the volume of {store.root}, this rank's "
+            f"checkpoint needs about {need_bytes / 2**20:.1f} MiB")
+
+
+def _state_bytes(obj) -> int:
+    """Bytes of the tensors this rank holds in a state dict (local shards of DTensors)."""
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return local.numel() * local.element_size()
+    if isinstance(obj, dict):
+        return sum(_state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_state_bytes(v) for v in obj)
+    return 0
 
 
 def _causes(e: BaseException):
