@@ -182,7 +182,8 @@ def test_sigterm_at_a_random_step_then_resume(tmp_path):
     try:
         deadline = time.monotonic() + 240
         while not any(e["event"] == "step" and e["step"] >= at for e in _read_events(metrics)):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the signal"
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the run ended (or stalled) before step {at}: {_finish(proc, 10)}")
             time.sleep(0.05)
         os.kill(proc.pid, signal.SIGTERM)
     finally:
