@@ -88,7 +88,7 @@ def run(spec: JobSpec | dict | str, metrics_out: str | None = None, resume: bool
     try:
         with forward_signal(handle.cancel):  # SIGTERM: the workers stop after a step and checkpoint
             for event in handle.follow():
-                _record(event, out, bar)
+                _record(event, out, bar, spec.name)
         status = handle.status()
         events = handle.events
         end = next((e for e in reversed(events) if e["event"] == "end"), None)
@@ -113,13 +113,15 @@ def run(spec: JobSpec | dict | str, metrics_out: str | None = None, resume: bool
     return result
 
 
-def _record(event: dict, out, bar) -> None:
+def _record(event: dict, out, bar, name: str) -> None:
     if out is not None and event["event"] != "error":
         out.write(json.dumps(event) + "\n")
         out.flush()
     if event["event"] == "warning":
         print(f"warning: {event['message']}", file=sys.stderr)
     if bar is not None and event["event"] == "step":
+        if event["step"] == 1:
+            bar.set_description_str(name)
         bar.update(event["step"] - bar.n)
         bar.set_postfix(loss=f"{event['loss']:.4f}", tok_s=f"{event['tokens_per_s']:,.0f}")
 
@@ -127,7 +129,9 @@ def _record(event: dict, out, bar) -> None:
 def _progress_bar(spec: JobSpec):
     from tqdm import tqdm
 
-    return tqdm(total=spec.train.steps, desc=spec.name, unit="step", file=sys.stderr, dynamic_ncols=True)
+    where = "GPU" if spec.resources.gpu != "cpu" else "CPU"
+    desc = f"{spec.name}: starting {spec.world_size} {where} workers on local Ray"
+    return tqdm(total=spec.train.steps, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
 
 
 def _run_remote(spec: JobSpec) -> RunResult:

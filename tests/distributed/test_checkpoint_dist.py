@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from workbench.runtime.loop import train
-from workbench.runtime.spawn import SpawnPool
 
 pytestmark = [pytest.mark.distributed]
 STEPS = 6
@@ -34,15 +33,14 @@ def losses(events, kind="step"):
     return [e["loss"] for e in events if e["event"] == kind]
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with SpawnPool(2) as p:
-        yield p
+@pytest.fixture
+def pool(spawn_pools):
+    return spawn_pools.get(2)
 
 
 @pytest.fixture(scope="module")
-def reference(pool):
-    return losses(pool.run(spec(2), timeout_s=240))
+def reference(spawn_pools):
+    return losses(spawn_pools.get(2).run(spec(2), timeout_s=240))
 
 
 @pytest.mark.timeout(420)

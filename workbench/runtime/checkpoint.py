@@ -22,10 +22,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
+from workbench.errors import ConfigError
 from workbench.runtime.checkpoint_store import CorruptCheckpoint, Store, new_manifest
 
 # DCP says this on every single-process save/load, which is what we mean there.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+OPTIONAL_PARTS = ("scaler",)  # state that may start fresh when a checkpoint lacks it
 
 
 class CheckpointError(RuntimeError):
@@ -42,7 +46,8 @@ class Checkpointer:
     Args:
         spec: the job spec as a dict (recorded in each manifest, checked on resume).
         modules: this rank's model modules (one, or several pipeline stages).
-        optimizer: the optimizer over their parameters.
+        optimizer: the torch optimizer over their parameters, or None when an extra holds the
+            optimizer state (the fp32 master of mixed precision / zero=1).
         extra_state: other objects with state_dict()/load_state_dict(), e.g. {"scaler": scaler}.
         device: the device of the loop's collectives (polls).
         on_saved: called on rank 0 with (step, url) once a checkpoint is complete.
@@ -50,7 +55,7 @@ class Checkpointer:
         clock: seconds, monotonic (injectable for tests of time-based saves).
     """
 
-    def __init__(self, spec: dict, modules: list[nn.Module], optimizer: torch.optim.Optimizer, *,
+    def __init__(self, spec: dict, modules: list[nn.Module], optimizer: torch.optim.Optimizer | None, *,
                  extra_state: dict | None = None, device: torch.device | None = None,
                  on_saved: Callable[[int, str], None] | None = None,
                  warn: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic):
@@ -234,31 +239,44 @@ class Checkpointer:
 
     def _load(self, step: int, manifest: dict) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         path = self.store.step_dir(step)
+        url = self.store.url(path)
         reader = FileSystemReader if self.store.local else FsspecReader
+        saved = {key.split(".", 1)[0] for key in reader(url).read_metadata().state_dict_metadata}
         state = self._state_dict()
-        core = {"model": state["model"], "optim": state["optim"]}
-        nd = self.group is None
-        dcp.load(core, storage_reader=reader(self.store.url(path)), process_group=self.group, no_dist=nd)
-        set_state_dict(self.module, self.optimizer, model_state_dict=core["model"], optim_state_dict=core["optim"])
-        extras = {k: v for k, v in state.items() if k not in core}
-        if extras:  # e.g. a loss scaler that an fp32 checkpoint does not have: keep it fresh
-            dcp.load(extras, storage_reader=reader(self.store.url(path)), process_group=self.group, no_dist=nd,
-                     planner=DefaultLoadPlanner(allow_partial_load=True))
-            for name, obj in self.extra_state.items():
-                obj.load_state_dict(extras[name])
+        missing = [part for part in state if part not in saved]
+        for part in missing:
+            if part not in OPTIONAL_PARTS:
+                raise ConfigError(
+                    f"cannot resume: the checkpoint of step {step} under {self.uri} has no {part!r} state, which "
+                    f"this run needs (it was written with layout {manifest.get('layout')} and precision "
+                    f"{manifest['spec'].get('precision', {}).get('dtype', 'fp32')}; zero=1 and mixed precision keep "
+                    "an fp32 master instead of a torch optimizer). Resume with the checkpoint's zero stage and "
+                    "precision, or start a fresh run.")
+            self._warn(f"the checkpoint of step {step} has no {part!r} state; it starts fresh")
+        present = {k: v for k, v in state.items() if k not in missing}
+        dcp.load(present, storage_reader=reader(url), process_group=self.group, no_dist=self.group is None)
+        set_model_state_dict(self.module, present["model"])
+        if self.optimizer is not None:
+            set_optimizer_state_dict(self.module, self.optimizer, present["optim"])
+        for name, obj in self.extra_state.items():
+            if name in present:
+                obj.load_state_dict(present[name])
         if manifest.get("world_size") == self.world:  # per-rank streams only map 1:1 on the same world
             set_rng_state(_read_torch(self.store, f"{path}/rng-rank{self.rank:05d}.pt"))
 
     def _state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        if self.optimizer is None:  # the optimizer state lives in an extra (an fp32 master)
+            state = {"model": get_model_state_dict(self.module)}
+        else:
+            model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
         for name, obj in self.extra_state.items():
             state[name] = obj.state_dict()
         return state
@@ -285,7 +303,7 @@ class Checkpointer:
                 self._warn_cb(message)
 
 
-def build_checkpointer(spec, modules: list[nn.Module], optimizer: torch.optim.Optimizer, device: torch.device,
+def build_checkpointer(spec, modules: list[nn.Module], optimizer: torch.optim.Optimizer | None, device: torch.device,
                        sink: Callable[[dict], None], extra_state: dict | None = None) -> Checkpointer:
     """The loop's Checkpointer: `checkpoint` and `warning` events go to `sink` (from rank 0)."""
     return Checkpointer(spec.to_dict(), modules, optimizer, extra_state=extra_state, device=device,

@@ -1,0 +1,44 @@
+"""Combined layouts on 4 and 8 gloo ranks: dp x tp, dp x pp, tp x pp, ZeRO (FSDP2) with tp/pp,
+and one 8-rank dp2 x tp2 x pp2, each reproducing the single-process fp32 run."""
+import pytest
+
+from test_parity_tp_pp import BASE, assert_matches, losses
+from workbench.runtime.loop import train, train_with_state
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+CASES_4 = {
+    "dp2-tp2": {"dp": 2, "tp": 2},
+    "dp2-pp2-1f1b": {"dp": 2, "pp": 2, "pp_schedule": "1f1b"},
+    "tp2-pp2-interleaved-sp": {"tp": 2, "pp": 2, "pp_schedule": "interleaved-1f1b", "sequence_parallel": True},
+    "tp2-pp2-1f1b-full-ckpt": {"tp": 2, "pp": 2, "pp_schedule": "1f1b", "activation_checkpointing": "full"},
+    "dp2-tp2-zero1": {"dp": 2, "tp": 2, "zero": 1},
+    "dp2-tp2-zero3-sp": {"dp": 2, "tp": 2, "zero": 3, "sequence_parallel": True},  # FSDP2 x TP
+    "dp2-pp2-zero2-zero-bubble": {"dp": 2, "pp": 2, "zero": 2, "pp_schedule": "zero-bubble"},
+    "dp2-pp2-zero3-1f1b": {"dp": 2, "pp": 2, "zero": 3, "pp_schedule": "1f1b"},
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    events = []
+    result = train(BASE, events.append, gather_state=True)
+    return losses(events), result["state"]
+
+
+@pytest.mark.parametrize("name", list(CASES_4))
+def test_4_rank_layout_reproduces_single_process(name, spawn_pools, reference):
+    events = spawn_pools.get(4).run({**BASE, "layout": CASES_4[name]}, fn=train_with_state, timeout_s=240)
+    assert_matches(events, reference, name)
+    coords = {tuple(e["coords"].values()) for e in events if e["event"] == "memory"}
+    assert len(coords) == 4  # every rank reported its memory, at distinct mesh coordinates
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_8_rank_dp2_tp2_pp2(spawn_pools, reference):
+    # 8 processes on a small machine: one thread each (SpawnPool's default), generous timeout.
+    layout = {"dp": 2, "tp": 2, "pp": 2, "pp_schedule": "1f1b", "sequence_parallel": True}
+    events = spawn_pools.get(8).run({**BASE, "layout": layout}, fn=train_with_state, timeout_s=480)
+    assert_matches(events, reference, "dp2-tp2-pp2")
+    assert {e["rank"] for e in events if e["event"] == "timeline"} == set(range(8))
