@@ -32,6 +32,15 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 OPTIONAL_PARTS = ("scaler",)  # state that may start fresh when a checkpoint lacks it
 
 
+def _options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Flattened optimizer state: hyper-parameters per parameter name, not per param group, so
+    # pipeline ranks (each with its own group of different parameters) do not overwrite each
+    # other's groups in the deduplicated checkpoint, and any layout can load it (torchtitan does this).
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written; the message says why and what is still intact."""
 
@@ -262,7 +271,7 @@ class Checkpointer:
         dcp.load(present, storage_reader=reader(url), process_group=self.group, no_dist=self.group is None)
         set_model_state_dict(self.module, present["model"])
         if self.optimizer is not None:
-            set_optimizer_state_dict(self.module, self.optimizer, present["optim"])
+            set_optimizer_state_dict(self.module, self.optimizer, present["optim"], options=_options())
         for name, obj in self.extra_state.items():
             if name in present:
                 obj.load_state_dict(present[name])
@@ -275,7 +284,7 @@ class Checkpointer:
         if self.optimizer is None:  # the optimizer state lives in an extra (an fp32 master)
             state = {"model": get_model_state_dict(self.module)}
         else:
-            model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+            model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=_options())
             state = {"model": model_sd, "optim": optim_sd}
         for name, obj in self.extra_state.items():
             state[name] = obj.state_dict()
