@@ -2,12 +2,14 @@
 during a write, a resume with an incompatible spec, SIGTERM to `workbench run` at a random
 step, and SIGKILL of one Ray worker with max_failures=1."""
 import errno
+import functools
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from workbench.errors import ConfigError
 from workbench.runtime.checkpoint import CheckpointError, CheckpointWarning
 from workbench.runtime.checkpoint_store import Store
 from workbench.runtime.loop import train
+from workbench.runtime.spawn import SpawnPool
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -143,6 +146,41 @@ def test_resume_with_an_incompatible_spec_names_the_difference(tmp_path):
         run(changed, resume=True, progress=False)  # before any worker starts
     with pytest.raises(ConfigError, match=r"model\.hidden"):
         train(changed, [].append, resume=True)  # and in the worker (the cloud entrypoint's path)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(420)
+def test_sigterm_to_one_rank_process_checkpoints_and_resumes_exactly(tmp_path):
+    """The per-rank path (torchrun, a cloud's launcher): SIGTERM to one rank's process at a
+    random moment stops both ranks after the same step, with a checkpoint of that step."""
+    with SpawnPool(2) as pool:
+        _sigterm_one_rank(pool, tmp_path)
+
+
+def _sigterm_one_rank(pool: SpawnPool, tmp_path: Path) -> None:
+    steps, spec = 20, tiny(20, tmp_path, dp=2, every_steps=2)
+    reference = losses(pool.run(tiny(steps, dp=2), timeout_s=240))
+    at = random.Random().choice([2, 4, 6])
+    print(f"SIGTERM once step {at} is checkpointed")
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(events=pool.run(spec, timeout_s=240)))
+    runner.start()
+    deadline = time.monotonic() + 240
+    while not (tmp_path / f"step-{at:09d}").exists() and runner.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(pool._procs[1].pid, signal.SIGTERM)
+    runner.join(timeout=240)
+    events = result["events"]
+    end = next(e for e in events if e["event"] == "end")
+    assert end["status"] == "preempted" and at <= end["step"] < steps, end
+    assert (tmp_path / f"step-{end['step']:09d}" / "manifest.json").exists()
+
+    resumed = pool.run(spec, fn=functools.partial(_resume), timeout_s=240)
+    assert losses(resumed) == {k: v for k, v in reference.items() if k > end["step"]}
+
+
+def _resume(spec: dict, sink) -> None:
+    train(spec, sink, resume=True)
 
 
 def _read_events(path: Path) -> list[dict]:
