@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from workbench.errors import WorkerError
-from workbench.runtime.preemption import EXIT_PREEMPTED, forward_signal  # noqa: F401 - EXIT_PREEMPTED: public here too
+from workbench.runtime.preemption import EXIT_PREEMPTED, forward_signal
 from workbench.spec import JobSpec, load_spec
 from workbench.validate import check_runnable
 

@@ -8,10 +8,6 @@ Data needs no state: batch k is a pure function of (data.seed, k). See docs/chec
 """
 from __future__ import annotations
 
-import copy
-import errno
-import os
-import random
 import threading
 import time
 import warnings
@@ -23,22 +19,15 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from workbench.errors import ConfigError
-from workbench.runtime.checkpoint_store import CorruptCheckpoint, Store, new_manifest
+from workbench.runtime.checkpoint_state import (rng_state, set_rng_state, stage, state_bytes, state_dict_options,
+                                                 union_module)
+from workbench.runtime.checkpoint_store import CorruptCheckpoint, Store, describe_error, disk_full, new_manifest
 
 # DCP says this on every single-process save/load, which is what we mean there.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 OPTIONAL_PARTS = ("scaler",)  # state that may start fresh when a checkpoint lacks it
-
-
-def _options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    # Flattened optimizer state: hyper-parameters per parameter name, not per param group, so
-    # pipeline ranks (each with its own group of different parameters) do not overwrite each
-    # other's groups in the deduplicated checkpoint, and any layout can load it (torchtitan does this).
-    return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class CheckpointError(RuntimeError):
@@ -121,7 +110,7 @@ class Checkpointer:
         state = self._state_dict()
         rng = rng_state()
         if self.async_save and not block:
-            staged = _stage(state)  # training may change the live tensors from now on
+            staged = stage(state)  # training may change the live tensors from now on
             self._thread = threading.Thread(target=self._write_bg, args=(step, staged, rng),
                                             name=f"checkpoint-{step}", daemon=True)
             self._thread.start()
@@ -149,7 +138,7 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         start, store = time.perf_counter(), self.store
-        self._need_bytes = _state_bytes(state)
+        self._need_bytes = state_bytes(state)
         staging = store.staging_dir(step)
 
         def prepare():
@@ -158,7 +147,7 @@ class Checkpointer:
                 store.fs.makedirs(staging, exist_ok=True)
 
         self._phase(step, "preparing the directory", prepare, everyone=False)
-        self._phase(step, "writing RNG states", lambda: _write_torch(store, f"{staging}/rng-rank{self.rank:05d}.pt", rng))
+        self._phase(step, "writing RNG states", lambda: store.write_torch(f"{staging}/rng-rank{self.rank:05d}.pt", rng))
         self._phase(step, "writing tensors", lambda: dcp.save(state, storage_writer=self._writer(staging),
                                                                process_group=self.group, no_dist=self.group is None))
         files = store.list_files(staging) if self.rank == 0 else None
@@ -195,13 +184,13 @@ class Checkpointer:
         try:
             result = fn()
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - turned into a CheckpointError below
-            error = _describe(e)
+            error = describe_error(e)
         errors = [e for e in self._gather(error) if e]
         if errors:
             if self.rank == 0:  # frees the space a full disk needs
                 self.store.remove(self.store.staging_dir(step))
                 self.store.prune(self.keep, current=step + 1)
-            full = None if error is None or "no space left" in error else _disk_full(self.store, self._need_bytes)
+            full = None if error is None or "no space left" in error else disk_full(self.store, self._need_bytes)
             errors = [e for e in self._gather(full) if e] + errors
             prev = f"step {self.last_saved_step}" if self.last_saved_step else "none written by this run"
             raise CheckpointError(
@@ -271,12 +260,12 @@ class Checkpointer:
         dcp.load(present, storage_reader=reader(url), process_group=self.group, no_dist=self.group is None)
         set_model_state_dict(self.module, present["model"])
         if self.optimizer is not None:
-            set_optimizer_state_dict(self.module, self.optimizer, present["optim"], options=_options())
+            set_optimizer_state_dict(self.module, self.optimizer, present["optim"], options=state_dict_options())
         for name, obj in self.extra_state.items():
             if name in present:
                 obj.load_state_dict(present[name])
         if manifest.get("world_size") == self.world:  # per-rank streams only map 1:1 on the same world
-            set_rng_state(_read_torch(self.store, f"{path}/rng-rank{self.rank:05d}.pt"))
+            set_rng_state(self.store.read_torch(f"{path}/rng-rank{self.rank:05d}.pt"))
 
     def _state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
@@ -284,7 +273,7 @@ class Checkpointer:
         if self.optimizer is None:  # the optimizer state lives in an extra (an fp32 master)
             state = {"model": get_model_state_dict(self.module)}
         else:
-            model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=_options())
+            model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=state_dict_options())
             state = {"model": model_sd, "optim": optim_sd}
         for name, obj in self.extra_state.items():
             state[name] = obj.state_dict()
@@ -318,133 +307,6 @@ def build_checkpointer(spec, modules: list[nn.Module], optimizer: torch.optim.Op
     return Checkpointer(spec.to_dict(), modules, optimizer, extra_state=extra_state, device=device,
                         on_saved=lambda step, url: sink({"event": "checkpoint", "step": step, "uri": url}),
                         warn=lambda message: sink({"event": "warning", "message": message}))
-
-
-def union_module(modules: list[nn.Module]) -> nn.Module:
-    """One module whose parameter names are the full model's, over several stage modules.
-
-    Pipeline stages are copies of the model with blocks removed, so their names never clash;
-    this view (it shares the modules, copies nothing) lets DCP see one model.
-    """
-    root = nn.Module()
-    for m in modules:
-        _merge_into(root, m)
-    return root
-
-
-def _merge_into(dst: nn.Module, src: nn.Module) -> None:
-    for name, p in src._parameters.items():
-        if p is not None:
-            dst.register_parameter(name, p)
-    for name, b in src._buffers.items():
-        if b is not None:
-            dst.register_buffer(name, b, persistent=name not in src._non_persistent_buffers_set)
-    for name, child in src._modules.items():
-        if child is None:
-            continue
-        if name in dst._modules and isinstance(child, (nn.ModuleDict, nn.ModuleList)):
-            _merge_into(dst._modules[name], child)
-        elif isinstance(child, (nn.ModuleDict, nn.ModuleList)):
-            dst._modules[name] = nn.Module()
-            _merge_into(dst._modules[name], child)
-        else:
-            dst._modules[name] = child
-
-
-def rng_state() -> dict:
-    """This process's random number generator states (torch CPU and CUDA, Python, NumPy)."""
-    import numpy as np
-
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    import numpy as np
-
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _write_torch(store: Store, path: str, obj) -> None:
-    with store.fs.open(path, "wb") as f:
-        torch.save(obj, f)
-
-
-def _read_torch(store: Store, path: str):
-    with store.fs.open(path, "rb") as f:
-        return torch.load(f, weights_only=False)
-
-
-def _stage(obj):
-    """A CPU copy of a state dict (tensors and DTensors cloned), for a background save."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _stage(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_stage(v) for v in obj)
-    return copy.deepcopy(obj)
-
-
-def _describe(e: BaseException) -> str:
-    """A one-line cause, unwrapping DCP's per-rank CheckpointException; names a full disk."""
-    causes = list(_causes(e))
-    for inner in causes:
-        if isinstance(inner, OSError) and inner.errno == errno.ENOSPC:
-            return f"no space left on device ({inner})"
-    root = causes[-1] if len(causes) > 1 and getattr(e, "failures", None) else e
-    return f"{type(root).__name__}: {str(root).splitlines()[0] if str(root) else ''}"
-
-
-def _disk_full(store: Store, need_bytes: int) -> str | None:
-    """On a local disk, a failure with less free space than the checkpoint needs is a full disk.
-
-    torch.save's zip writer turns the OSError(ENOSPC) of a full disk into "unexpected pos", so
-    the cause is recovered from the volume itself.
-    """
-    import shutil
-
-    if not store.local:
-        return None
-    path = store.root
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    free = shutil.disk_usage(path).free
-    if free >= need_bytes:
-        return None
-    return (f"no space left on device: {free / 2**20:.1f} MiB free on the volume of {store.root}, this rank's "
-            f"checkpoint needs about {need_bytes / 2**20:.1f} MiB")
-
-
-def _state_bytes(obj) -> int:
-    """Bytes of the tensors this rank holds in a state dict (local shards of DTensors)."""
-    if isinstance(obj, torch.Tensor):
-        local = obj.to_local() if hasattr(obj, "to_local") else obj
-        return local.numel() * local.element_size()
-    if isinstance(obj, dict):
-        return sum(_state_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_state_bytes(v) for v in obj)
-    return 0
-
-
-def _causes(e: BaseException):
-    seen, todo = set(), [e]
-    while todo:
-        cur = todo.pop()
-        if cur is None or id(cur) in seen:
-            continue
-        seen.add(id(cur))
-        yield cur
-        todo += [cur.__cause__, cur.__context__]
-        for failure in (getattr(cur, "failures", None) or {}).values():  # DCP: {rank: (exc, tb)}
-            todo.append(failure[0] if isinstance(failure, tuple) else failure)
 
 
 def _any_rank(flags: list[bool], device: torch.device) -> list[bool]:

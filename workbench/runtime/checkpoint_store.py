@@ -9,6 +9,7 @@ files do not match it is reported as corrupt. On local disks the files are first
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -152,6 +153,18 @@ class Store:
                 problems.append(f"{rel}: CRC-32 mismatch (corrupted)")
         return problems
 
+    def write_torch(self, path: str, obj) -> None:
+        import torch
+
+        with self.fs.open(path, "wb") as f:
+            torch.save(obj, f)
+
+    def read_torch(self, path: str):
+        import torch
+
+        with self.fs.open(path, "rb") as f:
+            return torch.load(f, weights_only=False)  # our own RNG states (Python and NumPy objects)
+
     # -- retention ----------------------------------------------------------------------
     def prune(self, keep: int, *, current: int) -> list[int]:
         """Delete all but the newest `keep` committed checkpoints, and stale partial ones.
@@ -193,3 +206,46 @@ def new_manifest(step: int, spec: dict, world_size: int, files: dict, save_s: fl
     return {"format": FORMAT, "step": step, "spec": spec, "world_size": world_size,
             "layout": spec.get("layout", {}), "files": files, "created_unix": time.time(),
             "save_s": round(save_s, 4)}
+
+
+def describe_error(e: BaseException) -> str:
+    """A one-line cause, unwrapping DCP's per-rank CheckpointException; names a full disk."""
+    causes = list(_causes(e))
+    for inner in causes:
+        if isinstance(inner, OSError) and inner.errno == errno.ENOSPC:
+            return f"no space left on device ({inner})"
+    root = causes[-1] if len(causes) > 1 and getattr(e, "failures", None) else e
+    return f"{type(root).__name__}: {str(root).splitlines()[0] if str(root) else ''}"
+
+
+def disk_full(store: Store, need_bytes: int) -> str | None:
+    """On a local disk, a failure with less free space than the checkpoint needs is a full disk.
+
+    torch.save's zip writer turns the OSError(ENOSPC) of a full disk into "unexpected pos", so
+    the cause is recovered from the volume itself.
+    """
+    import shutil
+
+    if not store.local:
+        return None
+    path = store.root
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    free = shutil.disk_usage(path).free
+    if free >= need_bytes:
+        return None
+    return (f"no space left on device: {free / 2**20:.1f} MiB free on the volume of {store.root}, this rank's "
+            f"checkpoint needs about {need_bytes / 2**20:.1f} MiB")
+
+
+def _causes(e: BaseException):
+    seen, todo = set(), [e]
+    while todo:
+        cur = todo.pop()
+        if cur is None or id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        yield cur
+        todo += [cur.__cause__, cur.__context__]
+        for failure in (getattr(cur, "failures", None) or {}).values():  # DCP: {rank: (exc, tb)}
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
