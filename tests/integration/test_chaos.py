@@ -255,7 +255,7 @@ def test_sigkill_of_a_ray_worker_restarts_from_the_last_checkpoint(tmp_path):
 
     from workbench.launch import start
 
-    spec = tiny(40, tmp_path, dp=2, every_steps=5)
+    spec = tiny(24, tmp_path, dp=2, every_steps=4)
     spec["backend"] = {"name": "local", "max_failures": 1}
     handle = start(spec)
     killed, pids = None, {}
@@ -279,7 +279,7 @@ def test_sigkill_of_a_ray_worker_restarts_from_the_last_checkpoint(tmp_path):
     assert restart == {"event": "restart", "attempt": 1, "from_step": last_ckpt}
     assert last_ckpt >= killed["after_checkpoint"]
     before, after = losses(events[:cut]), losses(events[cut:])
-    assert sorted(after) == list(range(last_ckpt + 1, 41))
+    assert sorted(after) == list(range(last_ckpt + 1, 25))
     redone = [k for k in before if k > last_ckpt]  # steps run again after the restart
     assert [after[k] for k in redone] == [before[k] for k in redone]  # the curve continues exactly
-    assert events[-1] == {"event": "end", "status": "completed", "step": 40}
+    assert events[-1] == {"event": "end", "status": "completed", "step": 24}
