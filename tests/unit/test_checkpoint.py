@@ -143,12 +143,14 @@ def test_resume_rules_name_the_difference():
     assert len(notes) == 1 and "global_batch" in notes[0]
 
 
-def test_sigterm_sets_the_notice_and_restores_the_handler():
+def test_sigterm_sets_the_notice_and_restores_the_handler(monkeypatch):
     before = signal.getsignal(signal.SIGTERM)
     with PreemptionNotice() as notice:
         assert not notice.requested
         os.kill(os.getpid(), signal.SIGTERM)
         assert notice.requested and notice.seconds_left() > 0
+        monkeypatch.setenv("WORKBENCH_PREEMPT_GRACE_S", "0")
+        assert notice.seconds_left() < 0 and "grace period" in notice.overrun_message()
     assert signal.getsignal(signal.SIGTERM) is before
 
 

@@ -107,7 +107,10 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
         attempt: how many times the launcher restarted the workers (recorded in the restart event).
     """
     with PreemptionNotice() as notice:  # SIGTERM -> stop after this step (main thread only)
-        return _train(spec, sink, lambda: should_stop() or notice.requested, resume, gather_state, attempt)
+        result = _train(spec, sink, lambda: should_stop() or notice.requested, resume, gather_state, attempt)
+    if notice.requested and notice.seconds_left() < 0:
+        sink({"event": "warning", "message": notice.overrun_message()})
+    return result
 
 
 def _train(spec, sink: Sink, should_stop: Callable[[], bool], resume: bool, gather_state: bool, attempt: int) -> dict:

@@ -48,6 +48,12 @@ class PreemptionNotice:
             return grace_seconds()
         return grace_seconds() - (time.monotonic() - self.received_at)
 
+    def overrun_message(self) -> str:
+        over = -self.seconds_left()
+        return (f"stopping after the preemption notice took {grace_seconds() + over:.1f} s, {over:.1f} s more than "
+                f"the {grace_seconds():g} s grace period (WORKBENCH_PREEMPT_GRACE_S): the cloud may have killed the "
+                "run before its checkpoint. Write checkpoints to faster storage, or make steps shorter.")
+
     def _handle(self, signum, frame) -> None:
         if self.received_at is not None:  # a second notice: stop waiting for the step
             sys.exit(128 + signum)
