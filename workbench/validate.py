@@ -207,3 +207,49 @@ def _check_model_parallel_runnable(spec: "JobSpec") -> None:
             f"precision.dtype={spec.precision.dtype} with tp({lay.tp}) is not supported yet: autocast does not "
             "reach inside DTensor's sharded matmuls here (the forward mixes low-precision inputs with fp32 "
             "shards). Use precision.dtype: fp32 with tp, or mixed precision with dp/pp only.")
+
+
+def check_resume(spec: "JobSpec", saved: dict) -> list[str]:
+    """Can `spec` continue from a checkpoint written by the spec `saved` (a dict)?
+
+    The model's shape and the optimizer must match (their state is what the checkpoint holds);
+    so must the precision (it decides whether an fp32 master holds the optimizer state); the
+    layout and world size may differ (the checkpoint is resharded). Other differences that
+    change the data or the numerics are allowed but reported.
+    Returns:
+        Notes on allowed differences that make the resumed run differ from an uninterrupted one.
+    Raises:
+        ConfigError: an incompatible difference, named with both values and a fix.
+    """
+    from workbench.spec import load_spec
+
+    old = load_spec(saved)
+    diffs = [(f"model.{k}", a, b) for k, a, b in _model_identity(old, spec)]
+    for key, a, b in (("train.optimizer", old.train.optimizer, spec.train.optimizer),
+                      ("precision.dtype", old.precision.dtype, spec.precision.dtype)):
+        if a != b:  # the optimizer state (and an fp32 master's presence) depends on these
+            diffs.append((key, a, b))
+    if diffs:
+        listed = "; ".join(f"{k}: checkpoint has {a!r}, this spec has {b!r}" for k, a, b in diffs)
+        raise ConfigError(
+            f"cannot resume: the checkpoint was written by an incompatible spec ({listed}). A checkpoint holds "
+            "the model's and optimizer's state, so these must match (the layout may change). Restore those "
+            "values, or start a fresh run without --resume (or with another checkpoint.uri).")
+    notes = []
+    for key, a, b in (("data", old.data.model_dump(),
+                       spec.data.model_dump()),
+                      ("train.global_batch", old.train.global_batch, spec.train.global_batch)):
+        if a != b:
+            notes.append(f"resuming with {key} changed ({a!r} -> {b!r}): the run continues, but not on the "
+                         "exact curve of the original run")
+    return notes
+
+
+def _model_identity(old: "JobSpec", new: "JobSpec") -> list[tuple[str, object, object]]:
+    """Differences between the two specs' model architectures: [(field, old, new)]."""
+    if old.model.factory or new.model.factory:
+        a = (old.model.factory, old.model.kwargs)
+        b = (new.model.factory, new.model.kwargs)
+        return [] if a == b else [("factory", a, b)]
+    sa, sb = old.model.shape(), new.model.shape()
+    return [(f, getattr(sa, f), getattr(sb, f)) for f in sa.__dataclass_fields__ if getattr(sa, f) != getattr(sb, f)]
