@@ -1,0 +1,140 @@
+"""Run panel: run the spec on local Ray and watch loss, throughput, step time and memory live.
+
+`workbench.launch.start` runs the job in a background thread and calls `state.add_event` from
+there; the state's refresher thread redraws at most every `refresh_s`, so the kernel stays free
+for other cells while the job runs.
+"""
+from __future__ import annotations
+
+import threading
+
+import ipywidgets as w
+
+from workbench.errors import ConfigError, WorkerError
+from workbench.ui import figures
+from workbench.ui.live import figure_widget, note_html, sync_figure
+from workbench.ui.state import WorkbenchState
+
+_DONE_KIND = {"completed": "ok", "stopped": "info", "preempted": "info", "failed": "error"}
+
+
+class RunPanel:
+    """Run/Stop buttons, progress, and the live figures; `.widget` to display."""
+
+    def __init__(self, state: WorkbenchState):
+        self.state = state
+        self.handle = None
+        self.run_button = w.Button(description="Run", icon="play", button_style="success",
+                                   tooltip="Train this spec on local Ray", layout=w.Layout(width="110px"))
+        self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger", disabled=True,
+                                    layout=w.Layout(width="110px"))
+        self.progress = w.IntProgress(value=0, min=0, max=1, bar_style="info", layout=w.Layout(width="320px"))
+        self.progress_text = w.Label("idle")
+        self.note = w.HTML()
+        self.run_fig = figure_widget(figures.run_figure([]))
+        self.mem_fig = figure_widget(figures.memory_figure(_placeholder_estimate(), height=320))
+        self.timeline_fig = figure_widget(figures.timeline_figure([]))
+        self.mem_box = w.Box([self.mem_fig], layout=w.Layout(display="none"))  # shown with the first memory event
+        self.timeline_box = w.VBox()
+        self.run_button.on_click(lambda _: self.run())
+        self.stop_button.on_click(lambda _: self.stop())
+        self.widget = w.VBox([
+            w.HBox([self.run_button, self.stop_button, self.progress, self.progress_text],
+                   layout=w.Layout(align_items="center", grid_gap="8px")),
+            self.note, self.run_fig, self.mem_box, self.timeline_box])
+        state.observe(self._on_state)
+
+    # -- actions -------------------------------------------------------------------------
+    def run(self) -> None:
+        """Start the spec on local Ray; errors in the spec are shown inline, never raised."""
+        st = self.state
+        if st.spec is None:
+            self.note.value = note_html("Fix the layout first: " + (st.error or ""), "error")
+            return
+        try:
+            from workbench.validate import check_runnable
+
+            check_runnable(st.spec)
+            from workbench.launch import start
+        except ConfigError as e:
+            self.note.value = note_html(str(e), "error")
+            return
+        except ImportError:
+            self.note.value = note_html("Local runs need workbench.launch, which is not installed in this build yet.")
+            return
+        self.note.value = note_html(f"Starting {st.spec.world_size} worker(s) on local Ray…", "info")
+        self.progress.max, self.progress.value = st.spec.train.steps, 0
+        st.start_events()
+        self.run_button.disabled, self.stop_button.disabled = True, False
+        try:
+            self.handle = start(st.spec, on_event=st.add_event)
+        except (ConfigError, WorkerError) as e:
+            st.finish("failed")
+            self.note.value = note_html(str(e), "error")
+            return
+        threading.Thread(target=self._wait, args=(self.handle,), name="workbench-ui-wait", daemon=True).start()
+
+    def stop(self) -> None:
+        if self.handle is not None:
+            self.stop_button.disabled = True
+            self.progress_text.value = "stopping…"
+            self.handle.stop()
+
+    def _wait(self, handle) -> None:
+        try:
+            handle.wait()
+            status = str(getattr(handle, "status", "completed"))
+            error = None
+        except Exception as e:  # a worker failure: show its message (it names the knob), not a traceback
+            status, error = "failed", f"{type(e).__name__}: {e}"
+        self.state.finish(status)
+        if error:
+            self.note.value = note_html(error, "error")
+
+    # -- state -> widgets ----------------------------------------------------------------
+    def _on_state(self, topic: str) -> None:
+        if topic == "events":
+            self.redraw(self.state.snapshot())
+        elif topic == "run":
+            self._show_run_state()
+        elif topic == "spec" and self.state.run_state != "running":
+            self.run_button.disabled = self.state.spec is None
+
+    def redraw(self, events: list[dict]) -> None:
+        """Redraw every live figure from the events so far (one batched message per figure)."""
+        sync_figure(self.run_fig, figures.run_figure(events))
+        steps = [e for e in events if e.get("event") == "step"]
+        if steps:
+            self.progress.value = min(steps[-1]["step"], self.progress.max)
+            self.progress_text.value = f"step {steps[-1]['step']} / {self.progress.max}"
+        measured = figures.latest_measured(events)
+        if measured and self.state.estimate:
+            self.mem_box.layout.display = ""
+            sync_figure(self.mem_fig, figures.memory_figure(self.state.estimate, measured, height=320))
+            self.mem_fig.layout.title.text = "Memory per rank: measured beside predicted"
+        if any(e.get("event") == "timeline" for e in events):
+            if not self.timeline_box.children:
+                self.timeline_box.children = [self.timeline_fig]
+            sync_figure(self.timeline_fig, figures.timeline_figure(events))
+        restarts = [e for e in events if e.get("event") == "restart"]
+        if restarts and self.state.run_state == "running":
+            self.note.value = note_html(f"Restarted {len(restarts)} time(s); resumed from the last checkpoint.")
+        elif steps and self.state.run_state == "running":
+            self.note.value = ""
+
+    def _show_run_state(self) -> None:
+        state = self.state.run_state
+        running = state == "running"
+        self.run_button.disabled, self.stop_button.disabled = running or self.state.spec is None, not running
+        self.progress.bar_style = {"completed": "success", "failed": "danger"}.get(state, "info")
+        if not running and state != "idle":
+            step = max((e.get("step", 0) for e in self.state.snapshot() if e.get("event") == "step"), default=0)
+            self.progress_text.value = f"{state} at step {step} / {self.progress.max}"
+            if "Error" not in self.note.value:
+                self.note.value = note_html(f"Run {state} after {step} step(s).", _DONE_KIND.get(state, "info"))
+
+
+def _placeholder_estimate() -> dict:
+    zero = dict.fromkeys(figures.COMPONENTS, 0)
+    return {"world_size": 1, "device_memory": 1, "fits": True,
+            "per_rank": [{"rank": 0, "coords": {"dp": 0, "tp": 0, "pp": 0}, **zero, "total": 0}]}
