@@ -1,0 +1,122 @@
+"""`workbench.run` / `workbench run`: start a job on its backend and follow it to the end.
+
+The driver side of a run: it validates the spec before any worker starts, writes metrics
+events to the JSONL file and a terminal progress bar, and turns a worker failure into a
+readable message naming the rank and the cause.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+from workbench.errors import WorkerError
+from workbench.spec import JobSpec, load_spec
+from workbench.validate import check_runnable
+
+EXIT_FAILED = 1
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on purpose (SIGTERM / Stop); resume with --resume
+
+
+@dataclass
+class RunResult:
+    status: str  # completed | preempted | failed
+    step: int
+    events: list[dict] = field(default_factory=list)
+    message: str = ""
+
+    @property
+    def exit_code(self) -> int:
+        return {"completed": 0, "preempted": EXIT_PREEMPTED}.get(self.status, EXIT_FAILED)
+
+    @property
+    def losses(self) -> list[float]:
+        return [e["loss"] for e in self.events if e["event"] == "step"]
+
+
+def start(spec, on_event: Callable[[dict], None] | None = None, resume: bool = False):
+    """Start `spec` on local Ray in the background and return its handle (non-blocking).
+
+    The handle has `.events`, `.follow()`, `.wait()`, `.status()`, `.cancel()`; `on_event`
+    is called from a background thread for each metrics event.
+    """
+    from backends.local_ray import LocalRayBackend
+
+    spec = load_spec(spec)
+    check_runnable(spec)
+    return LocalRayBackend().submit(spec, on_event=on_event, resume=resume)
+
+
+def run(spec: JobSpec | dict | str, metrics_out: str | None = None, resume: bool = False, progress: bool = True,
+        report: str | None = None) -> RunResult:
+    """Run a job to the end on the backend named in the spec.
+
+    Args:
+        spec: a JobSpec, dict or YAML path.
+        metrics_out: JSONL file for the metrics events.
+        resume: continue from the newest complete checkpoint.
+        progress: show a terminal progress bar.
+        report: write a self-contained HTML report of the run here.
+    Returns:
+        RunResult with the status, last step and all events.
+    Raises:
+        ConfigError: the spec is invalid (before any worker starts).
+        WorkerError: a worker failed; the message names the rank and the cause.
+    """
+    spec = load_spec(spec)
+    if spec.backend.name != "local":
+        return _run_remote(spec)
+    check_runnable(spec)
+    handle = start(spec, resume=resume)
+    out = open(metrics_out, "w") if metrics_out else None
+    bar = _progress_bar(spec) if progress else None
+    try:
+        for event in handle.follow():
+            if out is not None and event["event"] != "error":
+                out.write(json.dumps(event) + "\n")
+                out.flush()
+            if bar is not None and event["event"] == "step":
+                bar.update(event["step"] - bar.n)
+                bar.set_postfix(loss=f"{event['loss']:.4f}", tok_s=f"{event['tokens_per_s']:,.0f}")
+        status = handle.status()
+        events = handle.events
+        end = next((e for e in reversed(events) if e["event"] == "end"), None)
+        last_step = max((e["step"] for e in events if e["event"] == "step"), default=0)
+        if end is None:
+            end = {"event": "end", "status": "failed", "step": last_step}
+            events.append(end)
+            if out is not None:
+                out.write(json.dumps(end) + "\n")
+    finally:
+        if bar is not None:
+            bar.close()
+        if out is not None:
+            out.close()
+    result = RunResult(end["status"], end["step"], events, status.message)
+    if report:
+        from workbench.ui.report import write_report
+
+        write_report(events, spec, report)
+    if result.status == "failed":
+        raise WorkerError(status.message or "the run failed without a message (see Ray logs)")
+    return result
+
+
+def _progress_bar(spec: JobSpec):
+    from tqdm import tqdm
+
+    return tqdm(total=spec.train.steps, desc=spec.name, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+
+def _run_remote(spec: JobSpec) -> RunResult:
+    from backends import dispatch
+
+    handle = dispatch(spec)
+    print(f"submitted {handle.job_id} to {spec.backend.name}; following it", file=sys.stderr)
+    status = handle.wait()
+    result = RunResult(status.state.value if status.state.value in ("completed", "failed") else "failed", 0,
+                       message=status.message)
+    if result.status == "failed":
+        raise WorkerError(f"{spec.backend.name} job {handle.job_id}: {status.state.value}: {status.message}")
+    return result

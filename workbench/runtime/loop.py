@@ -1,0 +1,144 @@
+"""The per-rank training loop. Launcher-agnostic: it reads rank and world size from
+torch.distributed, so it runs the same under Ray Train, torchrun, a cloud launcher or in-process.
+
+No Ray import here. Metrics leave through `sink(event: dict)`; see DESIGN.md's metrics contract.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from workbench.data import build_token_source, rank_micro_batches
+from workbench.models import build_model_meta
+from workbench.parallel.apply import Parallelized, parallelize
+from workbench.parallel.layout import build_mesh, coords
+from workbench.runtime.meter import MemoryMeter
+from workbench.spec import JobSpec, load_spec
+from workbench.validate import check_runnable
+
+Sink = Callable[[dict], None]
+MEMORY_EVERY = 5  # steps between memory events (and the first and last step)
+
+
+@dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+def init_distributed() -> RankContext:
+    """Join the process group the launcher prepared (env:// variables), or run alone."""
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    return RankContext(rank, world, device)
+
+
+def build_optimizer(params, train) -> torch.optim.Optimizer:
+    if train.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=train.lr, momentum=0.9, weight_decay=train.weight_decay)
+    if train.optimizer == "adam":
+        return torch.optim.Adam(params, lr=train.lr, weight_decay=train.weight_decay)
+    return torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
+
+
+def micro_batch_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the micro-batch's tokens. tokens: (B, T + 1)."""
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    logits = model(x)  # (B, T, vocab)
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def forward_backward(par: Parallelized, micro_batches: list[torch.Tensor], meter: MemoryMeter) -> torch.Tensor:
+    """Gradient accumulation: one backward per micro-batch, gradient sync only on the last."""
+    n = len(micro_batches)
+    total = torch.zeros((), device=micro_batches[0].device)
+    for i, tokens in enumerate(micro_batches):
+        with par.no_sync() if i < n - 1 else contextlib.nullcontext():
+            with meter.saving():
+                loss = micro_batch_loss(par.model, tokens) / n
+            loss.backward()
+        meter.released()
+        total += loss.detach()
+    return total
+
+
+def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] = lambda: False,
+          resume: bool = False) -> dict:
+    """Train `spec` on this rank. Returns the final {"status", "step", "loss"}.
+
+    Args:
+        spec: the job (validated again here: the same object travels to every rank).
+        sink: receives each metrics event (all ranks emit memory events; rank 0 the others).
+        should_stop: polled after each step on every rank; if any rank says True, all ranks
+            stop after the same step and the run ends with status "preempted".
+        resume: continue from the newest complete checkpoint under checkpoint.uri.
+    """
+    spec = load_spec(spec)
+    check_runnable(spec)
+    ctx = init_distributed()
+    lay, t = spec.layout, spec.train
+    mesh = build_mesh(ctx.device.type, dp=lay.dp, tp=lay.tp, pp=lay.pp)
+    where = coords(mesh)
+
+    torch.manual_seed(t.seed)
+    par = parallelize(build_model_meta(spec), mesh, lay, device=ctx.device, seed=t.seed)
+    params = [p for m in par.modules for p in m.parameters()]
+    optimizer = build_optimizer(params, t)
+    source = build_token_source(spec)
+    meter = MemoryMeter(ctx.device)
+    meter.watch_params(par.modules)
+    dp_group = mesh.get_group("dp") if mesh is not None and lay.dp > 1 else None
+    tokens_per_step = t.global_batch * source.seq_len
+
+    step, loss_value, status = 0, float("nan"), "completed"
+    for step in range(1, t.steps + 1):
+        start = time.perf_counter()
+        batch = source.global_batch(step, t.global_batch).to(ctx.device)
+        micro = rank_micro_batches(batch, where["dp"], lay.dp, t.micro_batch)
+        meter.reset_peak()
+        loss = forward_backward(par, micro, meter)
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        optimizer.step()
+        if dp_group is not None:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=dp_group)
+        loss_value = loss.item()
+        elapsed = time.perf_counter() - start
+        if step == 1 or step == t.steps or step % MEMORY_EVERY == 0:
+            sink({"event": "memory", "step": step, "rank": ctx.rank, "coords": where,
+                  "measured": meter.measure(par.modules, optimizer)})
+        optimizer.zero_grad(set_to_none=False)
+        if ctx.rank == 0:
+            sink({"event": "step", "step": step, "loss": loss_value,
+                  "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed})
+        if step < t.steps and _any_rank(should_stop(), ctx.device):
+            status = "preempted"
+            break
+    if ctx.rank == 0:
+        sink({"event": "end", "status": status, "step": step})
+    return {"status": status, "step": step, "loss": loss_value}
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if it is True on any: ranks must stop after the same step."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

@@ -1,0 +1,98 @@
+"""Measured memory per rank, with the same meanings as the predicted breakdown.
+
+params/grads/master/optimizer are exact byte counts of the tensors this rank keeps (local
+shards of DTensors). Activations are the bytes saved for backward, counted through
+saved-tensor hooks (unique storages, parameters excluded) and kept as the peak over the
+micro-batches in flight. On CUDA, `peak` is torch.cuda.max_memory_allocated; on CPU, where no
+allocator statistics exist, it is the tracked total (model states + peak activations).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def tensor_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor):
+            continue
+        t = _local(t)
+        if t.device.type == "meta":
+            continue
+        key = (t.untyped_storage().data_ptr(), t.device)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+class MemoryMeter:
+    """Tracks saved activations and reports a rank's memory breakdown."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.in_flight = 0  # bytes saved for backward and not yet released
+        self.peak_activations = 0
+        self._param_ptrs: set[int] = set()
+        self._storages: dict[int, int] = {}
+
+    def watch_params(self, modules: list[nn.Module]) -> None:
+        self._param_ptrs = {_local(p).untyped_storage().data_ptr() for m in modules for p in m.parameters()}
+
+    @contextlib.contextmanager
+    def saving(self):
+        """Count tensors saved for backward inside this context (one micro-batch's forward)."""
+        storages = self._storages
+
+        def pack(t: torch.Tensor):
+            if t.device.type != "meta":
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in self._param_ptrs and ptr not in storages:
+                    storages[ptr] = t.untyped_storage().nbytes()
+                    self.in_flight += storages[ptr]
+                    self.peak_activations = max(self.peak_activations, self.in_flight)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def released(self) -> None:
+        """Backward of every micro-batch in flight finished: their saved tensors are free."""
+        self.in_flight = 0
+        self._storages.clear()
+
+    def reset_peak(self) -> None:
+        self.peak_activations = 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def measure(self, modules: list[nn.Module], optimizer, master: list[torch.Tensor] | None = None,
+                offloaded: dict | None = None) -> dict:
+        params = [p for m in modules for p in m.parameters()]
+        grads = [p.grad for p in params]
+        states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        out = {
+            "params": tensor_bytes(params),
+            "grads": tensor_bytes(grads),
+            "master": tensor_bytes(master or []),
+            "optimizer": tensor_bytes(states),
+            "activations": self.peak_activations,
+        }
+        if self.device.type == "cuda":
+            out["peak"] = int(torch.cuda.max_memory_allocated(self.device))
+        else:
+            out["peak"] = sum(out.values())
+        if offloaded:
+            out.update(offloaded)
+        return out
+

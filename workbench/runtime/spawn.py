@@ -1,0 +1,116 @@
+"""Run the per-rank loop on N local gloo processes without Ray: parity tests and benchmarks.
+
+`SpawnPool` keeps its processes (and their process group) alive across jobs, because starting
+a process group costs 5-15 s on a small machine; `run_spawn` is the one-shot form.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+from workbench.errors import WorkerError
+
+_STOP = "__stop__"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, jobs, results, threads: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from workbench.runtime.loop import train
+
+    while True:
+        job = jobs.get()
+        if job == _STOP:
+            break
+        fn, spec = job
+        events: list[dict] = []
+        try:
+            if fn is None:
+                train(spec, events.append)
+            else:
+                fn(spec, events.append)
+            results.put((rank, events, None))
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
+            results.put((rank, events, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class SpawnPool:
+    """`world` gloo processes that run jobs one after another.
+
+    Usage:
+        with SpawnPool(2) as pool:
+            events = pool.run(spec_dict)
+    """
+
+    def __init__(self, world: int, threads_per_rank: int = 1):
+        self.world = world
+        ctx = mp.get_context("spawn")
+        self._jobs = [ctx.Queue() for _ in range(world)]
+        self._results = ctx.Queue()
+        port = free_port()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, world, port, self._jobs[r], self._results, threads_per_rank), daemon=True)
+            for r in range(world)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, spec: dict, fn=None, timeout_s: float = 300) -> list[dict]:
+        """Run `fn(spec, sink)` (default: the training loop) on every rank; return all events.
+
+        Raises:
+            WorkerError: a rank failed (its traceback is in the message) or the job timed out.
+        """
+        for q in self._jobs:
+            q.put((fn, spec))
+        events, errors = [], []
+        for _ in range(self.world):
+            try:
+                rank, rank_events, error = self._results.get(timeout=timeout_s)
+            except queue.Empty:
+                self.close()
+                raise WorkerError(f"spawned job did not finish within {timeout_s} s") from None
+            events.extend(rank_events)
+            if error:
+                errors.append(f"rank {rank}: {error}")
+        if errors:
+            self.close()
+            raise WorkerError("\n".join(errors))
+        return events
+
+    def close(self) -> None:
+        for q, p in zip(self._jobs, self._procs):
+            if p.is_alive():
+                q.put(_STOP)
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def run_spawn(spec: dict, world: int, timeout_s: float = 300) -> list[dict]:
+    """Run one job on `world` fresh gloo processes and return its events."""
+    with SpawnPool(world) as pool:
+        return pool.run(spec, timeout_s=timeout_s)
