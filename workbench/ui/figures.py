@@ -45,57 +45,88 @@ def _rank_groups(per_rank: list[dict]) -> list[tuple[str, dict, list[int]]]:
     return out
 
 
-def memory_figure(estimate: dict, measured: dict[int, dict] | None = None, height: int = 360) -> go.Figure:
+def memory_figure(estimate: dict | None, measured: dict[int, dict] | None = None,
+                  device_memory: int | None = None, height: int = 360) -> go.Figure:
     """Predicted memory per rank as stacked bars against the device's memory.
 
     Args:
-        estimate: ``estimate_memory(spec).to_dict()`` (DESIGN.md contract; sizes in bytes).
+        estimate: ``estimate_memory(spec).to_dict()`` (DESIGN.md contract; sizes in bytes), or
+            None to draw the measured memory alone.
         measured: optional ``{rank: measured}`` from the run's memory events; drawn as a second
             stacked bar beside each rank's prediction, with its measured peak as a marker.
+        device_memory: the device's bytes when there is no estimate (the estimate carries its own).
         height: figure height in pixels.
     Returns:
         A go.Figure in GiB; ranks predicted not to fit are shaded red and marked in their label.
     """
-    device = estimate["device_memory"] / GiB
-    groups = _rank_groups(estimate["per_rank"])
-    fits = [g[1]["total"] <= estimate["device_memory"] for g in groups]
-    labels = [lab if ok else f"{lab} ✗" for (lab, _, _), ok in zip(groups, fits)]
-    fig = go.Figure()
-    if measured:
-        x = [[lab for lab in labels for _ in (0, 1)], ["predicted", "measured"] * len(labels)]
+    if estimate is None:
+        estimate = _measured_as_estimate(measured or {}, device_memory)
+        kinds = ["measured"]
     else:
-        x = labels
+        kinds = ["predicted", "measured"] if measured else ["predicted"]
+    groups = _rank_groups(estimate["per_rank"])
+    top_bytes = max([g[1]["total"] for g in groups] + [m.get("peak", 0) for m in (measured or {}).values()])
+    # GiB as everywhere, except MiB for small (CPU) runs where GiB would read 0.00.
+    unit, scale = ("GiB", GiB) if top_bytes >= GiB / 2 else ("MiB", 2**20)
+    device = estimate["device_memory"] / scale
+    fits = [g[1]["total"] <= estimate["device_memory"] for g in groups] if "predicted" in kinds else [True] * len(groups)
+    labels = [lab if ok else f"{lab} ✗" for (lab, _, _), ok in zip(groups, fits)]
+    x = [[lab for lab in labels for _ in kinds], kinds * len(labels)] if len(kinds) > 1 else labels
+    fig = go.Figure()
     for comp in COMPONENTS:
-        pred = [g[1][comp] / GiB for g in groups]
-        if measured:
-            meas = [measured.get(g[2][0], {}).get(comp) for g in groups]
-            y = [v for p, m in zip(pred, meas) for v in (p, None if m is None else m / GiB)]
-        else:
-            y = pred
+        columns = {"predicted": [g[1][comp] for g in groups],
+                   "measured": [(measured or {}).get(g[2][0], {}).get(comp) for g in groups]}
+        y = [None if v is None else v / scale for i in range(len(groups)) for v in (columns[k][i] for k in kinds)]
         fig.add_trace(go.Bar(x=x, y=y, name=comp, marker_color=COLORS[comp], legendgroup=comp,
-                             hovertemplate=f"{comp}: %{{y:.3g}} GiB<extra></extra>"))
+                             hovertemplate=f"{comp}: %{{y:.3g}} {unit}<extra></extra>"))
     if measured:
         peaks = [measured.get(g[2][0], {}).get("peak") for g in groups]
         fig.add_trace(go.Scatter(
-            x=[[lab for lab in labels], ["measured"] * len(labels)],
-            y=[None if p is None else p / GiB for p in peaks], mode="markers", name="measured peak",
-            marker=dict(symbol="line-ew-open", size=22, color=COLORS["device"], line=dict(width=3)),
-            hovertemplate="measured peak: %{y:.3g} GiB<extra></extra>"))
-    per_bar = 2 if measured else 1
+            x=[labels, ["measured"] * len(labels)] if len(kinds) > 1 else labels,
+            y=[None if p is None else p / scale for p in peaks], mode="markers", name="measured peak",
+            marker=dict(symbol="line-ew-open", size=28, color=COLORS["device"], line=dict(width=3)),
+            hovertemplate=f"measured peak: %{{y:.3g}} {unit}<extra></extra>"))
     for i, ok in enumerate(fits):
         if not ok:
-            fig.add_vrect(x0=i * per_bar - 0.5, x1=(i + 1) * per_bar - 0.5, fillcolor=COLORS["overflow"],
+            fig.add_vrect(x0=i * len(kinds) - 0.5, x1=(i + 1) * len(kinds) - 0.5, fillcolor=COLORS["overflow"],
                           opacity=0.08, line_width=0, layer="below")
-    fig.add_hline(y=device, line=dict(color=COLORS["device"], dash="dash", width=1.5),
-                  annotation_text=f"device memory {device:.1f} GiB", annotation_position="top left")
-    worst = max(g[1]["total"] for g in groups) / GiB
+    worst = max(g[1]["total"] for g in groups) / scale
+    top = top_bytes / scale
+    if device > 0:
+        fig.add_hline(y=device, line=dict(color=COLORS["device"], dash="dash", width=1.5),
+                      annotation_text=f"device memory {estimate['device_memory'] / GiB:.1f} GiB",
+                      annotation_position="top left")
+    fig.update_layout(barmode="stack", yaxis_title=unit, bargap=0.25)
+    # Zoom to the bars when they are tiny next to the device (CPU runs); otherwise show the line.
+    if device > 0 and top > 0.05 * device:
+        fig.update_layout(yaxis_range=[0, max(device, top) * 1.12])
+    verdict = _verdict(estimate, groups, fits, kinds, f"{worst:.3g} {unit}")
+    return _base_layout(fig, f"Memory per rank ({verdict})", height)
+
+
+def _verdict(estimate: dict, groups: list, fits: list[bool], kinds: list[str], peak: str) -> str:
+    if "predicted" not in kinds:
+        return "measured"
+    device = f"{estimate['device_memory'] / GiB:.1f} GiB"
     n_bad = sum(len(g[2]) for g, ok in zip(groups, fits) if not ok)
-    verdict = (f"fits: peak {worst:.2f} of {device:.1f} GiB" if not n_bad else
-               f"does not fit: {n_bad} of {estimate['world_size']} ranks over {device:.1f} GiB (peak {worst:.1f} GiB)")
-    _base_layout(fig, f"Memory per rank ({verdict})", height)
-    fig.update_layout(barmode="stack", yaxis_title="GiB", bargap=0.25,
-                      yaxis_range=[0, max(device, worst) * 1.12])
-    return fig
+    if n_bad:
+        return f"does not fit: {n_bad} of {estimate['world_size']} ranks over {device}, peak {peak}"
+    return f"fits: peak {peak} of {device}"
+
+
+def _measured_as_estimate(measured: dict[int, dict], device_memory: int | None) -> dict:
+    """Shape measured breakdowns like an estimate so one chart draws both."""
+    rows = []
+    for rank in sorted(measured) or [0]:
+        m = measured.get(rank, {})
+        row = {c: m.get(c, 0) for c in COMPONENTS}
+        rows.append({"rank": rank, "coords": m.get("coords", {}), **row, "total": m.get("peak", sum(row.values()))})
+    return {"world_size": len(rows), "device_memory": device_memory or 0, "fits": True, "per_rank": rows}
+
+
+def empty_estimate() -> dict:
+    """A one-rank all-zero estimate: the placeholder a widget starts from."""
+    return _measured_as_estimate({}, None)
 
 
 def latest_measured(events: list[dict]) -> dict[int, dict]:
@@ -103,7 +134,7 @@ def latest_measured(events: list[dict]) -> dict[int, dict]:
     out: dict[int, dict] = {}
     for e in events:
         if e.get("event") == "memory":
-            out[int(e["rank"])] = e["measured"]
+            out[int(e["rank"])] = {**e["measured"], "coords": e.get("coords", {})}
     return out
 
 

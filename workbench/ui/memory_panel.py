@@ -13,17 +13,12 @@ from workbench.ui import figures
 from workbench.ui.live import figure_widget, note_html, sync_figure
 from workbench.ui.state import WorkbenchState
 
-_EMPTY = {"world_size": 1, "device_memory": 1, "fits": True,
-          "per_rank": [{"rank": 0, "coords": {"dp": 0, "tp": 0, "pp": 0}, "params": 0, "grads": 0, "master": 0,
-                        "optimizer": 0, "activations": 0, "buffers": 0, "total": 0}]}
-
-
 class MemoryPanel:
     """Stacked per-rank memory bars vs the device line, and a planner table; `.widget` to display."""
 
     def __init__(self, state: WorkbenchState):
         self.state = state
-        self.fig = figure_widget(figures.memory_figure(_EMPTY))
+        self.fig = figure_widget(figures.memory_figure(figures.empty_estimate()))
         self.note = w.HTML()
         self.plan_button = w.Button(description="Find layouts that fit", icon="search", button_style="info",
                                     layout=w.Layout(width="200px"))

@@ -24,6 +24,7 @@ class RunPanel:
     def __init__(self, state: WorkbenchState):
         self.state = state
         self.handle = None
+        self._error: str | None = None
         self.run_button = w.Button(description="Run", icon="play", button_style="success",
                                    tooltip="Train this spec on local Ray", layout=w.Layout(width="110px"))
         self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger", disabled=True,
@@ -32,7 +33,7 @@ class RunPanel:
         self.progress_text = w.Label("idle")
         self.note = w.HTML()
         self.run_fig = figure_widget(figures.run_figure([]))
-        self.mem_fig = figure_widget(figures.memory_figure(_placeholder_estimate(), height=320))
+        self.mem_fig = figure_widget(figures.memory_figure(figures.empty_estimate(), height=320))
         self.timeline_fig = figure_widget(figures.timeline_figure([]))
         self.mem_box = w.Box([self.mem_fig], layout=w.Layout(display="none"))  # shown with the first memory event
         self.timeline_box = w.VBox()
@@ -62,6 +63,14 @@ class RunPanel:
         except ImportError:
             self.note.value = note_html("Local runs need workbench.launch, which is not installed in this build yet.")
             return
+        est = st.estimate
+        if est is not None and not est["fits"]:
+            self.note.value = note_html(
+                f"Predicted not to fit: the largest rank needs {max(r['total'] for r in est['per_rank']) / 2**30:.1f} GiB "
+                f"of {est['device_memory'] / 2**30:.1f} GiB. Change the layout (see the Memory tab) before running.",
+                "error")
+            return
+        self._error = None
         self.note.value = note_html(f"Starting {st.spec.world_size} worker(s) on local Ray…", "info")
         self.progress.max, self.progress.value = st.spec.train.steps, 0
         st.start_events()
@@ -69,27 +78,30 @@ class RunPanel:
         try:
             self.handle = start(st.spec, on_event=st.add_event)
         except (ConfigError, WorkerError) as e:
+            self._error = str(e)
             st.finish("failed")
             self.note.value = note_html(str(e), "error")
             return
         threading.Thread(target=self._wait, args=(self.handle,), name="workbench-ui-wait", daemon=True).start()
 
     def stop(self) -> None:
+        """Ask the workers to stop after the current step (the run ends "preempted", resumable)."""
         if self.handle is not None:
             self.stop_button.disabled = True
-            self.progress_text.value = "stopping…"
-            self.handle.stop()
+            self.progress_text.value = "stopping after this step…"
+            threading.Thread(target=self.handle.cancel, name="workbench-ui-stop", daemon=True).start()
 
     def _wait(self, handle) -> None:
+        """Follow the job on this thread: it pumps the events into the state until the job ends."""
         try:
-            handle.wait()
-            status = str(getattr(handle, "status", "completed"))
-            error = None
-        except Exception as e:  # a worker failure: show its message (it names the knob), not a traceback
-            status, error = "failed", f"{type(e).__name__}: {e}"
-        self.state.finish(status)
-        if error:
-            self.note.value = note_html(error, "error")
+            status = handle.wait()
+            state, message = status.state.value, status.message
+        except Exception as e:  # noqa: BLE001 - shown in the panel, never raised into the kernel
+            state, message = "failed", f"{type(e).__name__}: {e}"
+        if state == "failed":
+            self._error = message or "the run failed (see the Ray logs)"
+            self.note.value = note_html(f"Run failed: {self._error}", "error")
+        self.state.finish("failed" if state == "failed" else "completed")
 
     # -- state -> widgets ----------------------------------------------------------------
     def _on_state(self, topic: str) -> None:
@@ -108,10 +120,14 @@ class RunPanel:
             self.progress.value = min(steps[-1]["step"], self.progress.max)
             self.progress_text.value = f"step {steps[-1]['step']} / {self.progress.max}"
         measured = figures.latest_measured(events)
-        if measured and self.state.estimate:
+        if measured:
             self.mem_box.layout.display = ""
-            sync_figure(self.mem_fig, figures.memory_figure(self.state.estimate, measured, height=320))
-            self.mem_fig.layout.title.text = "Memory per rank: measured beside predicted"
+            spec = self.state.spec
+            device = _device_bytes(spec.resources.gpu) if spec is not None else None
+            fig = figures.memory_figure(self.state.estimate, measured, device_memory=device, height=320)
+            title = "Memory per rank: measured beside predicted" if self.state.estimate else "Memory per rank: measured"
+            fig.update_layout(title_text=title)
+            sync_figure(self.mem_fig, fig)
         if any(e.get("event") == "timeline" for e in events):
             if not self.timeline_box.children:
                 self.timeline_box.children = [self.timeline_fig]
@@ -130,11 +146,13 @@ class RunPanel:
         if not running and state != "idle":
             step = max((e.get("step", 0) for e in self.state.snapshot() if e.get("event") == "step"), default=0)
             self.progress_text.value = f"{state} at step {step} / {self.progress.max}"
-            if "Error" not in self.note.value:
-                self.note.value = note_html(f"Run {state} after {step} step(s).", _DONE_KIND.get(state, "info"))
+            if self._error is None:
+                extra = " Resume it with resume=True / workbench run --resume." if state == "preempted" else ""
+                self.note.value = note_html(f"Run {state} after {step} step(s).{extra}", _DONE_KIND.get(state, "info"))
 
 
-def _placeholder_estimate() -> dict:
-    zero = dict.fromkeys(figures.COMPONENTS, 0)
-    return {"world_size": 1, "device_memory": 1, "fits": True,
-            "per_rank": [{"rank": 0, "coords": {"dp": 0, "tp": 0, "pp": 0}, **zero, "total": 0}]}
+def _device_bytes(gpu: str) -> int | None:
+    from workbench.catalog import DEVICES
+
+    device = DEVICES.get(gpu)
+    return device.memory_bytes if device else None
