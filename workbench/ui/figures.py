@@ -15,7 +15,7 @@ COLORS = {
     "params": "#4C78A8", "grads": "#F58518", "master": "#54A24B", "optimizer": "#B279A2",
     "activations": "#72B7B2", "buffers": "#9D755D",
     "loss": "#4C78A8", "tokens_per_s": "#54A24B", "step_time_s": "#F58518",
-    "device": "#222222", "overflow": "#D62728", "F": "#4C78A8", "B": "#F58518",
+    "device": "#222222", "overflow": "#D62728", "F": "#4C78A8", "B": "#F58518", "W": "#54A24B",
 }
 MEASURED = ("params", "grads", "master", "optimizer", "activations")
 _FONT = dict(family="DejaVu Sans, Arial, sans-serif", size=12)
@@ -169,7 +169,7 @@ def run_figure(events: list[dict], height: int = 320) -> go.Figure:
 
 
 def timeline_figure(events: list[dict], height: int = 260) -> go.Figure:
-    """Measured pipeline timeline: per rank, forward (F) and backward (B) of each micro-batch.
+    """Measured pipeline timeline: per rank, forward (F), backward (B) and weight-gradient (W) work.
 
     Args:
         events: metrics events; the newest "timeline" event per rank is drawn.
@@ -183,7 +183,9 @@ def timeline_figure(events: list[dict], height: int = 260) -> go.Figure:
             latest[int(e["rank"])] = e
     fig = go.Figure()
     t0 = min((it["start_s"] for e in latest.values() for it in e["items"]), default=0.0)
-    for kind in ("F", "B"):
+    kinds = ("F", "B") + (("W",) if any(it["kind"] == "W" for e in latest.values() for it in e["items"]) else ())
+    names = {"F": "forward", "B": "backward", "W": "weight grad"}
+    for kind in kinds:
         y, base, width, text = [], [], [], []
         for rank in sorted(latest):
             for it in latest[rank]["items"]:
@@ -192,7 +194,7 @@ def timeline_figure(events: list[dict], height: int = 260) -> go.Figure:
                     base.append(it["start_s"] - t0)
                     width.append(max(it["end_s"] - it["start_s"], 1e-6))
                     text.append(str(it["microbatch"]))
-        fig.add_trace(go.Bar(y=y, x=width, base=base, orientation="h", name="forward" if kind == "F" else "backward",
+        fig.add_trace(go.Bar(y=y, x=width, base=base, orientation="h", name=names[kind],
                              marker_color=COLORS[kind], text=text, textposition="inside", insidetextanchor="middle",
                              hovertemplate="micro-batch %{text}: %{base:.3f}–%{x:.3f} s<extra></extra>"))
     step = max((e.get("step", 0) for e in latest.values()), default=0)

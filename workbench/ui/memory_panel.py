@@ -25,7 +25,8 @@ class MemoryPanel:
         self.plan_button.on_click(lambda _: self._plan())
         self.plan_box = w.VBox()
         self.fig_box = w.Box([self.fig])  # hidden (display: none) while there is no estimate to draw
-        self.widget = w.VBox([self.note, self.fig_box, w.HBox([self.plan_button]), self.plan_box])
+        self.schedule_box = w.VBox()  # the simulated pipeline schedule, for pp > 1
+        self.widget = w.VBox([self.note, self.fig_box, self.schedule_box, w.HBox([self.plan_button]), self.plan_box])
         state.observe(self._on_state)
         self.refresh()
 
@@ -56,6 +57,31 @@ class MemoryPanel:
         else:
             self.note.value = note_html(st.estimate_note, "info")
         sync_figure(self.fig, figures.memory_figure(est))
+        self._show_schedule()
+
+    def _show_schedule(self) -> None:
+        """For pp > 1: the schedule's order of work per rank (simulated with backward = 2 x forward)."""
+        spec = self.state.spec
+        lay = spec.layout
+        if lay.pp == 1:
+            self.schedule_box.children = []
+            return
+        try:
+            from workbench.timeline import bubble_fraction, simulate, timeline_figure
+        except ImportError:
+            self.schedule_box.children = []
+            return
+        micro = spec.train.global_batch // (lay.dp * spec.train.micro_batch)
+        events = simulate(lay.pp_schedule, lay.pp, micro, lay.virtual_stages)
+        title = (f"{lay.pp_schedule} schedule, pp={lay.pp}, {micro} micro-batches: bubble "
+                 f"{bubble_fraction(events):.0%} (simulated, time in forward units)")
+        fig = timeline_figure(events, title=title)
+        fig.update_layout(height=120 + 36 * lay.pp, template="plotly_white", margin=dict(l=60, r=20, t=48, b=40),
+                          xaxis_title="time (units of one forward)")
+        if self.schedule_box.children:
+            sync_figure(self.schedule_box.children[0], fig)
+        else:
+            self.schedule_box.children = [figure_widget(fig)]
 
     def _plan(self) -> None:
         self.plan_button.disabled = True

@@ -25,6 +25,7 @@ class RunPanel:
         self.state = state
         self.handle = None
         self._error: str | None = None
+        self._stop_requested = False
         self.run_button = w.Button(description="Run", icon="play", button_style="success",
                                    tooltip="Train this spec on local Ray", layout=w.Layout(width="110px"))
         self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger", disabled=True,
@@ -70,25 +71,35 @@ class RunPanel:
                 f"of {est['device_memory'] / 2**30:.1f} GiB. Change the layout (see the Memory tab) before running.",
                 "error")
             return
-        self._error = None
+        self._error, self.handle = None, None
+        self.progress_text.value = "starting Ray…"
         self.note.value = note_html(f"Starting {st.spec.world_size} worker(s) on local Ray…", "info")
         self.progress.max, self.progress.value = st.spec.train.steps, 0
         st.start_events()
         self.run_button.disabled, self.stop_button.disabled = True, False
+        self._stop_requested = False
+        # Starting Ray takes seconds: do it off the kernel's thread so the notebook stays usable.
+        threading.Thread(target=self._start_and_follow, args=(start, st.spec), name="workbench-ui-run",
+                         daemon=True).start()
+
+    def _start_and_follow(self, start, spec) -> None:
         try:
-            self.handle = start(st.spec, on_event=st.add_event)
+            self.handle = start(spec, on_event=self.state.add_event)
         except (ConfigError, WorkerError) as e:
             self._error = str(e)
-            st.finish("failed")
             self.note.value = note_html(str(e), "error")
+            self.state.finish("failed")
             return
-        threading.Thread(target=self._wait, args=(self.handle,), name="workbench-ui-wait", daemon=True).start()
+        if self._stop_requested:
+            self.handle.cancel()
+        self._wait(self.handle)
 
     def stop(self) -> None:
         """Ask the workers to stop after the current step (the run ends "preempted", resumable)."""
+        self.stop_button.disabled = True
+        self.progress_text.value = "stopping after this step…"
+        self._stop_requested = True  # honoured as soon as the job exists, if it is still starting
         if self.handle is not None:
-            self.stop_button.disabled = True
-            self.progress_text.value = "stopping after this step…"
             threading.Thread(target=self.handle.cancel, name="workbench-ui-stop", daemon=True).start()
 
     def _wait(self, handle) -> None:
