@@ -31,7 +31,9 @@ def execute(name: str, tmp_path: Path, extra_cells: list[str] = (), timeout: int
     nb = nbformat.read(tmp_path / name, as_version=4)
     nb.cells += [nbformat.v4.new_code_cell(src) for src in extra_cells]
     # The kernel imports this checkout's workbench, whatever is installed in the environment.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    # RAY_ADDRESS=local: start an embedded cluster, never attach to another process's `ray start` one.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+               RAY_ADDRESS="local")
     client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute(env=env)  # starts the kernel with env, runs every cell, shuts the kernel down

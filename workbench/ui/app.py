@@ -51,7 +51,8 @@ class Workbench:
         self.load_button.on_click(lambda _: self._load_clicked())
         self.save_button.on_click(lambda _: self._save_clicked())
         self.name.observe(lambda ch: self.state.update({"name": ch["new"] or "job"}), names="value")
-        self.tabs = w.Tab(children=[self.memory_panel.widget, self.run_panel.widget, self.dispatch_panel.widget])
+        self.tabs = w.Tab(children=[self.memory_panel.widget, self.run_panel.widget, self.dispatch_panel.widget],
+                          layout=w.Layout(width="100%"))
         for i, title in enumerate(("Memory", "Run", "Dispatch")):
             self.tabs.set_title(i, title)
         header = w.HBox([w.HTML("<b style='font-size:16px'>workbench</b>", layout=w.Layout(width="110px")),

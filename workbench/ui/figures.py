@@ -162,6 +162,11 @@ def run_figure(events: list[dict], height: int = 320) -> go.Figure:
     for e in events:
         if e.get("event") == "restart":
             fig.add_vline(x=e.get("step", 0), line=dict(color=COLORS["overflow"], dash="dot"))
+    if not steps:
+        fig.update_xaxes(range=[0, 10])
+        fig.update_yaxes(showticklabels=False)
+        fig.add_annotation(text="no steps yet: press Run", xref="paper", yref="paper", x=0.5, y=0.45,
+                           showarrow=False, font=dict(size=14, color="#888"))
     last = steps[-1] if steps else None
     title = "Training" if last is None else (
         f"Training: step {last['step']}, loss {last['loss']:.4f}, {last['tokens_per_s']:,.0f} tokens/s")

@@ -47,7 +47,7 @@ class LayoutPanel:
             "layout.offload": w.Dropdown(options=["none", "cpu", "nvme"], layout=_FIELD),
             "layout.activation_checkpointing": w.Dropdown(options=["none", "selective", "full"], layout=_FIELD),
             "layout.pp_schedule": w.Dropdown(options=["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"], layout=_FIELD),
-            "precision.dtype": w.ToggleButtons(options=["fp32", "bf16", "fp16"], style={"button_width": "46px"}),
+            "precision.dtype": w.ToggleButtons(options=["fp32", "bf16", "fp16"], style={"button_width": "52px"}),
             "train.micro_batch": w.BoundedIntText(min=1, max=65536, layout=_FIELD),
             "train.global_batch": w.BoundedIntText(min=1, max=10**7, layout=_FIELD),
             "train.steps": w.BoundedIntText(min=1, max=10**8, layout=_FIELD),
@@ -56,6 +56,7 @@ class LayoutPanel:
         self.summary = w.HTML()
         self.error = w.HTML()
         for key, field in self.fields.items():
+            field.add_class("wb-" + key.replace(".", "-"))  # stable hooks for the browser test and CSS
             field.observe(lambda ch, key=key: self._on_change(key), names="value")
         self.follow.observe(lambda ch: self._on_change("follow"), names="value")
         f = self.fields
