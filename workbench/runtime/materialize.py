@@ -54,7 +54,11 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
     from torch.distributed.tensor import DTensor
 
     if any(p.is_meta for p in model.parameters()):
+        tied = _tied_groups(model)
         model.to_empty(device=device)
+        for (owner, attr), *others in tied:  # to_empty gives each module its own tensor: re-tie
+            for module, name in others:
+                setattr(module, name, getattr(owner, attr))
     num_layers = max(1, _count_blocks(model))
     seen: set[int] = set()
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -66,6 +70,15 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
         target = param.to_local() if isinstance(param, DTensor) else param
         target.copy_(local.to(device=target.device, dtype=target.dtype))
     return model
+
+
+def _tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """(module, attribute) pairs that hold the same Parameter, for each shared parameter."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((module, attr))
+    return [group for group in owners.values() if len(group) > 1]
 
 
 def _count_blocks(model: nn.Module) -> int:

@@ -36,6 +36,22 @@ def tensor_bytes(tensors) -> int:
     return total
 
 
+def storage_of(t: torch.Tensor) -> tuple[int, int]:
+    """(key, bytes) of the storage behind `t`: a DTensor's local shard; a tensor subclass
+    without a real storage (e.g. an async collective's result) counts its own elements."""
+    local = _local(t)
+    local = getattr(local, "elem", local)  # AsyncCollectiveTensor wraps the real tensor
+    try:
+        storage = local.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return id(local), local.numel() * local.element_size()
+
+
+def _is_param(t: torch.Tensor) -> bool:
+    return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
+
+
 class MemoryMeter:
     """Tracks saved activations and reports a rank's memory breakdown."""
 
@@ -55,10 +71,13 @@ class MemoryMeter:
         storages = self._storages
 
         def pack(t: torch.Tensor):
-            if t.device.type != "meta":
-                ptr = t.untyped_storage().data_ptr()
+            # FSDP2's gathered (unsharded) parameters are Parameters too, in storages made per
+            # forward: they are transient buffers, not activations. Tensor parallel saves
+            # DTensors: count their local storage.
+            if t.device.type != "meta" and not _is_param(t):
+                ptr, nbytes = storage_of(t)
                 if ptr not in self._param_ptrs and ptr not in storages:
-                    storages[ptr] = t.untyped_storage().nbytes()
+                    storages[ptr] = nbytes
                     self.in_flight += storages[ptr]
                     self.peak_activations = max(self.peak_activations, self.in_flight)
             return t
@@ -77,14 +96,26 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def measure(self, modules: list[nn.Module], optimizer, master: list[torch.Tensor] | None = None,
-                offloaded: dict | None = None) -> dict:
+                offloaded: dict | None = None, params_are_master: bool = False) -> dict:
+        """The rank's breakdown in bytes.
+
+        Args:
+            optimizer: a torch.optim optimizer, or the list of its state tensors.
+            master: fp32 master tensors held apart from the parameters.
+            offloaded: extra keys (e.g. bytes on disk) merged into the result.
+            params_are_master: the parameters are the fp32 master (FSDP2 mixed precision): count
+                them as master, params 0.
+        """
         params = [p for m in modules for p in m.parameters()]
         grads = [p.grad for p in params]
-        states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        if isinstance(optimizer, list):
+            states = optimizer
+        else:
+            states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         out = {
-            "params": tensor_bytes(params),
+            "params": 0 if params_are_master else tensor_bytes(params),
             "grads": tensor_bytes(grads),
-            "master": tensor_bytes(master or []),
+            "master": tensor_bytes((master or []) + (params if params_are_master else [])),
             "optimizer": tensor_bytes(states),
             "activations": self.peak_activations,
         }

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up .venv (CPU torch from local disk, every extra) and the headless browser, then run the
+# whole test suite. Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not browser"`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+if ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium fonts-dejavu-core
+  else
+    echo "chromium is missing: run 'sudo apt-get install chromium fonts-dejavu-core' (browser tests need it)" >&2
+    exit 1
+  fi
+fi
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/pip install -q torch==2.13.0 -e '.[all,dev]' -c requirements/constraints.txt 2>&1 | { grep -v '^WARNING: Location' || true; }
+exec .venv/bin/python -m pytest "$@"

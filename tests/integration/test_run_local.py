@@ -1,0 +1,41 @@
+"""`workbench run` end to end on an embedded local Ray cluster with 2 CPU workers."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+import workbench
+from workbench import WorkerError
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
+CLI = [sys.executable, "-m", "workbench.cli"]
+
+
+def test_cli_run_writes_the_metrics_contract(tmp_path):
+    out = tmp_path / "m.jsonl"
+    proc = subprocess.run(CLI + ["run", "examples/quickstart.yaml", "--metrics-out", str(out), "--set", "train.steps=12"],
+                          capture_output=True, text=True, timeout=360)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = [json.loads(line) for line in out.read_text().splitlines()]
+    steps = [e for e in events if e["event"] == "step"]
+    assert [e["step"] for e in steps] == list(range(1, 13))
+    for e in steps:
+        assert set(e) >= {"event", "step", "loss", "tokens_per_s", "step_time_s"}
+        assert e["tokens_per_s"] > 0 and e["step_time_s"] > 0
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5  # it learns the text
+    memory = [e for e in events if e["event"] == "memory"]
+    assert {e["rank"] for e in memory} == {0, 1}
+    for e in memory:
+        assert set(e["measured"]) >= {"params", "grads", "master", "optimizer", "activations", "peak"}
+        assert all(isinstance(v, int) and v >= 0 for v in e["measured"].values())
+    assert events[-1] == {"event": "end", "status": "completed", "step": 12}
+    assert "quickstart" in proc.stderr and "12/12" in proc.stderr  # the progress bar
+
+
+def test_worker_errors_come_back_readable():
+    spec = {"name": "boom", "model": {"factory": "tests.helpers.models:exploding", "vocab": 256, "seq_len": 16},
+            "layout": {"dp": 2}, "train": {"steps": 2}}
+    with pytest.raises(WorkerError) as e:
+        workbench.run(spec, progress=False)
+    assert "rank 0: RuntimeError: boom: this model always fails in forward" in str(e.value)
