@@ -51,17 +51,16 @@ def sample_points(page, until, every=0.5, limit_s=300):
     return out
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_quickstart_in_jupyterlab(lab_server, page, shots):
     t0 = time.monotonic()
     page.goto(f"{lab_server}/lab/tree/quickstart.ipynb?reset")
     page.wait_for_selector(".jp-Notebook")
     page.wait_for_function(KERNEL_IDLE, timeout=120_000)
-    page.evaluate("window.jupyterapp.shell.collapseLeft()")  # the notebook gets the page's width
     page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
 
     # The workbench renders: header, layout form, tabs, and the memory chart (or its note).
-    page.wait_for_selector(".wb-root", timeout=120_000)
+    page.wait_for_selector(".wb-root", timeout=240_000)
     page.wait_for_function(KERNEL_IDLE, timeout=120_000)
     root = page.locator(".wb-root").first
     for label in ("preset", "data (dp)", "tensor (tp)", "pipeline (pp)", "ZeRO stage", "micro-batch"):
@@ -76,7 +75,9 @@ def test_quickstart_in_jupyterlab(lab_server, page, shots):
     steps.fill(str(STEPS))
     steps.press("Enter")
     tab(page, "Run")
-    wait_until(page, lambda: page.evaluate(POINTS, "Training") == 0, "an empty training plot")
+    # plotly.js draws a FigureWidget asynchronously (and slowly on a loaded 2-core box)
+    wait_until(page, lambda: page.evaluate(POINTS, "Training") == 0, "an empty training plot", limit_s=240)
+    print(f"\ntraining plot drawn at {time.monotonic() - t0:.0f}s")
     run = root.locator("button.jupyter-widgets", has_text=re.compile(r"^\s*Run\s*$"))
     run.click()
     root.get_by_text(re.compile(r"Starting 2 worker")).wait_for()
