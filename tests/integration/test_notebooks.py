@@ -59,7 +59,7 @@ DRIVE_QUICKSTART = [
     "assert list(wb.run_panel.run_fig.data[0].x) == list(range(1, 41))\n"
     "assert len({p for p in points if 0 < p < 40}) >= 2, f'no live updates: {sorted(set(points))}'\n"
     "assert wb.run_panel.progress.value == 40 and wb.run_panel.progress_text.value == 'completed at step 40 / 40'\n"
-    "assert wb.run_panel.mem_box.layout.display == ''\n"
+    "assert wb.run_panel.mem_box.children == (wb.run_panel.mem_fig,)\n"
     "measured = [t for t in wb.run_panel.mem_fig.data if t.name == 'params']\n"
     "assert measured and all(v and v > 0 for v in measured[0].y if v is not None)",
     # the report cell of the notebook, run again now that there is a run

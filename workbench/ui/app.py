@@ -1,4 +1,4 @@
-"""`Workbench`: the notebook UI. Layout form on the left; Memory, Run and Dispatch tabs on the right.
+"""`Workbench`: the notebook UI. Layout form on the left; memory, run and dispatch on the right.
 
     from workbench import Workbench
     wb = Workbench("examples/quickstart.yaml")   # or a JobSpec, a dict, or nothing
@@ -21,9 +21,13 @@ from workbench.ui.state import WorkbenchState
 
 _CSS = """<style>
 .wb-root .widget-label { font-size: 13px; }
-.wb-root .jupyter-widgets.widget-tab > .p-TabBar .p-TabBar-tab,
-.wb-root .jupyter-widgets.widget-tab > .lm-TabBar .lm-TabBar-tab { min-width: 110px; }
+.wb-root .wb-section-title { font-size: 15px; font-weight: 600; margin: 10px 0 2px 0;
+  border-bottom: 1px solid #e0e0e0; padding-bottom: 2px; }
 </style>"""
+
+
+def _title(text: str) -> w.HTML:
+    return w.HTML(f"<div class='wb-section-title'>{text}</div>")
 
 
 class Workbench:
@@ -51,17 +55,25 @@ class Workbench:
         self.load_button.on_click(lambda _: self._load_clicked())
         self.save_button.on_click(lambda _: self._save_clicked())
         self.name.observe(lambda ch: self.state.update({"name": ch["new"] or "job"}), names="value")
-        self.tabs = w.Tab(children=[self.memory_panel.widget, self.run_panel.widget, self.dispatch_panel.widget],
-                          layout=w.Layout(width="100%"))
-        for i, title in enumerate(("Memory", "Run", "Dispatch")):
-            self.tabs.set_title(i, title)
+        # One page, no tabs: the memory chart answers each edit of the form at once, and the
+        # run's plots sit right under it. (Tabs also blank plotly FigureWidgets in JupyterLab.)
+        self.dispatch_toggle = w.ToggleButton(description="Dispatch to a cluster or cloud", icon="cloud",
+                                              layout=w.Layout(width="260px"))
+        self.dispatch_box = w.VBox([])
+        self.dispatch_toggle.observe(lambda ch: self._show_dispatch(ch["new"]), names="value")
         header = w.HBox([w.HTML("<b style='font-size:16px'>workbench</b>", layout=w.Layout(width="110px")),
                          w.Label("name"), self.name, w.Label("YAML"), self.path, self.load_button, self.save_button],
                         layout=w.Layout(align_items="center", grid_gap="6px"))
-        body = w.HBox([self.layout_panel.widget, w.Box([self.tabs], layout=w.Layout(flex="1 1 auto", min_width="0"))],
-                      layout=w.Layout(width="100%"))
+        right = w.VBox([_title("Memory"), self.memory_panel.widget, _title("Run"), self.run_panel.widget,
+                        _title("Dispatch"), self.dispatch_toggle, self.dispatch_box],
+                       layout=w.Layout(flex="1 1 auto", min_width="0"))
+        body = w.HBox([self.layout_panel.widget, right], layout=w.Layout(width="100%"))
         self.widget = w.VBox([w.HTML(_CSS), header, self.message, body])
         self.widget.add_class("wb-root")
+
+    def _show_dispatch(self, show: bool) -> None:
+        self.dispatch_box.children = [self.dispatch_panel.widget] if show else []
+        self.dispatch_toggle.icon = "chevron-up" if show else "cloud"
 
     @property
     def spec(self) -> JobSpec | None:

@@ -24,7 +24,9 @@ class MemoryPanel:
                                     layout=w.Layout(width="200px"))
         self.plan_button.on_click(lambda _: self._plan())
         self.plan_box = w.VBox()
-        self.fig_box = w.Box([self.fig])  # hidden (display: none) while there is no estimate to draw
+        # The figure leaves the box while there is no estimate. FigureWidgets are shown by adding
+        # them to a box, not by display toggling or tabs, which can leave plotly.js views blank.
+        self.fig_box = w.Box([])
         self.schedule_box = w.VBox()  # the simulated pipeline schedule, for pp > 1
         self.widget = w.VBox([self.note, self.fig_box, self.schedule_box, w.HBox([self.plan_button]), self.plan_box])
         state.observe(self._on_state)
@@ -40,13 +42,13 @@ class MemoryPanel:
         st = self.state
         if st.error:
             self.note.value = note_html("Fix the layout to see its memory: " + st.error, "error")
-            self.fig_box.layout.display = "none"
+            self.fig_box.children = []
             return
         if st.estimate is None:
             self.note.value = note_html(st.estimate_note or "No estimate.", "info")
-            self.fig_box.layout.display = "none"
+            self.fig_box.children = []
             return
-        self.fig_box.layout.display = ""
+        self.fig_box.children = [self.fig]
         est = st.estimate
         bad = [r["rank"] for r in est["per_rank"] if r["total"] > est["device_memory"]]
         if bad:

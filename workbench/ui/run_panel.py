@@ -36,7 +36,7 @@ class RunPanel:
         self.run_fig = figure_widget(figures.run_figure([]))
         self.mem_fig = figure_widget(figures.memory_figure(figures.empty_estimate(), height=320))
         self.timeline_fig = figure_widget(figures.timeline_figure([]))
-        self.mem_box = w.Box([self.mem_fig], layout=w.Layout(display="none"))  # shown with the first memory event
+        self.mem_box = w.Box([])  # gets mem_fig with the first memory event
         self.timeline_box = w.VBox()
         self.run_button.on_click(lambda _: self.run())
         self.stop_button.on_click(lambda _: self.stop())
@@ -133,7 +133,8 @@ class RunPanel:
             self.progress_text.value = f"step {steps[-1]['step']} / {self.progress.max}"
         measured = figures.latest_measured(events)
         if measured:
-            self.mem_box.layout.display = ""
+            if not self.mem_box.children:
+                self.mem_box.children = [self.mem_fig]
             spec = self.state.spec
             device = _device_bytes(spec.resources.gpu) if spec is not None else None
             fig = figures.memory_figure(self.state.estimate, measured, device_memory=device, height=320)
