@@ -1,0 +1,248 @@
+"""Pure chart builders: memory estimates and metrics events in, plotly ``go.Figure`` out.
+
+No widgets here, so every chart is tested without Jupyter and reused by the HTML report. The
+widgets copy a fresh figure's data into their FigureWidget (see ``workbench.ui.live``).
+"""
+from __future__ import annotations
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+GiB = 2**30
+# One color per memory component, the same in every panel and in the report.
+COMPONENTS = ("params", "grads", "master", "optimizer", "activations", "buffers")
+COLORS = {
+    "params": "#4C78A8", "grads": "#F58518", "master": "#54A24B", "optimizer": "#B279A2",
+    "activations": "#72B7B2", "buffers": "#9D755D",
+    "loss": "#4C78A8", "tokens_per_s": "#54A24B", "step_time_s": "#F58518",
+    "device": "#222222", "overflow": "#D62728", "F": "#4C78A8", "B": "#F58518", "W": "#54A24B",
+}
+MEASURED = ("params", "grads", "master", "optimizer", "activations")
+_FONT = dict(family="DejaVu Sans, Arial, sans-serif", size=12)
+# Above this many ranks, identical (pp, tp) positions are drawn once with a count.
+MAX_BARS = 32
+
+
+def _base_layout(fig: go.Figure, title: str, height: int) -> go.Figure:
+    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=14)), height=height, font=_FONT,
+                      template="plotly_white", margin=dict(l=60, r=20, t=48, b=40),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
+    return fig
+
+
+def _rank_groups(per_rank: list[dict]) -> list[tuple[str, dict, list[int]]]:
+    """(label, breakdown, ranks) per bar: one per rank, or per (pp, tp) position for big worlds."""
+    if len(per_rank) <= MAX_BARS:
+        return [(f"rank {r['rank']}", r, [r["rank"]]) for r in per_rank]
+    groups: dict[tuple, list[dict]] = {}
+    for r in per_rank:
+        c = r.get("coords", {})
+        groups.setdefault((c.get("pp", 0), c.get("tp", 0)), []).append(r)
+    out = []
+    for (pp, tp), rows in sorted(groups.items()):
+        worst = max(rows, key=lambda r: r["total"])
+        out.append((f"pp{pp} tp{tp} ×{len(rows)}", worst, [r["rank"] for r in rows]))
+    return out
+
+
+def memory_figure(estimate: dict | None, measured: dict[int, dict] | None = None,
+                  device_memory: int | None = None, height: int = 360) -> go.Figure:
+    """Predicted memory per rank as stacked bars against the device's memory.
+
+    Args:
+        estimate: ``estimate_memory(spec).to_dict()`` (DESIGN.md contract; sizes in bytes), or
+            None to draw the measured memory alone.
+        measured: optional ``{rank: measured}`` from the run's memory events; drawn as a second
+            stacked bar beside each rank's prediction, with its measured peak as a marker.
+        device_memory: the device's bytes when there is no estimate (the estimate carries its own).
+        height: figure height in pixels.
+    Returns:
+        A go.Figure in GiB; ranks predicted not to fit are shaded red and marked in their label.
+    """
+    if estimate is None:
+        estimate = _measured_as_estimate(measured or {}, device_memory)
+        kinds = ["measured"]
+    else:
+        kinds = ["predicted", "measured"] if measured else ["predicted"]
+    groups = _rank_groups(estimate["per_rank"])
+    top_bytes = max([g[1]["total"] for g in groups] + [m.get("peak", 0) for m in (measured or {}).values()])
+    # GiB as everywhere, except MiB for small (CPU) runs where GiB would read 0.00.
+    unit, scale = ("GiB", GiB) if top_bytes >= GiB / 2 else ("MiB", 2**20)
+    device = estimate["device_memory"] / scale
+    fits = [g[1]["total"] <= estimate["device_memory"] for g in groups] if "predicted" in kinds else [True] * len(groups)
+    labels = [lab if ok else f"{lab} ✗" for (lab, _, _), ok in zip(groups, fits)]
+    x = [[lab for lab in labels for _ in kinds], kinds * len(labels)] if len(kinds) > 1 else labels
+    fig = go.Figure()
+    for comp in COMPONENTS:
+        columns = {"predicted": [g[1][comp] for g in groups],
+                   "measured": [(measured or {}).get(g[2][0], {}).get(comp) for g in groups]}
+        y = [None if v is None else v / scale for i in range(len(groups)) for v in (columns[k][i] for k in kinds)]
+        fig.add_trace(go.Bar(x=x, y=y, name=comp, marker_color=COLORS[comp], legendgroup=comp,
+                             hovertemplate=f"{comp}: %{{y:.3g}} {unit}<extra></extra>"))
+    if measured:
+        peaks = [measured.get(g[2][0], {}).get("peak") for g in groups]
+        fig.add_trace(go.Scatter(
+            x=[labels, ["measured"] * len(labels)] if len(kinds) > 1 else labels,
+            y=[None if p is None else p / scale for p in peaks], mode="markers", name="measured peak",
+            marker=dict(symbol="line-ew-open", size=28, color=COLORS["device"], line=dict(width=3)),
+            hovertemplate=f"measured peak: %{{y:.3g}} {unit}<extra></extra>"))
+    for i, ok in enumerate(fits):
+        if not ok:
+            fig.add_vrect(x0=i * len(kinds) - 0.5, x1=(i + 1) * len(kinds) - 0.5, fillcolor=COLORS["overflow"],
+                          opacity=0.08, line_width=0, layer="below")
+    worst = max(g[1]["total"] for g in groups) / scale
+    top = top_bytes / scale
+    if device > 0:
+        fig.add_hline(y=device, line=dict(color=COLORS["device"], dash="dash", width=1.5),
+                      annotation_text=f"device memory {estimate['device_memory'] / GiB:.1f} GiB",
+                      annotation_position="top left")
+    fig.update_layout(barmode="stack", yaxis_title=unit, bargap=0.25)
+    # Zoom to the bars when they are tiny next to the device (CPU runs); otherwise show the line.
+    if device > 0 and top > 0.05 * device:
+        fig.update_layout(yaxis_range=[0, max(device, top) * 1.12])
+    verdict = _verdict(estimate, groups, fits, kinds, f"{worst:.3g} {unit}")
+    return _base_layout(fig, f"Memory per rank ({verdict})", height)
+
+
+def _verdict(estimate: dict, groups: list, fits: list[bool], kinds: list[str], peak: str) -> str:
+    if "predicted" not in kinds:
+        return "measured"
+    device = f"{estimate['device_memory'] / GiB:.1f} GiB"
+    n_bad = sum(len(g[2]) for g, ok in zip(groups, fits) if not ok)
+    if n_bad:
+        return f"does not fit: {n_bad} of {estimate['world_size']} ranks over {device}, peak {peak}"
+    return f"fits: peak {peak} of {device}"
+
+
+def _measured_as_estimate(measured: dict[int, dict], device_memory: int | None) -> dict:
+    """Shape measured breakdowns like an estimate so one chart draws both."""
+    rows = []
+    for rank in sorted(measured) or [0]:
+        m = measured.get(rank, {})
+        row = {c: m.get(c, 0) for c in COMPONENTS}
+        rows.append({"rank": rank, "coords": m.get("coords", {}), **row, "total": m.get("peak", sum(row.values()))})
+    return {"world_size": len(rows), "device_memory": device_memory or 0, "fits": True, "per_rank": rows}
+
+
+def empty_estimate() -> dict:
+    """A one-rank all-zero estimate: the placeholder a widget starts from."""
+    return _measured_as_estimate({}, None)
+
+
+def latest_measured(events: list[dict]) -> dict[int, dict]:
+    """The newest ``measured`` breakdown per rank from a run's memory events."""
+    out: dict[int, dict] = {}
+    for e in events:
+        if e.get("event") == "memory":
+            out[int(e["rank"])] = {**e["measured"], "coords": e.get("coords", {})}
+    return out
+
+
+def run_figure(events: list[dict], height: int = 320) -> go.Figure:
+    """Loss, throughput (tokens/s) and step time (s) against the optimizer step.
+
+    Args:
+        events: metrics events (DESIGN.md contract); only "step", "restart" and "checkpoint" are read.
+        height: figure height in pixels.
+    Returns:
+        A go.Figure with three side-by-side panels; always three traces, empty before the first step.
+    """
+    steps = [e for e in events if e.get("event") == "step"]
+    x = [e["step"] for e in steps]
+    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.07,
+                        subplot_titles=("loss", "throughput (tokens/s)", "step time (s)"))
+    for col, key in enumerate(("loss", "tokens_per_s", "step_time_s"), start=1):
+        fig.add_trace(go.Scatter(x=x, y=[e.get(key) for e in steps], mode="lines+markers", name=key,
+                                 line=dict(color=COLORS[key], width=2), marker=dict(size=4), showlegend=False,
+                                 hovertemplate=f"step %{{x}}<br>{key}: %{{y:.4g}}<extra></extra>"),
+                      row=1, col=col)
+        fig.update_xaxes(title_text="step", row=1, col=col, rangemode="tozero")
+    fig.update_yaxes(rangemode="tozero", row=1, col=2)
+    fig.update_yaxes(rangemode="tozero", row=1, col=3)
+    for e in events:
+        if e.get("event") == "restart":
+            fig.add_vline(x=e.get("step", 0), line=dict(color=COLORS["overflow"], dash="dot"))
+    if not steps:
+        fig.update_xaxes(range=[0, 10])
+        fig.update_yaxes(showticklabels=False)
+        fig.add_annotation(text="no steps yet: press Run", xref="paper", yref="paper", x=0.5, y=0.45,
+                           showarrow=False, font=dict(size=14, color="#888"))
+    last = steps[-1] if steps else None
+    title = "Training" if last is None else (
+        f"Training: step {last['step']}, loss {last['loss']:.4f}, {last['tokens_per_s']:,.0f} tokens/s")
+    return _base_layout(fig, title, height)
+
+
+def timeline_figure(events: list[dict], height: int = 260) -> go.Figure:
+    """Measured pipeline timeline: per rank, forward (F), backward (B) and weight-gradient (W) work.
+
+    Args:
+        events: metrics events; the newest "timeline" event per rank is drawn.
+        height: figure height in pixels.
+    Returns:
+        A go.Figure of horizontal bars (time in s from the step's start), one row per rank.
+    """
+    latest: dict[int, dict] = {}
+    for e in events:
+        if e.get("event") == "timeline":
+            latest[int(e["rank"])] = e
+    fig = go.Figure()
+    t0 = min((it["start_s"] for e in latest.values() for it in e["items"]), default=0.0)
+    kinds = ("F", "B") + (("W",) if any(it["kind"] == "W" for e in latest.values() for it in e["items"]) else ())
+    names = {"F": "forward", "B": "backward", "W": "weight grad"}
+    for kind in kinds:
+        y, base, width, text = [], [], [], []
+        for rank in sorted(latest):
+            for it in latest[rank]["items"]:
+                if it["kind"] == kind:
+                    y.append(f"rank {rank}")
+                    base.append(it["start_s"] - t0)
+                    width.append(max(it["end_s"] - it["start_s"], 1e-6))
+                    text.append(str(it["microbatch"]))
+        fig.add_trace(go.Bar(y=y, x=width, base=base, orientation="h", name=names[kind],
+                             marker_color=COLORS[kind], text=text, textposition="inside", insidetextanchor="middle",
+                             hovertemplate="micro-batch %{text}: %{base:.3f}–%{x:.3f} s<extra></extra>"))
+    step = max((e.get("step", 0) for e in latest.values()), default=0)
+    _base_layout(fig, f"Pipeline timeline (step {step})" if latest else "Pipeline timeline", height)
+    fig.update_layout(barmode="overlay", xaxis_title="s", yaxis=dict(autorange="reversed", type="category"))
+    return fig
+
+
+def plan_figure(plan: dict, height: int = 320) -> go.Figure:
+    """Planner candidates: throughput against peak memory, colored by whether they fit.
+
+    Args:
+        plan: ``plan(spec).to_dict(top=N)`` (DESIGN.md contract).
+        height: figure height in pixels.
+    Returns:
+        A go.Figure; hover shows the layout and the cost per hour.
+    """
+    fig = go.Figure()
+    for ok, color, name in ((True, COLORS["master"], "fits"), (False, COLORS["overflow"], "does not fit")):
+        rows = [c for c in plan["candidates"] if bool(c["fits"]) == ok]
+        fig.add_trace(go.Scatter(
+            x=[c["peak_bytes"] / GiB for c in rows], y=[c["tokens_per_s"] for c in rows], mode="markers",
+            name=name, marker=dict(color=color, size=10, line=dict(width=1, color="white")),
+            text=[layout_label(c["layout"], c.get("micro_batch")) for c in rows],
+            customdata=[[c.get("usd_per_hour", 0.0), c.get("mfu", 0.0)] for c in rows],
+            hovertemplate="%{text}<br>peak %{x:.1f} GiB, %{y:,.0f} tokens/s<br>"
+                          "MFU %{customdata[1]:.0%}, $%{customdata[0]:.2f}/h<extra></extra>"))
+    _base_layout(fig, "Planner: candidate layouts", height)
+    fig.update_layout(xaxis_title="peak memory per rank (GiB)", yaxis_title="tokens/s")
+    return fig
+
+
+def layout_label(layout: dict, micro_batch: int | None = None) -> str:
+    """A short human label for a layout, e.g. ``dp4 tp2 pp1 zero3 ckpt=full mb=2``."""
+    parts = [f"dp{layout.get('dp', 1)}", f"tp{layout.get('tp', 1)}", f"pp{layout.get('pp', 1)}"]
+    if layout.get("zero"):
+        parts.append(f"zero{layout['zero']}")
+    if layout.get("offload", "none") != "none":
+        parts.append(f"offload={layout['offload']}")
+    if layout.get("activation_checkpointing", "none") != "none":
+        parts.append(f"ckpt={layout['activation_checkpointing']}")
+    if layout.get("pp", 1) > 1 and layout.get("pp_schedule"):
+        parts.append(layout["pp_schedule"])
+    if micro_batch:
+        parts.append(f"mb={micro_batch}")
+    return " ".join(parts)

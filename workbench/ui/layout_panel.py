@@ -1,0 +1,157 @@
+"""Layout panel: model, GPUs and the parallel layout as form widgets bound to the state's spec.
+
+Every edit becomes a dotted-key override of the raw spec; `load_spec` validates it and an
+invalid combination shows its ConfigError text under the form (never a traceback).
+"""
+from __future__ import annotations
+
+import ipywidgets as w
+
+from workbench.catalog import DEVICES
+from workbench.spec import JobSpec
+from workbench.ui.live import labeled, note_html, section
+from workbench.ui.state import WorkbenchState
+
+SHAPE_KEYS = ("layers", "hidden", "heads", "seq_len")
+_FIELD = w.Layout(width="150px")
+
+
+def _get(d: dict, key: str):
+    for part in key.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+class LayoutPanel:
+    """Form for the spec's model, resources, layout, precision and batch; `.widget` to display."""
+
+    def __init__(self, state: WorkbenchState):
+        from workbench.models import PRESETS
+
+        self.state = state
+        self.presets = PRESETS
+        self._syncing = False
+        presets = list(PRESETS) + (["custom"] if "custom" not in PRESETS else [])
+        self.fields: dict[str, w.ValueWidget] = {
+            "model.preset": w.Dropdown(options=presets, layout=_FIELD),
+            **{f"model.{k}": w.BoundedIntText(min=1, max=10**7, layout=_FIELD) for k in SHAPE_KEYS},
+            "resources.gpu": w.Dropdown(options=list(DEVICES), layout=_FIELD),
+            "resources.nodes": w.BoundedIntText(min=1, max=4096, layout=_FIELD),
+            "resources.gpus_per_node": w.BoundedIntText(min=1, max=64, layout=_FIELD),
+            "layout.dp": w.BoundedIntText(min=1, max=65536, layout=_FIELD),
+            "layout.tp": w.BoundedIntText(min=1, max=64, layout=_FIELD),
+            "layout.pp": w.BoundedIntText(min=1, max=256, layout=_FIELD),
+            "layout.zero": w.ToggleButtons(options=[0, 1, 2, 3], style={"button_width": "34px"}),
+            "layout.offload": w.Dropdown(options=["none", "cpu", "nvme"], layout=_FIELD),
+            "layout.activation_checkpointing": w.Dropdown(options=["none", "selective", "full"], layout=_FIELD),
+            "layout.pp_schedule": w.Dropdown(options=["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"], layout=_FIELD),
+            "precision.dtype": w.ToggleButtons(options=["fp32", "bf16", "fp16"], style={"button_width": "52px"}),
+            "train.micro_batch": w.BoundedIntText(min=1, max=65536, layout=_FIELD),
+            "train.global_batch": w.BoundedIntText(min=1, max=10**7, layout=_FIELD),
+            "train.steps": w.BoundedIntText(min=1, max=10**8, layout=_FIELD),
+        }
+        self.follow = w.Checkbox(value=True, description="GPUs = dp × tp × pp", indent=False)
+        self.summary = w.HTML()
+        self.error = w.HTML()
+        for key, field in self.fields.items():
+            field.add_class("wb-" + key.replace(".", "-"))  # stable hooks for the browser test and CSS
+            field.observe(lambda ch, key=key: self._on_change(key), names="value")
+        self.follow.observe(lambda ch: self._on_change("follow"), names="value")
+        f = self.fields
+        self.widget = w.VBox([
+            section("Model", labeled(f["model.preset"], "preset"),
+                    *[labeled(f[f"model.{k}"], k.replace("_", " ")) for k in SHAPE_KEYS]),
+            section("GPUs", labeled(f["resources.gpu"], "type"), self.follow,
+                    labeled(f["resources.nodes"], "nodes"), labeled(f["resources.gpus_per_node"], "per node")),
+            section("Parallel layout", labeled(f["layout.dp"], "data (dp)"), labeled(f["layout.tp"], "tensor (tp)"),
+                    labeled(f["layout.pp"], "pipeline (pp)"), labeled(f["layout.pp_schedule"], "pp schedule"),
+                    labeled(f["layout.zero"], "ZeRO stage"), labeled(f["layout.offload"], "offload"),
+                    labeled(f["layout.activation_checkpointing"], "act. ckpt")),
+            section("Numerics and batch", labeled(f["precision.dtype"], "precision"),
+                    labeled(f["train.micro_batch"], "micro-batch"), labeled(f["train.global_batch"], "global batch"),
+                    labeled(f["train.steps"], "steps")),
+            self.summary, self.error,
+        ], layout=w.Layout(width="330px", min_width="330px", padding="0 12px 0 0"))
+        state.observe(self._on_state)
+        self.sync()
+
+    # -- state -> widgets ------------------------------------------------------------------
+    def sync(self) -> None:
+        """Show the state's raw spec in the form (defaults filled in) without echoing changes back."""
+        raw, defaults = self.state.raw, JobSpec().to_dict()
+        self._syncing = True
+        try:
+            preset = _get(raw, "model.preset")
+            base = self.presets.get(preset, {})
+            for key, field in self.fields.items():
+                value = _get(raw, key)
+                if key == "model.preset":
+                    value = preset or "custom"
+                elif key.startswith("model.") and value is None:
+                    value = base.get(key.split(".")[1], 1)
+                elif value is None:
+                    value = _get(defaults, key)
+                if value is not None and (not hasattr(field, "options") or value in field.options):
+                    field.value = value
+            self._show_status()
+        finally:
+            self._syncing = False
+
+    def _on_state(self, topic: str) -> None:
+        if topic == "spec":
+            self.sync()
+
+    def _show_status(self) -> None:
+        st = self.state
+        self.error.value = note_html(st.error, "error")
+        self.fields["resources.gpus_per_node"].disabled = self.follow.value
+        self.fields["layout.pp_schedule"].disabled = self.fields["layout.pp"].value == 1
+        if st.spec is None:
+            self.summary.value = ""
+            return
+        s = st.spec
+        lay, res = s.layout, s.resources
+        micro = s.train.global_batch // (lay.dp * s.train.micro_batch)
+        try:
+            n = s.model.shape().num_params() if s.model.params is None else int(s.model.params)
+            size = f"{n / 1e9:.2f} B params" if n >= 1e9 else f"{n / 1e6:.2f} M params"
+        except Exception:  # a factory model: its size is known only once built
+            size = "factory model"
+        self.summary.value = (
+            f"<div style='font-size:12px;color:#444;line-height:1.5'>{size}<br>"
+            f"{lay.world_size} ranks = dp {lay.dp} × tp {lay.tp} × pp {lay.pp} on "
+            f"{res.nodes} × {res.gpus_per_node} {res.gpu}<br>{micro} micro-batch(es) of {s.train.micro_batch} "
+            f"per dp rank per step</div>")
+
+    # -- widgets -> state ------------------------------------------------------------------
+    def _on_change(self, key: str) -> None:
+        if self._syncing:
+            return
+        f = self.fields
+        if key == "model.preset":
+            self._reset_shape()
+        overrides: dict = {k: f[k].value for k in f if not k.startswith(("model.", "resources."))}
+        overrides["resources.gpu"] = f["resources.gpu"].value
+        overrides["resources.nodes"] = f["resources.nodes"].value
+        preset = f["model.preset"].value
+        base = self.presets.get(preset, {})
+        overrides["model.preset"] = None if preset == "custom" else preset
+        overrides["model.params"] = None
+        for k in SHAPE_KEYS:
+            value = f[f"model.{k}"].value
+            overrides[f"model.{k}"] = None if base.get(k) == value else value
+        # Without gpus_per_node, load_spec asks for exactly the GPUs the layout needs.
+        overrides["resources.gpus_per_node"] = None if self.follow.value else f["resources.gpus_per_node"].value
+        self.state.update(overrides)
+
+    def _reset_shape(self) -> None:
+        base = self.presets.get(self.fields["model.preset"].value, {})
+        self._syncing = True
+        try:
+            for k in SHAPE_KEYS:
+                if base.get(k) is not None:
+                    self.fields[f"model.{k}"].value = base[k]
+        finally:
+            self._syncing = False

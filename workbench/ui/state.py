@@ -1,0 +1,160 @@
+"""The one object the notebook UI shows: the spec being edited, its estimate and the run's events.
+
+Widgets observe it and never talk to each other. Metrics arrive on a runtime thread; they are
+appended under a lock and a single refresher thread tells observers at most every
+``refresh_s`` seconds, so a fast run cannot flood the browser or block the kernel.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+from workbench.errors import ConfigError
+from workbench.spec import JobSpec, load_spec
+
+Observer = Callable[[str], None]
+
+
+class WorkbenchState:
+    """Spec + derived predictions + run events, with change notification.
+
+    Topics passed to observers: "spec" (the spec or its error changed, estimate recomputed),
+    "plan" (planner result), "events" (new metrics, throttled), "run" (run started/ended).
+    """
+
+    def __init__(self, spec: JobSpec | dict | str | None = None, refresh_s: float = 0.5):
+        self.raw: dict = load_spec(spec).to_dict() if spec is not None else default_spec_dict()
+        self.spec: JobSpec | None = None
+        self.error: str | None = None
+        self.estimate: dict | None = None
+        self.estimate_note: str | None = None
+        self.plan: dict | None = None
+        self.events: list[dict] = []
+        self.run_state = "idle"  # idle | running | completed | failed | stopped | preempted
+        self.refresh_s = refresh_s
+        self._observers: list[Observer] = []
+        self._lock = threading.Lock()
+        self._dirty = threading.Event()
+        self._refresher: threading.Thread | None = None
+        self.set_raw(self.raw)
+
+    # -- observers -----------------------------------------------------------------------
+    def observe(self, fn: Observer) -> None:
+        self._observers.append(fn)
+
+    def notify(self, topic: str) -> None:
+        for fn in list(self._observers):
+            try:
+                fn(topic)
+            except Exception as e:  # one broken panel must not stop the others from updating
+                self.estimate_note = f"display error in a panel: {type(e).__name__}: {e}"
+
+    # -- spec ----------------------------------------------------------------------------
+    def set_raw(self, raw: dict) -> None:
+        """Validate a raw spec dict; on success recompute the memory estimate. Never raises."""
+        self.raw = raw
+        try:
+            self.spec = load_spec(raw)
+            self.error = None
+        except ConfigError as e:
+            self.spec, self.error = None, str(e)
+        self._estimate()
+        self.notify("spec")
+
+    def update(self, overrides: dict[str, Any]) -> None:
+        """Apply ``{"layout.dp": 4, ...}`` to the raw spec and re-validate."""
+        raw = _copy(self.raw)
+        for key, value in overrides.items():
+            node = raw
+            *parents, leaf = key.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            if value is None:
+                node.pop(leaf, None)
+            else:
+                node[leaf] = value
+        self.set_raw(raw)
+
+    def _estimate(self) -> None:
+        self.estimate = None
+        if self.spec is None:
+            self.estimate_note = None
+            return
+        try:
+            from workbench.memory import estimate_memory
+        except ImportError:
+            self.estimate_note = "The memory model (workbench.memory) is not installed in this build yet."
+            return
+        try:
+            self.estimate = estimate_memory(self.spec).to_dict()
+            self.estimate_note = None
+        except ConfigError as e:
+            self.estimate_note = str(e)
+
+    def run_plan(self, top: int = 8) -> None:
+        """Ask the planner for the best layouts of the current spec (sets .plan or .estimate_note)."""
+        if self.spec is None:
+            return
+        try:
+            from workbench.planner import plan
+        except ImportError:
+            self.plan = {"note": "The planner (workbench.planner) is not installed in this build yet."}
+        else:
+            try:
+                self.plan = plan(self.spec).to_dict(top=top)
+            except ConfigError as e:
+                self.plan = {"note": str(e)}
+        self.notify("plan")
+
+    # -- run events (called from the runtime's thread) -----------------------------------
+    def add_event(self, event: dict) -> None:
+        with self._lock:
+            self.events.append(event)
+            if event.get("event") == "end":
+                self.run_state = str(event.get("status", "completed"))
+        self._dirty.set()
+
+    def snapshot(self) -> list[dict]:
+        with self._lock:
+            return list(self.events)
+
+    def start_events(self) -> None:
+        """Forget the previous run's events and start the throttled refresher thread."""
+        with self._lock:
+            self.events = []
+            self.run_state = "running"
+        self.notify("run")
+        if self._refresher is None or not self._refresher.is_alive():
+            self._refresher = threading.Thread(target=self._refresh_loop, name="workbench-ui-refresh", daemon=True)
+            self._refresher.start()
+
+    def _refresh_loop(self) -> None:
+        while True:
+            self._dirty.wait()
+            self._dirty.clear()
+            self.notify("events")
+            if self.run_state != "running" and not self._dirty.is_set():
+                self.notify("run")
+                return
+            time.sleep(self.refresh_s)  # throttle: at most one redraw per refresh_s
+
+    def finish(self, status: str) -> None:
+        """Mark the run as ended (when the runtime stopped without an "end" event)."""
+        with self._lock:
+            if self.run_state == "running":
+                self.run_state = status
+        self._dirty.set()
+
+
+def default_spec_dict() -> dict:
+    """The quickstart job: gpt-tiny, data parallel on 2 local CPU workers, 20 steps."""
+    return {"name": "quickstart", "model": {"preset": "gpt-tiny"},
+            "train": {"steps": 20, "global_batch": 16, "micro_batch": 4},
+            "layout": {"dp": 2}, "resources": {"gpu": "cpu", "gpus_per_node": 2, "nodes": 1}}
+
+
+def _copy(d: dict) -> dict:
+    import copy
+
+    return copy.deepcopy(d)
