@@ -36,6 +36,9 @@ def ensure_ray(num_cpus: int | None = None):
         for attempt in range(_START_ATTEMPTS):
             try:
                 ray.init(
+                    # "local": always an embedded cluster, never one a `ray start` left running
+                    # (that is the `ray` backend's job).
+                    address="local",
                     num_cpus=num_cpus or os.cpu_count() or 1,
                     include_dashboard=False,
                     logging_level="ERROR",
