@@ -77,7 +77,8 @@ def test_memory_figure_draws_measured_alone_in_mib_for_small_runs():
     assert fig.layout.title.text == "Memory per rank (measured)"
     params = fig.data[0]
     assert params.y == pytest.approx((0.2, 0.2), rel=1e-3)  # 0.1 GiB / 512 = 0.2 MiB
-    assert fig.layout.yaxis.range is None  # zoomed to the bars, not to the far-away 16 GiB line
+    assert fig.layout.yaxis.range[1] < 1.0  # zoomed to the bars, not to the far-away 16 GiB line
+    assert not fig.layout.shapes
 
 
 def test_memory_figure_groups_large_worlds_by_pipeline_and_tensor_position():

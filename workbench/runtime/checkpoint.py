@@ -79,6 +79,8 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         self._need_bytes = 0
+        self.last_blocking_s = 0.0
+        self._staging: dict = {}  # CPU buffers reused by background saves (one in flight at a time)
 
     @property
     def enabled(self) -> bool:
@@ -106,16 +108,19 @@ class Checkpointer:
                 are intact.
         """
         self.wait()
+        entered = time.perf_counter()  # the pause training sees (after any previous save finished)
         self._last_save_time = self.clock()
         state = self._state_dict()
         rng = rng_state()
         if self.async_save and not block:
-            staged = stage(state)  # training may change the live tensors from now on
+            staged = stage(state, self._staging)  # training changes the live tensors from now on
             self._thread = threading.Thread(target=self._write_bg, args=(step, staged, rng),
                                             name=f"checkpoint-{step}", daemon=True)
             self._thread.start()
+            self.last_blocking_s = time.perf_counter() - entered
         else:
             self._write(step, state, rng)
+            self.last_blocking_s = time.perf_counter() - entered
 
     def wait(self) -> None:
         """Block until a background save finishes; re-raise its error."""

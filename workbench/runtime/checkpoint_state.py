@@ -72,14 +72,23 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def stage(obj):
-    """A CPU copy of a state dict (tensors and DTensors cloned), for a background save."""
+def stage(obj, cache: dict | None = None, key: str = ""):
+    """A CPU copy of a state dict, for a background save.
+
+    Plain tensors are copied into `cache`'s buffers from the previous save when their shape and
+    dtype match (first-touch allocation costs more than the copy); DTensors are cloned.
+    """
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        if cache is None or hasattr(obj, "to_local"):
+            return obj.detach().to("cpu", copy=True)
+        buf = cache.get(key)
+        if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+            buf = cache[key] = torch.empty(obj.shape, dtype=obj.dtype, device="cpu")
+        return buf.copy_(obj.detach())
     if isinstance(obj, dict):
-        return {k: stage(v) for k, v in obj.items()}
+        return {k: stage(v, cache, f"{key}/{k}") for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(stage(v) for v in obj)
+        return type(obj)(stage(v, cache, f"{key}/{i}") for i, v in enumerate(obj))
     return copy.deepcopy(obj)
 
 

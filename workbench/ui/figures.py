@@ -92,13 +92,16 @@ def memory_figure(estimate: dict | None, measured: dict[int, dict] | None = None
                           opacity=0.08, line_width=0, layer="below")
     worst = max(g[1]["total"] for g in groups) / scale
     top = top_bytes / scale
-    if device > 0:
+    # Bars tiny next to the device (a CPU run): zoom to the bars; the title still names the device.
+    zoomed = device > 0 and top <= 0.05 * device
+    if device > 0 and not zoomed:
         fig.add_hline(y=device, line=dict(color=COLORS["device"], dash="dash", width=1.5),
                       annotation_text=f"device memory {estimate['device_memory'] / GiB:.1f} GiB",
                       annotation_position="top left")
     fig.update_layout(barmode="stack", yaxis_title=unit, bargap=0.25)
-    # Zoom to the bars when they are tiny next to the device (CPU runs); otherwise show the line.
-    if device > 0 and top > 0.05 * device:
+    if zoomed:
+        fig.update_layout(yaxis_range=[0, top * 1.15])
+    elif device > 0:
         fig.update_layout(yaxis_range=[0, max(device, top) * 1.12])
     verdict = _verdict(estimate, groups, fits, kinds, f"{worst:.3g} {unit}")
     return _base_layout(fig, f"Memory per rank ({verdict})", height)

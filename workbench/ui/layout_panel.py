@@ -91,6 +91,8 @@ class LayoutPanel:
                     value = preset or "custom"
                 elif key.startswith("model.") and value is None:
                     value = base.get(key.split(".")[1], 1)
+                elif key == "resources.gpus_per_node" and self.state.spec is not None:
+                    value = self.state.spec.resources.gpus_per_node  # derived from the layout when not given
                 elif value is None:
                     value = _get(defaults, key)
                 if value is not None and (not hasattr(field, "options") or value in field.options):

@@ -86,9 +86,10 @@ class RunPanel:
     def _start_and_follow(self, start, spec) -> None:
         try:
             self.handle = start(spec, on_event=self.state.add_event)
-        except (ConfigError, WorkerError) as e:
-            self._error = str(e)
-            self.note.value = note_html(str(e), "error")
+        except Exception as e:  # noqa: BLE001 - on this thread nothing else would show it
+            text = str(e) if isinstance(e, (ConfigError, WorkerError)) else f"{type(e).__name__}: {e}"
+            self._error = f"the run did not start: {text}"
+            self.note.value = note_html(self._error, "error")
             self.state.finish("failed")
             return
         if self._stop_requested:
