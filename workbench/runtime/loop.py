@@ -126,7 +126,7 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
         optimizer.zero_grad(set_to_none=False)
         if ctx.rank == 0:
             sink({"event": "step", "step": step, "loss": loss_value,
-                  "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed})
+                  "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed, "time": time.time()})
         if step < t.steps and _any_rank(should_stop(), ctx.device):
             status = "preempted"
             break
