@@ -77,6 +77,8 @@ def run(spec: JobSpec | dict | str, metrics_out: str | None = None, resume: bool
                 out.write(json.dumps(event) + "\n")
                 out.flush()
             if bar is not None and event["event"] == "step":
+                if event["step"] == 1:
+                    bar.set_description_str(spec.name)
                 bar.update(event["step"] - bar.n)
                 bar.set_postfix(loss=f"{event['loss']:.4f}", tok_s=f"{event['tokens_per_s']:,.0f}")
         status = handle.status()
@@ -106,7 +108,9 @@ def run(spec: JobSpec | dict | str, metrics_out: str | None = None, resume: bool
 def _progress_bar(spec: JobSpec):
     from tqdm import tqdm
 
-    return tqdm(total=spec.train.steps, desc=spec.name, unit="step", file=sys.stderr, dynamic_ncols=True)
+    where = "GPU" if spec.resources.gpu != "cpu" else "CPU"
+    desc = f"{spec.name}: starting {spec.world_size} {where} workers on local Ray"
+    return tqdm(total=spec.train.steps, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
 
 
 def _run_remote(spec: JobSpec) -> RunResult:

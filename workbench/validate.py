@@ -85,7 +85,7 @@ def _check_layout(spec: "JobSpec") -> None:
                 f"layout.tp({lay.tp}) must divide model.{name}({value}): each tensor-parallel rank takes "
                 f"{name}/tp of it. Use tp in {[d for d in (1, 2, 4, 8) if value % d == 0]}."
             )
-    stages = lay.pp * (lay.virtual_stages if lay.pp > 1 and lay.pp_schedule == "interleaved-1f1b" else 1)
+    stages = lay.pp * (lay.virtual_stages if lay.pp > 1 and lay.pp_schedule in _MULTI_STAGE else 1)
     if stages > shape.layers:
         raise ConfigError(
             f"layout: {stages} pipeline stages (pp={lay.pp}"
@@ -98,6 +98,9 @@ def _check_layout(spec: "JobSpec") -> None:
             f"layout.pp({lay.pp}) with model.tie_embeddings=true: the embedding lives on the first stage and the "
             "head on the last, so they cannot share one weight. Set model.tie_embeddings: false."
         )
+
+
+_MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")  # schedules with virtual_stages per pipeline rank
 
 
 def _check_batch(spec: "JobSpec") -> None:
@@ -115,6 +118,15 @@ def _check_batch(spec: "JobSpec") -> None:
             f"layout.pp_schedule={lay.pp_schedule} needs at least pp({lay.pp}) micro-batches per step, but "
             f"global_batch({t.global_batch}) / (dp({lay.dp}) x micro_batch({t.micro_batch})) = {num_micro}. "
             f"Raise global_batch to {lay.pp * per_step} or lower micro_batch."
+        )
+    rounds = max(1, num_micro // lay.pp)
+    if lay.pp > 1 and lay.pp_schedule in _MULTI_STAGE and num_micro % rounds:
+        fits = [n for n in range(lay.pp, 4 * lay.pp + 1) if n % max(1, n // lay.pp) == 0]
+        raise ConfigError(
+            f"layout.pp_schedule={lay.pp_schedule} runs micro-batches in rounds of pp({lay.pp}): it needs "
+            f"micro-batches per step divisible by max(1, micro-batches // pp) = {rounds}, but global_batch"
+            f"({t.global_batch}) / (dp({lay.dp}) x micro_batch({t.micro_batch})) = {num_micro}. Use a count "
+            f"such as {fits[:4]} (e.g. a multiple of pp)."
         )
 
 
@@ -140,15 +152,56 @@ def check_runnable(spec: "JobSpec") -> None:
             f"model: {{params: {spec.model.params:g}}} is a size alone, for planning (workbench memory/plan). "
             "To run, give a preset or a shape, e.g. model: {preset: gpt-tiny}."
         )
-    unsupported = []
+    _check_dp_combinations(spec)
+    _check_model_parallel_runnable(spec)
+
+
+def _check_dp_combinations(spec: "JobSpec") -> None:
+    """ZeRO / offload / precision combinations the runtime cannot do (docs/strategies.md)."""
     lay = spec.layout
-    if lay.tp > 1:
-        unsupported.append(f"tp={lay.tp} (tensor parallel)")
-    if lay.pp > 1:
-        unsupported.append(f"pp={lay.pp} (pipeline parallel)")
-    if lay.zero > 0:
-        unsupported.append(f"zero={lay.zero}")
-    if lay.offload != "none":
-        unsupported.append(f"offload={lay.offload}")
-    if unsupported:
-        raise ConfigError(f"not supported yet: {', '.join(unsupported)}. This release runs dp with zero=0.")
+    if lay.offload == "cpu" and lay.zero < 2:
+        raise ConfigError(
+            f"layout.offload=cpu with zero={lay.zero}: CPU offload is FSDP2's CPUOffloadPolicy, which needs the "
+            "parameters sharded by FSDP2. Use zero=2 or zero=3 with offload=cpu, or offload=nvme with zero 0/1."
+        )
+    if lay.offload == "nvme" and lay.zero >= 2:
+        raise ConfigError(
+            f"layout.offload=nvme with zero={lay.zero}: FSDP2 owns the fp32 parameter shards and all-gathers "
+            "from them every forward, so they cannot live in files. Use zero=1 with offload=nvme (master and "
+            f"optimizer state in files under {lay.nvme_path}), or zero={lay.zero} with offload=cpu."
+        )
+    if (lay.zero >= 2 or lay.offload == "cpu") and lay.world_size == 1:
+        raise ConfigError(
+            f"layout.zero={lay.zero}, offload={lay.offload} on a single rank: FSDP2 shards over a process group "
+            "and one rank has nothing to shard with. Use zero=0 or 1 (offload=none or nvme) on one rank, or dp>=2."
+        )
+
+
+def _check_model_parallel_runnable(spec: "JobSpec") -> None:
+    """What tensor/pipeline parallel cannot run with, each with the reason and a fix."""
+    lay, t = spec.layout, spec.train
+    if lay.tp == 1 and lay.pp == 1:
+        if lay.sequence_parallel:
+            raise ConfigError("layout.sequence_parallel=true shards activations across tensor-parallel ranks, "
+                              "but tp=1. Set tp >= 2 or sequence_parallel: false.")
+        return
+    if lay.tp > 1 and lay.sequence_parallel:
+        seq = spec.model.shape().seq_len
+        if seq % lay.tp:
+            raise ConfigError(
+                f"layout.sequence_parallel with tp({lay.tp}) splits each sequence into tp equal parts, but "
+                f"model.seq_len({seq}) is not divisible by {lay.tp}. Use a seq_len that is a multiple of {lay.tp}, "
+                "or sequence_parallel: false.")
+    if t.grad_clip > 0:
+        raise ConfigError(
+            f"train.grad_clip({t.grad_clip}) with tp({lay.tp}) / pp({lay.pp}) is not supported yet: the global "
+            "norm would need a reduction over the tensor- and pipeline-parallel shards. Set train.grad_clip: 0, "
+            "or use dp only.")
+    combined = [f"{k}={v}" for k, v, off in (("zero", lay.zero, 0), ("offload", lay.offload, "none"),
+                                             ("precision.dtype", spec.precision.dtype, "fp32"),
+                                             ("activation_checkpointing", lay.activation_checkpointing, "none"))
+                if v != off]
+    if combined:
+        raise ConfigError(
+            f"{', '.join(combined)} together with tp({lay.tp}) / pp({lay.pp}) is not supported yet. Use them with "
+            "dp only, or run tp/pp with zero=0, fp32, no offload and no activation checkpointing.")

@@ -1,8 +1,10 @@
 """The one place that applies the strategies, in a fixed order.
 
 Order (torchtitan's): build on meta -> pipeline split -> per stage: tensor parallel ->
-activation checkpointing -> FSDP/ZeRO (still on meta) -> materialize -> DDP (which needs real
-tensors to broadcast). Each step lives in its own file with one `apply_*` function.
+activation checkpointing -> FSDP/ZeRO-2/3 (still on meta) -> materialize -> fp32 master
+(zero 0/1 with mixed precision, zero=1, nvme) -> cast to the low dtype -> DDP (which needs real
+tensors to broadcast, in their final dtype). Each step lives in its own file with one `apply_*`
+function.
 """
 from __future__ import annotations
 
@@ -14,20 +16,40 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from workbench.parallel.checkpointing import apply_activation_checkpointing
 from workbench.parallel.ddp import apply_ddp
+from workbench.parallel.master import MasterOptimizer
+from workbench.parallel.offload import build_file_store, cpu_offload_policy
+from workbench.parallel.precision import apply_precision, mixed_precision_policy
+from workbench.parallel.zero import apply_zero, build_master
 from workbench.runtime.materialize import materialize
+
+
+def _no_op() -> None:
+    return None
 
 
 @dataclass
 class Parallelized:
     """What the training loop needs from the parallelized model."""
 
-    model: nn.Module  # call this for forward
+    model: nn.Module  # call this for forward (pp=1)
     modules: list[nn.Module]  # the modules whose parameters this rank holds (for the optimizer)
     no_sync: Callable[[], contextlib.AbstractContextManager] = field(default=contextlib.nullcontext)
+    master: MasterOptimizer | None = None  # the fp32 master when the parameters are not it
+    params_are_master: bool = False  # FSDP2 mixed precision: the sharded fp32 parameters are the master
+    notes: list[str] = field(default_factory=list)  # plain statements for the run's log (e.g. no-op offload)
+    # Wrap forward+backward: loss_parallel when the head's logits are vocab-sharded (tp > 1).
+    loss_context: Callable[[], contextlib.AbstractContextManager] = field(default=contextlib.nullcontext)
+    # Called once per step after the last backward: gradient reduction no wrapper does.
+    finish_grads: Callable[[], None] = field(default=_no_op)
+    # pp > 1: this rank's stage modules are `modules`; their global indices and the total.
+    stage_indices: list[int] = field(default_factory=list)
+    num_stages: int = 1
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh | None, layout, *, device: torch.device, seed: int) -> Parallelized:
+def parallelize(model: nn.Module, mesh: DeviceMesh | None, layout, *, device: torch.device, seed: int,
+                dtype: str = "fp32") -> Parallelized:
     """Apply the layout's strategies to a meta-device `model` and materialize it on `device`.
 
     Args:
@@ -36,9 +58,57 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, layout, *, device: to
         layout: a LayoutSpec.
         device: where this rank's parameters live.
         seed: initialization seed (the same weights under every layout).
+        dtype: precision.dtype (fp32 | bf16 | fp16).
     """
+    if mesh is not None and (layout.tp > 1 or layout.pp > 1):
+        return _parallelize_nd(model, mesh, layout, device=device, seed=seed)
+    apply_activation_checkpointing(model, layout.activation_checkpointing, every=layout.checkpoint_every)
+    dp_mesh = mesh["dp"] if mesh is not None else None
+    notes: list[str] = []
+    if layout.zero >= 2:
+        offload, init_device = None, device
+        if layout.offload == "cpu":
+            offload, note = cpu_offload_policy(device)
+            init_device = torch.device("cpu")  # CPUOffloadPolicy wants the shards in host memory
+            notes += [note] if note else []
+        apply_zero(model, dp_mesh, stage=layout.zero, mp_policy=mixed_precision_policy(dtype), offload_policy=offload)
+        materialize(model, init_device, seed=seed)
+        return Parallelized(model, [model], params_are_master=(dtype != "fp32"), notes=notes)
+
     materialize(model, device, seed=seed)
+    master = None
+    if dtype != "fp32" or layout.zero == 1 or layout.offload == "nvme":
+        store = build_file_store(layout.nvme_path) if layout.offload == "nvme" else None
+        master = build_master(model, dp_mesh, stage=layout.zero, make_store=store)
+        apply_precision(model, dtype)
     if mesh is None or layout.dp == 1:
-        return Parallelized(model, [model])
+        return Parallelized(model, [model], master=master, notes=notes)
     ddp = apply_ddp(model, mesh, bucket_mb=layout.bucket_mb)
-    return Parallelized(ddp, [ddp.module], no_sync=ddp.no_sync)
+    return Parallelized(ddp, [ddp.module], no_sync=ddp.no_sync, master=master, notes=notes)
+
+
+def _parallelize_nd(model: nn.Module, mesh: DeviceMesh, layout, *, device: torch.device, seed: int) -> Parallelized:
+    """tp > 1 and/or pp > 1, with or without dp."""
+    from workbench.parallel.grad_sync import all_reduce_grads
+
+    par = Parallelized(model, [model])
+    if layout.pp > 1:
+        from workbench.parallel.pp import apply_pp
+
+        par.modules, par.stage_indices, par.num_stages = apply_pp(
+            model, mesh["pp"], schedule=layout.pp_schedule, virtual_stages=layout.virtual_stages)
+        par.model = par.modules[0]
+    if layout.tp > 1:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        from workbench.parallel.tp import apply_tp
+
+        for m in par.modules:
+            apply_tp(m, mesh["tp"], sequence_parallel=layout.sequence_parallel)
+        par.loss_context = loss_parallel
+    for m in par.modules:
+        materialize(m, device, seed=seed)
+    if layout.dp > 1:
+        group, modules, bucket_mb = mesh.get_group("dp"), par.modules, layout.bucket_mb
+        par.finish_grads = lambda: all_reduce_grads(modules, group, bucket_mb=bucket_mb)
+    return par

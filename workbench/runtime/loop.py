@@ -19,12 +19,15 @@ from workbench.data import build_token_source, rank_micro_batches
 from workbench.models import build_model_meta
 from workbench.parallel.apply import Parallelized, parallelize
 from workbench.parallel.layout import build_mesh, coords
+from workbench.parallel.precision import DynamicLossScaler, autocast
+from workbench.parallel.step import TrainStep
 from workbench.runtime.meter import MemoryMeter
 from workbench.spec import JobSpec, load_spec
 from workbench.validate import check_runnable
 
 Sink = Callable[[dict], None]
 MEMORY_EVERY = 5  # steps between memory events (and the first and last step)
+TIMELINE_STEP = 2  # pp > 1: the step whose F/B/W timings are emitted (step 1 also infers shapes)
 
 
 @dataclass
@@ -49,12 +52,13 @@ def init_distributed() -> RankContext:
     return RankContext(rank, world, device)
 
 
-def build_optimizer(params, train) -> torch.optim.Optimizer:
-    if train.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=train.lr, momentum=0.9, weight_decay=train.weight_decay)
-    if train.optimizer == "adam":
-        return torch.optim.Adam(params, lr=train.lr, weight_decay=train.weight_decay)
-    return torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
+def build_train_step(par: Parallelized, spec: JobSpec) -> TrainStep:
+    """The optimizer side of the step for this layout and precision (see parallel/step.py)."""
+    t, prec = spec.train, spec.precision
+    scaler = DynamicLossScaler(prec.initial_loss_scale, enabled=(prec.dtype == "fp16"))
+    params = [p for m in par.modules for p in m.parameters() if p.requires_grad]
+    return TrainStep(params, optimizer=t.optimizer, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                     scaler=scaler, master=par.master)
 
 
 def micro_batch_loss(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -64,22 +68,30 @@ def micro_batch_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
-def forward_backward(par: Parallelized, micro_batches: list[torch.Tensor], meter: MemoryMeter) -> torch.Tensor:
+def forward_backward(par: Parallelized, micro_batches: list[torch.Tensor], meter: MemoryMeter,
+                     step: TrainStep, dtype: str = "fp32") -> torch.Tensor:
     """Gradient accumulation: one backward per micro-batch, gradient sync only on the last."""
     n = len(micro_batches)
     total = torch.zeros((), device=micro_batches[0].device)
     for i, tokens in enumerate(micro_batches):
-        with par.no_sync() if i < n - 1 else contextlib.nullcontext():
-            with meter.saving():
+        with par.no_sync() if i < n - 1 else contextlib.nullcontext(), par.loss_context():
+            with meter.saving(), autocast(tokens.device.type, dtype):
                 loss = micro_batch_loss(par.model, tokens) / n
-            loss.backward()
+            step.scale_loss(loss).backward()
         meter.released()
-        total += loss.detach()
+        total += _full(loss.detach())
     return total
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor (a loss computed under loss_parallel is a replicated DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] = lambda: False,
-          resume: bool = False) -> dict:
+          resume: bool = False, gather_state: bool = False) -> dict:
     """Train `spec` on this rank. Returns the final {"status", "step", "loss"}.
 
     Args:
@@ -88,6 +100,8 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
         should_stop: polled after each step on every rank; if any rank says True, all ranks
             stop after the same step and the run ends with status "preempted".
         resume: continue from the newest complete checkpoint under checkpoint.uri.
+        gather_state: also return the full fp32 trained weights by canonical name under "state"
+            (on rank 0; collective, for parity tests).
     """
     spec = load_spec(spec)
     check_runnable(spec)
@@ -97,14 +111,22 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
     where = coords(mesh)
 
     torch.manual_seed(t.seed)
-    par = parallelize(build_model_meta(spec), mesh, lay, device=ctx.device, seed=t.seed)
-    params = [p for m in par.modules for p in m.parameters()]
-    optimizer = build_optimizer(params, t)
+    par = parallelize(build_model_meta(spec), mesh, lay, device=ctx.device, seed=t.seed, dtype=spec.precision.dtype)
+    step_fn = build_train_step(par, spec)
+    if ctx.rank == 0:
+        for note in par.notes:
+            sink({"event": "note", "message": note})
     source = build_token_source(spec)
     meter = MemoryMeter(ctx.device)
     meter.watch_params(par.modules)
     dp_group = mesh.get_group("dp") if mesh is not None and lay.dp > 1 else None
     tokens_per_step = t.global_batch * source.seq_len
+    pipeline = None
+    if lay.pp > 1:
+        from workbench.runtime.pipeline import PipelineEngine
+
+        pipeline = PipelineEngine(par, mesh, schedule=lay.pp_schedule, device=ctx.device,
+                                  num_microbatches=t.global_batch // (lay.dp * t.micro_batch))
 
     step, loss_value, status = 0, float("nan"), "completed"
     for step in range(1, t.steps + 1):
@@ -112,27 +134,45 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
         batch = source.global_batch(step, t.global_batch).to(ctx.device)
         micro = rank_micro_batches(batch, where["dp"], lay.dp, t.micro_batch)
         meter.reset_peak()
-        loss = forward_backward(par, micro, meter)
-        if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
-        optimizer.step()
+        if pipeline is None:
+            loss = forward_backward(par, micro, meter, step_fn, spec.precision.dtype)
+        else:
+            loss, timeline = pipeline.step(micro, meter, record=step == min(TIMELINE_STEP, t.steps))
+            if timeline is not None:
+                sink({"event": "timeline", "step": step, "rank": ctx.rank, "items": timeline})
+        par.finish_grads()
+        step_extra = step_fn.step()
         if dp_group is not None:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=dp_group)
         loss_value = loss.item()
         elapsed = time.perf_counter() - start
         if step == 1 or step == t.steps or step % MEMORY_EVERY == 0:
+            held = step_fn.measured_states()
             sink({"event": "memory", "step": step, "rank": ctx.rank, "coords": where,
-                  "measured": meter.measure(par.modules, optimizer)})
-        optimizer.zero_grad(set_to_none=False)
+                  "measured": meter.measure(par.modules, held["optimizer"], master=held["master"],
+                                            offloaded=held["offloaded"], params_are_master=par.params_are_master)})
+        step_fn.zero_grad()
         if ctx.rank == 0:
             sink({"event": "step", "step": step, "loss": loss_value,
-                  "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed, "time": time.time()})
+                  "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed, "time": time.time(), **step_extra})
         if step < t.steps and _any_rank(should_stop(), ctx.device):
             status = "preempted"
             break
+    result = {"status": status, "step": step, "loss": loss_value}
+    if gather_state:
+        from workbench.runtime.materialize import canonical_name
+
+        named = [(canonical_name(n), p) for m in par.modules for n, p in m.named_parameters()]
+        state = step_fn.full_state(named)
+        if lay.pp > 1:  # each pipeline rank holds its stages: collect them all on rank 0
+            parts = [None] * ctx.world_size if ctx.rank == 0 else None
+            dist.gather_object(state, parts, dst=0)
+            state = {k: v for part in parts or [] for k, v in part.items()}
+        if ctx.rank == 0:
+            result["state"] = state
     if ctx.rank == 0:
         sink({"event": "end", "status": status, "step": step})
-    return {"status": status, "step": step, "loss": loss_value}
+    return result
 
 
 def _any_rank(flag: bool, device: torch.device) -> bool:
@@ -142,3 +182,12 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
     t = torch.tensor([int(flag)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def train_with_state(spec: JobSpec | dict, sink: Sink) -> dict:
+    """`train` that also sinks {"event": "state", "state": {name: full fp32 tensor}} from rank 0
+    (for parity tests through SpawnPool, whose jobs return only events)."""
+    result = train(spec, sink, gather_state=True)
+    if "state" in result:
+        sink({"event": "state", "state": result.pop("state")})
+    return result

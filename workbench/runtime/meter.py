@@ -55,10 +55,11 @@ class MemoryMeter:
         storages = self._storages
 
         def pack(t: torch.Tensor):
-            if t.device.type != "meta":
-                ptr = t.untyped_storage().data_ptr()
+            local = _local(t)  # tensor parallel saves DTensors; count their local storage
+            if local.device.type != "meta":
+                ptr = local.untyped_storage().data_ptr()
                 if ptr not in self._param_ptrs and ptr not in storages:
-                    storages[ptr] = t.untyped_storage().nbytes()
+                    storages[ptr] = local.untyped_storage().nbytes()
                     self.in_flight += storages[ptr]
                     self.peak_activations = max(self.peak_activations, self.in_flight)
             return t
@@ -77,14 +78,26 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def measure(self, modules: list[nn.Module], optimizer, master: list[torch.Tensor] | None = None,
-                offloaded: dict | None = None) -> dict:
+                offloaded: dict | None = None, params_are_master: bool = False) -> dict:
+        """The rank's breakdown in bytes.
+
+        Args:
+            optimizer: a torch.optim optimizer, or the list of its state tensors.
+            master: fp32 master tensors held apart from the parameters.
+            offloaded: extra keys (e.g. bytes on disk) merged into the result.
+            params_are_master: the parameters are the fp32 master (FSDP2 mixed precision): count
+                them as master, params 0.
+        """
         params = [p for m in modules for p in m.parameters()]
         grads = [p.grad for p in params]
-        states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        if isinstance(optimizer, list):
+            states = optimizer
+        else:
+            states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         out = {
-            "params": tensor_bytes(params),
+            "params": 0 if params_are_master else tensor_bytes(params),
             "grads": tensor_bytes(grads),
-            "master": tensor_bytes(master or []),
+            "master": tensor_bytes((master or []) + (params if params_are_master else [])),
             "optimizer": tensor_bytes(states),
             "activations": self.peak_activations,
         }

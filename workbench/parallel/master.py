@@ -1,0 +1,165 @@
+"""fp32 master weights and optimizer state over a flat range of the parameters (ZeRO-1 style).
+
+The parameters are seen as one flat vector. A rank owns a contiguous range of it (all of it for
+zero=0, 1/N for zero=1), keeps that range's fp32 master and optimizer moments (in memory or, for
+offload=nvme, in files), and steps them chunk by chunk with torch's own functional optimizers,
+so the numbers are exactly torch.optim's. Updated values go back into the (low-precision)
+parameters; with a dp group (zero=1) each chunk is all-gathered so every rank gets every range.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+MAX_CHUNK = 4 * 1024 * 1024  # elements; 16 MiB per fp32 staging buffer
+MIN_CHUNK = 4096
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class FlatParams:
+    """A flat view over a list of parameters' local tensors: read grads, write values by range."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + _local(p).numel())
+        self.numel = self.offsets[-1]
+
+    def _pieces(self, start: int, end: int):
+        """(param, lo, hi, at): elements [lo, hi) of param's flat local tensor sit at [at, ...) of the range."""
+        for i, p in enumerate(self.params):
+            a, b = self.offsets[i], self.offsets[i + 1]
+            lo, hi = max(a, start), min(b, end)
+            if lo < hi:
+                yield p, lo - a, hi - a, lo - start
+
+    def read(self, start: int, end: int, *, grad: bool, out: torch.Tensor) -> torch.Tensor:
+        """Copy grads (or values) of flat range [start, end) into `out` (zeros past the end)."""
+        out.zero_()
+        for p, lo, hi, at in self._pieces(start, end):
+            src = p.grad if grad else p
+            if src is None:
+                continue
+            out[at:at + hi - lo].copy_(_local(src).detach().reshape(-1)[lo:hi])
+        return out
+
+    @torch.no_grad()
+    def write(self, start: int, end: int, values: torch.Tensor) -> None:
+        for p, lo, hi, at in self._pieces(start, end):
+            _local(p).view(-1)[lo:hi].copy_(values[at:at + hi - lo])
+
+
+def chunk_size(range_numel: int) -> int:
+    """At least ~8 chunks per range (staging stays small next to the state), at most MAX_CHUNK."""
+    return max(MIN_CHUNK, min(MAX_CHUNK, math.ceil(range_numel / 8)))
+
+
+class MemoryStore:
+    """Master and moments as fp32 tensors on the parameters' device."""
+
+    kind = "memory"
+
+    def __init__(self, init: torch.Tensor, num_moments: int):
+        self.master = init
+        self.moments = [torch.zeros_like(init) for _ in range(num_moments)]
+
+    def load(self, c0: int, c1: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.master[c0:c1], [m[c0:c1] for m in self.moments]
+
+    def save(self, c0: int, c1: int) -> None:
+        """Nothing to do: load returned views."""
+
+    def tensors(self) -> dict:
+        return {"master": [self.master], "optimizer": self.moments}
+
+
+class MasterOptimizer:
+    """Steps the fp32 master of this rank's flat range of `params` and writes it back.
+
+    Args:
+        params: the parameters (plain tensors or DTensors; their local tensors are used).
+        group: the dp process group to shard over (zero=1), or None to own everything.
+        make_store: (initial fp32 range, number of moments) -> a store (MemoryStore or
+            offload.FileStore); called by bind().
+    """
+
+    def __init__(self, params: list[torch.Tensor], group, make_store):
+        self.flat = FlatParams(params)
+        self.group = group
+        world = dist.get_world_size(group) if group is not None else 1
+        rank = dist.get_rank(group) if group is not None else 0
+        self.world = world
+        self.range_numel = math.ceil(self.flat.numel / world)  # padded: every rank owns the same count
+        self.start = rank * self.range_numel
+        self.chunk = chunk_size(self.range_numel)
+        self.device = _local(params[0]).device
+        self.param_dtype = _local(params[0]).dtype
+        init = torch.zeros(self.range_numel, dtype=torch.float32, device=self.device)
+        self.flat.read(self.start, self.start + self.range_numel, grad=False, out=init)
+        # The store is made once the optimizer (its number of moments) is known: bind().
+        self._init, self._make_store, self.store = init, make_store, None
+        self.num_steps = 0
+
+    def bind(self, num_moments: int) -> None:
+        """Create the master/moment store (2 moments for adam/adamw, 1 for sgd)."""
+        self.store = self._make_store(self._init, num_moments)
+        self._init = None
+
+    def step(self, update, grad_coef: float) -> None:
+        """One optimizer step: for each chunk, fp32 grad x grad_coef -> update(master, grad, moments, step).
+
+        `update` is a functional optimizer step over one chunk (see step.py). All ranks of the
+        group must call this together (the chunks are all-gathered).
+        """
+        self.num_steps += 1
+        grad_buf = None
+        for c0 in range(0, self.range_numel, self.chunk):
+            c1 = min(c0 + self.chunk, self.range_numel)
+            master, moments = self.store.load(c0, c1)
+            if grad_buf is None or grad_buf.numel() < c1 - c0:
+                grad_buf = torch.empty(c1 - c0, dtype=torch.float32, device=self.device)
+            g = self.flat.read(self.start + c0, self.start + c1, grad=True, out=grad_buf[:c1 - c0])
+            g = g.to(master.device)
+            if grad_coef != 1.0:
+                g.mul_(grad_coef)
+            update(master, g, moments, self.num_steps)
+            self.store.save(c0, c1)
+            self._publish(c0, c1, master)
+
+    def _publish(self, c0: int, c1: int, master: torch.Tensor) -> None:
+        values = master.to(device=self.device, dtype=self.param_dtype)
+        if self.group is None:
+            self.flat.write(self.start + c0, self.start + c1, values)
+            return
+        parts = [torch.empty_like(values) for _ in range(self.world)]
+        dist.all_gather(parts, values.contiguous(), group=self.group)
+        for r, part in enumerate(parts):
+            base = r * self.range_numel
+            self.flat.write(base + c0, base + c1, part)
+
+    def full_master(self) -> torch.Tensor:
+        """The whole flat fp32 master on every rank of the group (tests, checkpoints)."""
+        pieces = []
+        for c0 in range(0, self.range_numel, self.chunk):
+            c1 = min(c0 + self.chunk, self.range_numel)
+            master, _ = self.store.load(c0, c1)
+            pieces.append(master.to(self.device).clone())
+        mine = torch.cat(pieces)
+        if self.group is None:
+            return mine[: self.flat.numel]
+        parts = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(parts, mine, group=self.group)
+        return torch.cat(parts)[: self.flat.numel]
+
+    def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Split a flat vector into tensors shaped like the parameters' local tensors."""
+        return [flat[a:b].view(_local(p).shape) for p, a, b in
+                zip(self.flat.params, self.flat.offsets, self.flat.offsets[1:])]

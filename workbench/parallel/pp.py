@@ -1,0 +1,139 @@
+"""Pipeline parallel: split the blocks into stages balanced by parameter count, and build the
+torch.distributed.pipelining stages and schedule that run them.
+
+The split happens on the meta device (before TP, FSDP and materialization): each stage is a
+copy of the model that keeps only its blocks, the embedding on the first stage and the final
+norm + head on the last, so parameter names (and so the initialization) match the full model.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+
+
+def num_local_stages(schedule: str, virtual_stages: int) -> int:
+    """Stages each pipeline rank holds: `virtual_stages` for the multi-stage schedules."""
+    return virtual_stages if schedule in ("interleaved-1f1b", "zero-bubble") else 1
+
+
+def stage_indices(pp_rank: int, pp: int, local_stages: int) -> list[int]:
+    """The global stage indices of one pipeline rank: looped placement (r, r + pp, ...),
+    the layout Interleaved1F1B and InterleavedZeroBubble expect."""
+    return [pp_rank + i * pp for i in range(local_stages)]
+
+
+def balance_blocks(block_params: list[int], first_extra: int, last_extra: int, num_stages: int) -> list[range]:
+    """Contiguous block ranges, one per stage, minimizing the largest stage's parameter count.
+
+    Args:
+        block_params: parameters of each block, in order.
+        first_extra: parameters the first stage also holds (embeddings).
+        last_extra: parameters the last stage also holds (final norm and head).
+        num_stages: number of stages (<= number of blocks; each stage gets at least one).
+    Returns:
+        One `range` of block indices per stage.
+    """
+    n = len(block_params)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot split {n} blocks into {num_stages} non-empty stages")
+    prefix = [0]
+    for p in block_params:
+        prefix.append(prefix[-1] + p)
+
+    def cost(s: int, i: int, j: int) -> int:  # stage s holds blocks [i, j)
+        return prefix[j] - prefix[i] + (first_extra if s == 0 else 0) + (last_extra if s == num_stages - 1 else 0)
+
+    # best[s][j]: smallest max-cost to put blocks [0, j) on stages [0, s]; exact, O(S n^2).
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages)]
+    cut = [[0] * (n + 1) for _ in range(num_stages)]
+    for j in range(1, n + 1):
+        best[0][j] = cost(0, 0, j)
+    for s in range(1, num_stages):
+        for j in range(s + 1, n + 1):
+            for i in range(s, j):
+                c = max(best[s - 1][i], cost(s, i, j))
+                if c < best[s][j]:
+                    best[s][j], cut[s][j] = c, i
+    bounds, j = [], n
+    for s in range(num_stages - 1, 0, -1):
+        i = cut[s][j]
+        bounds.append(range(i, j))
+        j = i
+    bounds.append(range(0, j))
+    return bounds[::-1]
+
+
+def _params(module: nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+def split_stage(model: nn.Module, blocks: range, *, first: bool, last: bool) -> nn.Module:
+    """A copy of `model` (on meta) that keeps only `blocks` and, if first/last, the ends."""
+    stage = copy.deepcopy(model)
+    for key in list(stage.blocks.keys()):
+        if int(key) not in blocks:
+            del stage.blocks[key]
+    if not first:
+        stage.tok_emb = None
+        if getattr(stage, "pos_emb", None) is not None:
+            stage.pos_emb = None
+    if not last:
+        stage.norm = None
+        stage.head = None
+    return stage
+
+
+def apply_pp(model: nn.Module, pp_mesh: DeviceMesh, *, schedule: str, virtual_stages: int) -> tuple[list[nn.Module], list[int], int]:
+    """Split a meta-device GPT into this pipeline rank's stage modules.
+
+    Args:
+        model: the full GPT on the meta device.
+        pp_mesh: the 1-D pipeline mesh (this rank's position on it picks its stages).
+        schedule: one of SCHEDULES.
+        virtual_stages: stages per rank for interleaved-1f1b and zero-bubble.
+    Returns:
+        (stage modules, their global stage indices, total number of stages).
+    """
+    pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    local = num_local_stages(schedule, virtual_stages)
+    num_stages = pp * local
+    keys = sorted(model.blocks.keys(), key=int)
+    first_extra = _params(model.tok_emb) + _params(getattr(model, "pos_emb", None))
+    last_extra = _params(model.norm) + _params(model.head)
+    bounds = balance_blocks([_params(model.blocks[k]) for k in keys], first_extra, last_extra, num_stages)
+    indices = stage_indices(pp_rank, pp, local)
+    modules = [split_stage(model, bounds[s], first=s == 0, last=s == num_stages - 1) for s in indices]
+    return modules, indices, num_stages
+
+
+def build_schedule(modules: list[nn.Module], indices: list[int], num_stages: int, pp_mesh: DeviceMesh, *,
+                   schedule: str, num_microbatches: int, loss_fn: Callable, device: torch.device):
+    """The torch.distributed.pipelining schedule over this rank's (materialized) stage modules.
+
+    Stage shapes are inferred from the first micro-batch at run time, so sequence-parallel
+    (seq-sharded) activations and any micro-batch size work without example inputs.
+
+    Returns:
+        (schedule, list of PipelineStage).
+    """
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as S
+
+    group = pp_mesh.get_group()
+    stages = [PipelineStage(m, i, num_stages, device, group=group) for m, i in zip(modules, indices)]
+    single = {"gpipe": S.ScheduleGPipe, "1f1b": S.Schedule1F1B}
+    multi = {"interleaved-1f1b": S.ScheduleInterleaved1F1B, "zero-bubble": S.ScheduleInterleavedZeroBubble}
+    # scale_grads: the schedule divides the summed micro-batch gradients by their number, so
+    # gradients are those of the mean loss, as in single-process gradient accumulation.
+    if schedule in single:
+        sched = single[schedule](stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=True)
+    else:
+        sched = multi[schedule](stages, num_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return sched, stages

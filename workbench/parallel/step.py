@@ -1,0 +1,133 @@
+"""The optimizer side of a training step: loss scaling, overflow skip, gradient clipping, update.
+
+Two paths, same numbers as torch.optim:
+- direct: a torch.optim optimizer over the model's parameters (fp32 with zero 0; every precision
+  with zero 2/3, where FSDP2's sharded fp32 parameters are the master);
+- master: master.py's MasterOptimizer steps an fp32 master of a flat range (mixed precision with
+  zero 0, every zero=1, every offload=nvme) with torch's functional optimizers, chunk by chunk.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.optim.adam import adam as adam_kernel
+from torch.optim.sgd import sgd as sgd_kernel
+
+from workbench.parallel.master import MasterOptimizer, _local
+from workbench.parallel.precision import DynamicLossScaler
+
+BETAS, EPS, SGD_MOMENTUM = (0.9, 0.999), 1e-8, 0.9
+
+
+def build_optimizer(params, name: str, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """torch.optim optimizer `name` (adamw | adam | sgd) with workbench's hyper-parameters."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=SGD_MOMENTUM, weight_decay=weight_decay)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, betas=BETAS, eps=EPS, weight_decay=weight_decay)
+    return torch.optim.AdamW(params, lr=lr, betas=BETAS, eps=EPS, weight_decay=weight_decay)
+
+
+def functional_update(name: str, lr: float, weight_decay: float):
+    """update(master, grad, moments, step) for one chunk, with torch.optim's own functional kernels."""
+    if name == "sgd":
+        def update(master, grad, moments, step):
+            sgd_kernel([master], [grad], [moments[0]], foreach=False, weight_decay=weight_decay,
+                                momentum=SGD_MOMENTUM, lr=lr, dampening=0.0, nesterov=False, maximize=False)
+        return update, 1
+    adam = functools.partial(adam_kernel, decoupled_weight_decay=(name == "adamw"))
+
+    def update(master, grad, moments, step):
+        state_step = torch.tensor(float(step - 1))  # the kernel increments it
+        adam([master], [grad], [moments[0]], [moments[1]], [], [state_step], foreach=False, amsgrad=False,
+             beta1=BETAS[0], beta2=BETAS[1], lr=lr, weight_decay=weight_decay, eps=EPS, maximize=False)
+    return update, 2
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm of `grads` (DTensor-aware: sharded gradients are reduced over their mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.get_total_norm([g for g in grads if g is not None], foreach=False)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+class TrainStep:
+    """Scale the loss, then step: skip on overflow, unscale, clip, update, update the scale.
+
+    Args:
+        params: the parameters this rank trains (plain or DTensor).
+        optimizer, lr, weight_decay: train.optimizer and its hyper-parameters.
+        grad_clip: clip the global gradient norm to this (0: off).
+        scaler: the loss scaler (disabled for fp32/bf16).
+        master: a MasterOptimizer (master path) or None (direct path).
+    """
+
+    def __init__(self, params, *, optimizer: str, lr: float, weight_decay: float, grad_clip: float,
+                 scaler: DynamicLossScaler, master: MasterOptimizer | None = None):
+        self.params = list(params)
+        self.grad_clip, self.scaler, self.master = grad_clip, scaler, master
+        self.device = _local(self.params[0]).device
+        if master is None:
+            self.optimizer = build_optimizer(self.params, optimizer, lr, weight_decay)
+        else:
+            self._update, num_moments = functional_update(optimizer, lr, weight_decay)
+            master.bind(num_moments)
+            self.optimizer = None
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale_loss(loss)
+
+    def step(self) -> dict:
+        """One optimizer step on every rank. Returns extra step-event keys (fp16: loss_scale, skipped)."""
+        grads = [p.grad for p in self.params]
+        used_scale = self.scaler.scale
+        skipped = self.scaler.found_inf(grads, self.device)
+        if not skipped:
+            coef = 1.0 / used_scale
+            if self.grad_clip > 0:
+                norm = float(total_norm(grads)) * coef
+                coef *= min(1.0, self.grad_clip / (norm + 1e-6))
+            if self.master is not None:
+                self.master.step(self._update, coef)
+            else:
+                if coef != 1.0:
+                    torch._foreach_mul_([g for g in grads if g is not None], coef)
+                self.optimizer.step()
+        self.scaler.update(skipped)
+        return {"loss_scale": used_scale, "skipped": skipped} if self.scaler.enabled else {}
+
+    def zero_grad(self) -> None:
+        # Keep the tensors (DDP's gradients are views into its buckets); zero them in place.
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    # -- memory and state -------------------------------------------------------------------
+    def measured_states(self) -> dict:
+        """The master/optimizer tensors and extra offload keys for MemoryMeter.measure."""
+        if self.master is None:
+            states = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            return {"master": [], "optimizer": states, "offloaded": {}}
+        held = self.master.store.tensors()
+        extra = self.master.store.offloaded() if hasattr(self.master.store, "offloaded") else {}
+        return {"master": held["master"], "optimizer": held["optimizer"], "offloaded": extra}
+
+    def full_state(self, named_params: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The full fp32 trained weights by name, on every rank (collective on every rank).
+
+        With a master, the master is the trained weight (the parameters are its rounding).
+        """
+        if self.master is not None:
+            flat = self.master.full_master()
+            values = self.master.unflatten(flat)
+            by_id = {id(p): v for p, v in zip(self.master.flat.params, values)}
+            return {n: by_id[id(p)].detach().float().cpu().clone() for n, p in named_params if id(p) in by_id}
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for n, p in named_params:
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            out[n] = full.detach().float().cpu().clone()
+        return out

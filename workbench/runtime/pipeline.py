@@ -1,0 +1,176 @@
+"""The pipeline step (pp > 1): run this rank's stages through the torch.distributed.pipelining
+schedule, return the step's loss on every rank, and measure what the pipeline does.
+
+Measured per step: when each micro-batch's forward (F), backward (B, input gradients when the
+schedule splits it) and weight-gradient (W) pass ran on this rank (a "timeline" event), and the
+activations saved for backward that are in flight at once (the memory meter's `activations`).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from workbench.parallel.pp import build_schedule
+from workbench.runtime.meter import MemoryMeter
+
+Sink = Callable[[dict], None]
+
+
+def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of one micro-batch (the same as the pp=1 loop's)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _local_value(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class PipelineEngine:
+    """Runs one optimizer step's micro-batches through the pipeline schedule.
+
+    Args:
+        par: the Parallelized model (its `modules` are this rank's stages, materialized).
+        mesh: the ("pp", "dp", "tp") mesh.
+        schedule: layout.pp_schedule.
+        num_microbatches: micro-batches per dp rank per step.
+        device: this rank's device.
+    """
+
+    def __init__(self, par, mesh, *, schedule: str, num_microbatches: int, device: torch.device):
+        self.loss_context = par.loss_context
+        self.pp_group = mesh.get_group("pp")
+        pp = mesh["pp"].size()
+        # The last stage's global index is num_stages - 1; with looped placement it lives on
+        # pipeline rank (num_stages - 1) % pp.
+        self.last_pp_rank = (par.num_stages - 1) % pp
+        self.has_last = any(i == par.num_stages - 1 for i in par.stage_indices)
+        self.device = device
+        self.schedule, self.stages = build_schedule(
+            par.modules, par.stage_indices, par.num_stages, mesh["pp"], schedule=schedule,
+            num_microbatches=num_microbatches, loss_fn=self._loss, device=device)
+        self._param_ptrs = {_param_ptr(p) for m in par.modules for p in m.parameters()}
+        self._meter: MemoryMeter | None = None
+        self._saved: dict[tuple[int, int], dict[int, int]] = {}  # (stage, mb) -> {storage: bytes}
+        self._current: tuple[int, int] | None = None
+        self._items: list[dict] | None = None
+        self._t0 = 0.0
+        for stage in self.stages:
+            self._instrument(stage)
+
+    def step(self, micro_batches: list[torch.Tensor], meter: MemoryMeter, *, record: bool = False) -> tuple[torch.Tensor, list[dict] | None]:
+        """Forward and backward of one step's micro-batches; gradients land in the stages.
+
+        Args:
+            micro_batches: this dp rank's micro-batches, each (B, T + 1) tokens.
+            meter: receives the activations in flight.
+            record: also return the F/B/W timeline of this step.
+        Returns:
+            (loss: mean over the micro-batches, the same on every pipeline rank, timeline items
+            or None).
+        """
+        tokens = torch.cat(micro_batches)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        self._meter, self._items, self._t0 = meter, ([] if record else None), time.perf_counter()
+        losses: list[torch.Tensor] = []
+        with self.loss_context():
+            # Every rank passes inputs and targets: the schedule feeds them to whichever of this
+            # rank's stages is first / last (a rank may hold both in looped placement).
+            self.schedule.step(x, target=y, losses=losses, return_outputs=False)
+        if self.has_last:
+            loss = torch.stack([_local_value(v.detach()) for v in losses]).mean()
+        else:
+            loss = torch.zeros((), device=self.device)
+        dist.broadcast(loss, group=self.pp_group, group_src=self.last_pp_rank)
+        meter.in_flight = 0
+        self._saved.clear()
+        items, self._items = self._items, None
+        return loss, items
+
+    # -- measurement -----------------------------------------------------------------------
+
+    def _loss(self, logits, targets):
+        # Called right after the last stage's forward of a micro-batch: its saved tensors
+        # belong to that micro-batch.
+        with self._saving(self._current):
+            return pipeline_loss(logits, targets)
+
+    def _instrument(self, stage) -> None:
+        fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+        s = stage.stage_index
+
+        def forward_one_chunk(mb, *args, **kwargs):
+            self._current = (s, mb)
+            with self._timed(mb, "F", s), self._saving((s, mb)):
+                return fwd(mb, *args, **kwargs)
+
+        def backward_one_chunk(mb, *args, **kwargs):
+            full = kwargs.get("full_backward", True)
+            with self._timed(mb, "B", s):
+                out = bwd(mb, *args, **kwargs)
+            if full:
+                self._release((s, mb))
+            return out
+
+        def backward_weight_one_chunk(mb, *args, **kwargs):
+            with self._timed(mb, "W", s):
+                out = wgt(mb, *args, **kwargs)
+            self._release((s, mb))
+            return out
+
+        stage.forward_one_chunk = forward_one_chunk
+        stage.backward_one_chunk = backward_one_chunk
+        stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+    @contextlib.contextmanager
+    def _timed(self, mb: int, kind: str, stage: int):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._items is not None:
+                self._items.append({"microbatch": mb, "kind": kind, "stage": stage,
+                                    "start_s": start - self._t0, "end_s": time.perf_counter() - self._t0})
+
+    @contextlib.contextmanager
+    def _saving(self, key):
+        """Count the storages saved for backward under `key` (a stage's micro-batch)."""
+        meter = self._meter
+        if meter is None or key is None:
+            yield
+            return
+        saved = self._saved.setdefault(key, {})
+
+        def pack(t: torch.Tensor):
+            local = _local(t)
+            if local.device.type != "meta":
+                ptr = local.untyped_storage().data_ptr()
+                if ptr not in self._param_ptrs and ptr not in saved:
+                    saved[ptr] = local.untyped_storage().nbytes()
+                    meter.in_flight += saved[ptr]
+                    meter.peak_activations = max(meter.peak_activations, meter.in_flight)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def _release(self, key) -> None:
+        saved = self._saved.pop(key, None)
+        if saved and self._meter is not None:
+            self._meter.in_flight -= sum(saved.values())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _param_ptr(t: torch.Tensor) -> int:
+    return _local(t).untyped_storage().data_ptr()
