@@ -22,36 +22,68 @@ class Device:
     inter_node_bw: float  # bytes/s per device across nodes (InfiniBand / EFA / DCN)
     max_per_node: int
     source: str
+    hbm_bw: float = 2.0e12  # bytes/s device memory bandwidth (the optimizer step is bound by it)
+    bf16_native: bool = True  # False: bf16 runs at fp32 speed (V100, T4 have fp16 tensor cores only)
+    host_memory_bytes: int = 0  # host RAM per device on the usual instance (offload=cpu); 0 = unknown
+
+    @property
+    def compute_flops(self) -> dict[str, float]:
+        """Peak dense FLOP/s by training dtype."""
+        half = self.bf16_flops
+        return {"fp32": self.fp32_flops, "fp16": half, "bf16": half if self.bf16_native else self.fp32_flops}
 
 
+# host_memory_bytes: the instance's RAM / its GPUs (p4d/p4de 1152 GiB, p5/p5en 2048 GiB, g5/g6.48xlarge
+# 768 GiB, p3.16xlarge 488 GiB, p3dn 768 GiB, g4dn.12xlarge 192 GiB / 4), from the EC2 instance pages.
 DEVICES: dict[str, Device] = {
     d.name: d
     for d in [
         # A CPU "device": what the local runtime uses when there is no GPU. Its figures are
         # rough and only used to give the planner something finite on this machine.
-        Device("cpu", 16 * GiB, 0.2e12, 0.2e12, 10e9, 1.25e9, 64, "nominal; CPU worker"),
+        Device("cpu", 16 * GiB, 0.2e12, 0.2e12, 10e9, 1.25e9, 64, "nominal; CPU worker", hbm_bw=20e9),
         Device("a100-40gb", 40 * GiB, 312e12, 19.5e12, 300e9, 25e9, 8,
-               "NVIDIA A100 datasheet (2021): 312 TF bf16 dense, NVLink3 600 GB/s bidirectional"),
+               "NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TF bf16 dense, 19.5 TF fp32, 1.555 TB/s HBM2, "
+               "NVLink3 600 GB/s bidirectional; DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU",
+               host_memory_bytes=1152 * GiB // 8, hbm_bw=1.555e12),
         Device("a100-80gb", 80 * GiB, 312e12, 19.5e12, 300e9, 25e9, 8,
-               "NVIDIA A100 80GB datasheet (2021)"),
-        Device("h100-80gb", 80 * GiB, 989e12, 67e12, 450e9, 50e9, 8,
-               "NVIDIA H100 SXM datasheet (2023): 989 TF bf16 dense, NVLink4 900 GB/s bidirectional"),
+               "NVIDIA A100 Tensor Core GPU datasheet (2021): 80GB SXM, 2.039 TB/s HBM2e",
+               host_memory_bytes=1152 * GiB // 8, hbm_bw=2.039e12),
+        # 81559 MiB is what nvidia-smi reports for an H100 SXM 80GB.
+        Device("h100-80gb", 81559 * 2**20, 989e12, 67e12, 450e9, 50e9, 8,
+               "NVIDIA H100 Tensor Core GPU datasheet (2023), SXM: 989 TF bf16 dense, 67 TF fp32, 3.35 TB/s HBM3, "
+               "NVLink4 900 GB/s bidirectional; 400 Gb/s NDR/EFA per GPU (AWS p5: 3200 Gb/s per 8 GPUs)",
+               host_memory_bytes=2048 * GiB // 8, hbm_bw=3.35e12),
         Device("h200", 141 * GB, 989e12, 67e12, 450e9, 50e9, 8,
-               "NVIDIA H200 SXM datasheet (2024): 141 GB HBM3e, same compute as H100"),
-        Device("l4", 24 * GB, 121e12, 30.3e12, 32e9, 12.5e9, 8,
-               "NVIDIA L4 datasheet (2023): 242 TF fp16 with sparsity -> 121 dense; PCIe Gen4 x16"),
-        Device("a10g", 24 * GB, 70e12, 31.2e12, 32e9, 12.5e9, 8,
-               "NVIDIA A10 datasheet (2021): 125 TF fp16 dense (A10G on AWS g5 is ~70 TF)"),
-        Device("v100-16gb", 16 * GiB, 125e12, 15.7e12, 150e9, 12.5e9, 8,
-               "NVIDIA V100 SXM2 datasheet (2020): 125 TF fp16 tensor, NVLink2 300 GB/s"),
-        Device("v100-32gb", 32 * GiB, 125e12, 15.7e12, 150e9, 12.5e9, 8,
-               "NVIDIA V100 SXM2 32GB datasheet (2020)"),
-        Device("t4", 16 * GB, 65e12, 8.1e12, 16e9, 6.25e9, 8,
-               "NVIDIA T4 datasheet (2019): 65 TF fp16 mixed precision"),
+               "NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: 141 GB HBM3e at 4.8 TB/s, H100's compute",
+               host_memory_bytes=2048 * GiB // 8, hbm_bw=4.8e12),
+        Device("l4", 24 * GB, 121e12, 30.3e12, 32e9, 12.5e9 / 8, 8,
+               "NVIDIA L4 datasheet (2023): 242 TF fp16 with sparsity -> 121 dense, 300 GB/s GDDR6; PCIe Gen4 "
+               "x16 (no NVLink); AWS g6.48xlarge 100 Gb/s per 8 GPUs",
+               host_memory_bytes=768 * GiB // 8, hbm_bw=300e9),
+        Device("a10g", 24 * GB, 70e12, 31.2e12, 32e9, 12.5e9 / 8, 8,
+               "AWS g5 (A10G): ~70 TF fp16/bf16 dense tensor (NVIDIA A10 datasheet: 125 TF at higher clocks), "
+               "600 GB/s GDDR6; PCIe Gen4; g5.48xlarge 100 Gb/s per 8 GPUs",
+               host_memory_bytes=768 * GiB // 8, hbm_bw=600e9),
+        Device("v100-16gb", 16 * GiB, 125e12, 15.7e12, 150e9, 25e9 / 8, 8,
+               "NVIDIA V100 datasheet (2020), SXM2: 125 TF fp16 tensor (no bf16), 15.7 TF fp32, 900 GB/s HBM2, "
+               "NVLink2 300 GB/s bidirectional; AWS p3.16xlarge 25 Gb/s per node",
+               host_memory_bytes=488 * GiB // 8, hbm_bw=900e9,
+               bf16_native=False),
+        Device("v100-32gb", 32 * GiB, 125e12, 15.7e12, 150e9, 100e9 / 8 / 8, 8,
+               "NVIDIA V100 datasheet (2020), SXM2 32GB; AWS p3dn.24xlarge 100 Gb/s per node",
+               host_memory_bytes=768 * GiB // 8, hbm_bw=900e9,
+               bf16_native=False),
+        Device("t4", 16 * GB, 65e12, 8.1e12, 16e9, 50e9 / 8 / 4, 8,
+               "NVIDIA T4 datasheet (2019): 65 TF fp16 mixed precision (no bf16), 8.1 TF fp32, 320 GB/s GDDR6; "
+               "PCIe Gen3 x16; AWS g4dn.12xlarge 50 Gb/s per 4 GPUs",
+               host_memory_bytes=192 * GiB // 4, hbm_bw=320e9, bf16_native=False),
+        # TPUs: fp32 matmuls run as several bf16 passes; a quarter of bf16 peak is our assumption.
         Device("tpu-v5e", 16 * GB, 197e12, 197e12 / 4, 200e9, 25e9, 8,
-               "Google Cloud TPU v5e docs: 197 TF bf16, 16 GB HBM2, ICI 1600 Gbps"),
+               "Google Cloud TPU v5e documentation: 197 TF bf16, 16 GB HBM2 at 819 GB/s, ICI 1600 Gb/s per chip",
+               hbm_bw=819e9),
         Device("tpu-v5p", 95 * GB, 459e12, 459e12 / 4, 600e9, 25e9, 4,
-               "Google Cloud TPU v5p docs: 459 TF bf16, 95 GB HBM2e, ICI 4800 Gbps"),
+               "Google Cloud TPU v5p documentation: 459 TF bf16, 95 GB HBM2e at 2765 GB/s, ICI 4800 Gb/s per chip",
+               hbm_bw=2.765e12),
     ]
 }
 

@@ -1,0 +1,85 @@
+"""The activation tables against what autograd really saves in our model (saved_tensors_hooks)."""
+import pytest
+import torch
+
+from workbench.memory import Layout, activations as act
+from workbench.memory.estimate import _chunk_activation_bytes
+from workbench.models import GPT, resolve_shape
+from workbench.runtime.materialize import materialize
+from workbench.spec import ModelSpec
+
+SHAPES = {
+    "gpt": ModelSpec(family="gpt", layers=2, hidden=64, heads=4, vocab=256, seq_len=32, tie_embeddings=False),
+    "llama-gqa": ModelSpec(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=96, vocab=256, seq_len=32),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _saved_bytes(fn, params) -> int:
+    """Bytes of distinct non-parameter storages autograd keeps while `fn` runs."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def _model(name, dtype):
+    shape = resolve_shape(SHAPES[name])
+    with torch.device("meta"):
+        model = GPT(shape)
+    materialize(model, torch.device("cpu"), seed=0)
+    return shape, model.to(DTYPES[dtype])
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_block_table_matches_autograd(name, dtype):
+    shape, model = _model(name, dtype)
+    b = 3
+    x = torch.randn(b, shape.seq_len, shape.hidden, dtype=DTYPES[dtype], requires_grad=True)
+    rope = model.rope_tables(x.device)
+    measured = _saved_bytes(lambda: model.blocks["0"](x, rope), model.parameters())
+    rope_tables = 0 if rope is None else sum(t[: shape.seq_len].numel() * 4 for t in rope)
+    predicted = act.block_bytes_per_token(shape, dtype) * b * shape.seq_len
+    assert measured - rope_tables == pytest.approx(predicted, rel=1e-9)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("ckpt", ["none", "full"])
+def test_whole_model_forward_and_loss(name, ckpt):
+    """The runtime's own micro-batch loss (a view of the token batch, fp32 cross-entropy)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from workbench.runtime.loop import micro_batch_loss
+
+    shape, model = _model(name, "fp32")
+    b = 2
+    tokens = torch.randint(0, shape.vocab, (b, shape.seq_len + 1))
+    if ckpt == "full":
+        for key, block in list(model.blocks.items()):
+            model.blocks[key] = _Ckpt(block, checkpoint)
+    measured = _saved_bytes(lambda: micro_batch_loss(model, tokens), model.parameters())
+    lay = Layout(micro_batch=b, activation_checkpointing=ckpt)
+    predicted = _chunk_activation_bytes(shape, lay, 0, 1, range(shape.layers)) + act.token_batch_bytes(b, shape.seq_len)
+    # Constants per micro-batch, not per token: rope's cos/sin tables (checkpoint holds them in
+    # its closure instead), the positions' arange, the loss's scalar weight.
+    rope = 0 if shape.family == "gpt" or ckpt == "full" else 2 * shape.seq_len * shape.head_dim // 2 * 4
+    pos = shape.seq_len * 8 if shape.family == "gpt" else 0
+    assert measured - rope - pos - 4 == pytest.approx(predicted, rel=1e-9)
+
+
+class _Ckpt(torch.nn.Module):
+    def __init__(self, block, checkpoint):
+        super().__init__()
+        self.block, self.checkpoint = block, checkpoint
+
+    def forward(self, x, rope=None):
+        return self.checkpoint(self.block, x, rope, use_reentrant=False)

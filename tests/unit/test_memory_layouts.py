@@ -1,0 +1,143 @@
+"""The memory estimator per strategy: byte tables, stage/TP splits, schedules, checkpointing."""
+import json
+
+import pytest
+
+from workbench import ConfigError, estimate_memory, load_spec
+from workbench.memory import Layout, activations as act, estimate_stage
+from workbench.memory.params import fsdp_shard_numel, rank_params, rank_tensors, stage_blocks
+
+TINY = {"model": {"preset": "gpt-tiny"}, "train": {"global_batch": 16, "micro_batch": 2}}
+
+
+def spec(**layout):
+    lay = {"dp": 1, **layout}
+    n = lay["dp"] * lay.get("tp", 1) * lay.get("pp", 1)
+    extra = {k: layout.pop(k) for k in ("dtype", "optimizer") if k in layout}
+    raw = {**TINY, "layout": {k: v for k, v in lay.items() if k not in extra}, "resources": {"gpus_per_node": n}}
+    raw["precision"] = {"dtype": extra.get("dtype", "fp32")}
+    raw["train"] = {**TINY["train"], "optimizer": extra.get("optimizer", "adamw")}
+    return load_spec(raw)
+
+
+def rank0(s):
+    return estimate_memory(s).to_dict()["per_rank"][0]
+
+
+def test_fp32_ddp_bytes_per_parameter():
+    s = spec(dp=2)
+    n = s.model.shape().num_params()
+    r = rank0(s)
+    assert (r["params"], r["grads"], r["master"], r["optimizer"]) == (4 * n, 4 * n, 0, 8 * n)
+    # DDP's buckets are the gradients (gradient_as_bucket_view): the only transient is the logits.
+    sh = s.model.shape()
+    assert r["buffers"] == 2 * sh.seq_len * sh.vocab * 4
+
+
+@pytest.mark.parametrize("optimizer, per_param", [("adamw", 8), ("adam", 8), ("sgd", 4)])
+def test_optimizer_state_bytes(optimizer, per_param):
+    s = spec(optimizer=optimizer)
+    assert rank0(s)["optimizer"] == per_param * s.model.shape().num_params()
+
+
+def test_bf16_zero_stages_shrink_what_they_shard():
+    n = spec().model.shape().num_params()
+    r0, r1, r3 = (rank0(spec(dp=4, zero=z, dtype="bf16")) for z in (0, 1, 3))
+    assert (r0["params"], r0["grads"], r0["master"], r0["optimizer"]) == (2 * n, 2 * n, 4 * n, 8 * n)
+    assert r1["params"] == 2 * n and r1["master"] == pytest.approx(n, rel=0.02) and r1["optimizer"] == pytest.approx(2 * n, rel=0.02)
+    assert r3["params"] == 0 and r3["master"] == pytest.approx(n, rel=0.02)
+
+
+def test_pipeline_stages_partition_the_model():
+    shape = spec().model.shape()
+    assert sum(rank_params(shape, 1, 2, k) for k in range(2)) == shape.num_params()
+    assert [len(b) for b in stage_blocks(10, 4)] == [3, 3, 2, 2]
+    inter = sum(rank_params(shape, 1, 2, k, virtual_stages=2) for k in range(2))
+    assert inter == shape.num_params()
+
+
+def test_tensor_parallel_splits_matrices_and_keeps_norms_whole():
+    shape = spec().model.shape()
+    local = rank_params(shape, 2, 1, 0)
+    replicated = sum(t.shape[0] for t in rank_tensors(shape, 2, 1, 0) if len(t.shape) == 1
+                     and ("norm" in t.name or t.name.endswith(("wo.bias", "w2.bias"))))
+    # Sharded part halves, replicated part stays: 2 x local = total + replicated (+ positions).
+    pos = shape.seq_len * shape.hidden
+    assert 2 * local == shape.num_params() + replicated + pos
+
+
+def test_fsdp_shard_pads_dim0():
+    shape = spec().model.shape()
+    tensors = rank_tensors(shape, 1, 1, 0)
+    assert fsdp_shard_numel(tensors, 1) == shape.num_params()
+    shard = fsdp_shard_numel(tensors, 3)
+    assert 3 * shard >= shape.num_params() and 3 * shard < shape.num_params() + 3 * sum(
+        t.shape[1] if len(t.shape) > 1 else 1 for t in tensors)
+
+
+def test_offload_moves_optimizer_state_off_the_device():
+    r = estimate_memory(spec(dp=2, zero=3, offload="cpu", dtype="bf16")).to_dict()
+    rank = r["per_rank"][0]
+    assert rank["master"] == rank["optimizer"] == rank["grads"] == 0
+    assert rank["offloaded_bytes"] > 0 and r["offloaded_to"] == "host memory"
+    nvme = estimate_memory(spec(dp=2, zero=1, offload="nvme", dtype="bf16")).to_dict()
+    assert nvme["per_rank"][0]["offloaded_bytes"] > 0 and "files" in nvme["offloaded_to"]
+
+
+def test_1f1b_first_stage_holds_the_most_microbatches():
+    shape = spec().model.shape()
+    lay = Layout(pp=4, micro_batch=1, num_micro=8)
+    first, last = estimate_stage(shape, lay, 0), estimate_stage(shape, lay, 3)
+    gpipe = estimate_stage(shape, Layout(pp=4, micro_batch=1, num_micro=8, pp_schedule="gpipe"), 0)
+    assert gpipe.activations > first.activations > 0
+    # Stage 0: 4 micro-batches of one block + embedding; stage 3: one of one block + head.
+    one = estimate_stage(shape, Layout(pp=4, micro_batch=1, num_micro=1, pp_schedule="gpipe"), 0).activations
+    ids = act.token_batch_bytes  # the step's token batch, held once
+    assert first.activations - ids(8, shape.seq_len) == 4 * (one - ids(1, shape.seq_len))
+    assert last.activations < first.activations
+
+
+def test_checkpointing_and_sequence_parallel_shrink_activations():
+    shape = load_spec({**TINY, "model": {"preset": "gpt-mini"}}).model.shape()
+    acts = [estimate_stage(shape, Layout(activation_checkpointing=m, micro_batch=4), 0).activations
+            for m in ("none", "selective", "full")]
+    assert acts[0] > acts[1] > acts[2]
+    tp = estimate_stage(shape, Layout(tp=2, micro_batch=4), 0).activations
+    sp = estimate_stage(shape, Layout(tp=2, sequence_parallel=True, micro_batch=4), 0).activations
+    assert acts[0] > tp > sp
+
+
+def test_contract_json_and_views():
+    est = estimate_memory(spec(dp=2, pp=2))
+    d = json.loads(json.dumps(est.to_dict()))
+    assert set(d) >= {"world_size", "device_memory", "fits", "per_rank", "convention"}
+    for r in d["per_rank"]:
+        parts = sum(r[k] for k in ("params", "grads", "master", "optimizer", "activations", "buffers"))
+        assert r["total"] == parts
+    assert d["fits"] is True
+    assert "fits" in est.table() and "pp1" in est.table()
+    assert "<table>" in est._repr_html_()
+
+
+def test_does_not_fit_is_reported():
+    s = load_spec({"model": {"preset": "llama-70b"}, "train": {"global_batch": 8, "micro_batch": 1},
+                   "layout": {"dp": 8}, "precision": {"dtype": "bf16"},
+                   "resources": {"gpu": "h100-80gb", "gpus_per_node": 8}})
+    est = estimate_memory(s)
+    assert est.fits is False and "DOES NOT FIT" in est.table()
+
+
+def test_factory_model_is_a_config_error():
+    s = load_spec({"model": {"factory": "x.y:z", "vocab": 256, "seq_len": 64}})
+    with pytest.raises(ConfigError, match="shape"):
+        estimate_memory(s)
+
+
+def test_cli_memory_json(capsys, tmp_path):
+    from workbench.cli import main
+
+    path = tmp_path / "s.yaml"
+    spec(dp=2).save(path)
+    assert main(["memory", str(path), "--json", "--set", "layout.zero=2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["world_size"] == 2 and len(out["per_rank"]) == 2

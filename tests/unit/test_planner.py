@@ -1,0 +1,105 @@
+"""The planner: valid layouts only, all fitting by the memory model, ranked, priced."""
+import json
+from pathlib import Path
+
+import pytest
+
+from workbench import ConfigError, estimate_memory, load_spec
+from workbench.planner import USABLE_FRACTION, plan
+from workbench.prices import SPOT_FRACTION, load_prices
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llama-70b-plan.yaml"
+
+
+@pytest.fixture(scope="module")
+def result():
+    return plan(load_spec(EXAMPLE))
+
+
+def test_70b_on_64_h100_candidates_fit_and_are_ranked(result):
+    c = result.candidates
+    assert len(c) > 10 and all(x.fits for x in c)
+    assert [x.tokens_per_s for x in c] == sorted((x.tokens_per_s for x in c), reverse=True)
+    for x in c[:20]:
+        lay = x.layout
+        assert lay["dp"] * lay["tp"] * lay["pp"] == 64
+        assert lay["tp"] <= 8 and 64 % lay["tp"] == 0 and lay["pp"] <= 80
+        assert x.peak_bytes <= USABLE_FRACTION * 81559 * 2**20
+        assert 0 < x.mfu < 0.6
+
+
+def test_planner_peak_equals_estimate_memory_of_that_layout(result):
+    """The planner's numbers are the memory model's: rebuild each top layout as a spec."""
+    base = load_spec(EXAMPLE).to_dict()
+    for x in result.candidates[:5]:
+        lay = {k: v for k, v in x.layout.items()}
+        raw = {**base, "layout": {**base["layout"], **lay}, "train": {**base["train"], "micro_batch": x.micro_batch}}
+        est = estimate_memory(load_spec(raw))
+        assert est.peak_bytes == x.peak_bytes
+
+
+def test_prices_and_cost_per_token(result):
+    best = result.candidates[0]
+    table = load_prices()["h100-80gb"]
+    assert set(best.prices) == {"aws", "gcp", "azure"}
+    aws = best.prices["aws"]
+    assert aws["usd_per_hour"] == pytest.approx(64 * table["aws"].on_demand, abs=0.01)
+    assert aws["usd_per_hour_spot"] == pytest.approx(aws["usd_per_hour"] * SPOT_FRACTION["aws"], abs=0.02)
+    per_b = aws["usd_per_hour_spot"] / (best.tokens_per_s * 3600) * 1e9
+    assert aws["usd_per_billion_tokens_spot"] == pytest.approx(per_b, rel=1e-3)
+    assert best.usd_per_hour_spot == min(p["usd_per_hour_spot"] for p in best.prices.values())
+
+
+def test_price_override_from_yaml_env(tmp_path, monkeypatch):
+    path = tmp_path / "prices.yaml"
+    path.write_text("h100-80gb:\n  aws: {on_demand: 1.0, spot: 0.5}\n  lambda: {on_demand: 2.0}\n")
+    monkeypatch.setenv("WORKBENCH_PRICES", str(path))
+    prices = load_prices()["h100-80gb"]
+    assert prices["aws"].on_demand == 1.0 and prices["aws"].spot == 0.5
+    assert prices["lambda"].spot == pytest.approx(0.8)
+    out = plan(load_spec(EXAMPLE), top=1).candidates[0]
+    assert out.prices["aws"]["usd_per_hour"] == 64.0 and out.cloud == "aws"
+
+
+def test_bad_price_override_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="on_demand"):
+        load_prices({"h100-80gb": {"aws": {"spot": 1.0}}})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_prices(str(tmp_path / "missing.yaml"))
+
+
+def test_contract_json_via_cli(capsys):
+    from workbench.cli import main
+
+    assert main(["plan", str(EXAMPLE), "--json", "--top", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["candidates"]) == 3
+    keys = {"layout", "micro_batch", "fits", "peak_bytes", "step_time_s", "tokens_per_s", "mfu", "usd_per_hour",
+            "usd_per_hour_spot"}
+    for c in out["candidates"]:
+        assert keys <= set(c)
+        assert {"dp", "tp", "pp", "zero", "offload", "activation_checkpointing", "pp_schedule"} <= set(c["layout"])
+
+
+def test_nothing_fits_says_so():
+    spec = load_spec({"model": {"preset": "llama-70b"}, "train": {"global_batch": 8, "micro_batch": 1},
+                      "layout": {"dp": 2}, "precision": {"dtype": "bf16"},
+                      "resources": {"gpu": "t4", "gpus_per_node": 2}})
+    r = plan(spec)
+    assert r.candidates and not any(c.fits for c in r.candidates)
+    assert any("nothing fits" in n for n in r.notes)
+    assert "DOES NOT FIT" in r.table()
+
+
+def test_small_model_prefers_plain_data_parallel():
+    spec = load_spec({"model": {"preset": "gpt2-124m"}, "train": {"global_batch": 64, "micro_batch": 8},
+                      "layout": {"dp": 8}, "precision": {"dtype": "bf16"},
+                      "resources": {"gpu": "h100-80gb", "gpus_per_node": 8}})
+    best = plan(spec, top=1).candidates[0]
+    assert best.layout["tp"] == 1 and best.layout["pp"] == 1 and best.layout["activation_checkpointing"] == "none"
+
+
+def test_size_only_model_cannot_be_planned():
+    spec = load_spec({"model": {"params": 7e9}, "layout": {"dp": 2}})
+    with pytest.raises(ConfigError, match="shape"):
+        plan(spec)

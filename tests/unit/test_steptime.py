@@ -1,0 +1,77 @@
+"""Step-time model: FLOPs formula, bubble, recomputation, communication placement."""
+import pytest
+
+from workbench.catalog import DEVICES
+from workbench.memory import Layout
+from workbench.memory.estimate import _stage_params
+from workbench.models import PRESETS, resolve_shape
+from workbench.spec import ModelSpec
+from workbench.steptime import PEAK_EFFICIENCY, flops_per_token, step_time
+
+H100 = DEVICES["h100-80gb"]
+
+
+def shape(name):
+    return resolve_shape(ModelSpec(preset=name))
+
+
+def run(name, gpn=8, global_batch=64, **kw):
+    sh = shape(name)
+    lay = Layout(dtype="bf16", **kw)
+    p, shard = _stage_params(sh, lay.tp, lay.pp, 0, lay.chunks, lay.dp)
+    return step_time(sh, lay, H100, global_batch, gpn, p, shard)
+
+
+def test_flops_per_token_is_6n_plus_attention():
+    sh = shape("gpt2-124m")
+    n_matmul = sh.layers * sh.block_params() + sh.vocab * sh.hidden  # blocks + head (tied or not)
+    model, recompute = flops_per_token(sh)
+    assert model == 6 * n_matmul + 12 * sh.layers * sh.hidden * sh.seq_len
+    assert recompute == pytest.approx(2 * sh.block_params() + 4 * sh.hidden * sh.seq_len)
+
+
+def test_full_recompute_costs_a_third_more_compute():
+    base = run("gpt-1.3b", micro_batch=4, num_micro=16)
+    full = run("gpt-1.3b", micro_batch=4, num_micro=16, activation_checkpointing="full")
+    assert full.compute_s / base.compute_s == pytest.approx(4 / 3, rel=0.05)
+    assert full.mfu < base.mfu <= PEAK_EFFICIENCY
+
+
+@pytest.mark.parametrize("sched, expected", [("1f1b", 3 / 11), ("gpipe", 3 / 11), ("interleaved-1f1b", 3 / 19),
+                                             ("zero-bubble", 3 / 27)])
+def test_pipeline_bubble(sched, expected):
+    st = run("gpt-1.3b", global_batch=64, pp=4, micro_batch=8, num_micro=8, pp_schedule=sched, virtual_stages=2)
+    assert st.bubble == pytest.approx(expected)
+
+
+def test_data_parallel_across_nodes_exposes_more_communication():
+    inside = run("gpt-1.3b", gpn=8, global_batch=64, dp=8, micro_batch=8, num_micro=1)
+    across = run("gpt-1.3b", gpn=1, global_batch=64, dp=8, micro_batch=8, num_micro=1)
+    assert across.exposed_comm_s > inside.exposed_comm_s
+    assert across.step_time_s > inside.step_time_s
+
+
+def test_zero3_moves_more_bytes_than_ddp():
+    ddp = run("gpt-1.3b", dp=8, micro_batch=8, num_micro=1)
+    z3 = run("gpt-1.3b", dp=8, zero=3, micro_batch=8, num_micro=1)
+    assert z3.detail["dp_comm_s"] == pytest.approx(1.5 * ddp.detail["dp_comm_s"])
+
+
+def test_offload_adds_host_time():
+    dev = run("gpt-1.3b", dp=8, zero=3, micro_batch=8, num_micro=1)
+    cpu = run("gpt-1.3b", dp=8, zero=3, offload="cpu", micro_batch=8, num_micro=1)
+    nvme = run("gpt-1.3b", dp=8, zero=3, offload="nvme", micro_batch=8, num_micro=1)
+    assert dev.optimizer_s < cpu.optimizer_s < nvme.optimizer_s
+
+
+def test_tensor_parallel_communication_is_on_the_critical_path():
+    tp1 = run("llama-7b", global_batch=8, micro_batch=1, num_micro=8)
+    tp8 = run("llama-7b", global_batch=8, tp=8, micro_batch=1, num_micro=8)
+    assert tp8.detail["tp_comm_s"] > 0 == tp1.detail["tp_comm_s"]
+    assert tp8.step_time_s < tp1.step_time_s  # 8 GPUs share the compute
+
+
+def test_presets_have_finite_predictions():
+    for name in PRESETS:
+        st = run(name, global_batch=8, micro_batch=1, num_micro=8)
+        assert st.step_time_s > 0 and st.tokens_per_s > 0

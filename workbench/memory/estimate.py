@@ -1,0 +1,167 @@
+"""Per-rank memory of a layout: model states + activations in flight + transient buffers.
+
+`Layout` is the plain description the planner enumerates (no pydantic on the hot path);
+`estimate_stage` prices one pipeline stage (every dp/tp rank of a stage holds the same bytes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from workbench.memory import activations as act
+from workbench.memory import params as prm
+from workbench.memory.states import model_states, offload
+from workbench.timeline import max_in_flight
+
+CONVENTION = ("bytes/param: ZeRO paper 2+2+12 in mixed precision (fp16/bf16 weights 2, grads 2, fp32 master 4 "
+              "+ Adam moments 8; SGD momentum 4), fp32: 4+4+8 with no master copy")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    offload: str = "none"
+    activation_checkpointing: str = "none"
+    checkpoint_every: int = 2
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 2
+    sequence_parallel: bool = False
+    micro_batch: int = 1
+    num_micro: int = 1  # micro-batches per dp rank per step
+    dtype: str = "fp32"
+    optimizer: str = "adamw"
+    bucket_mb: float = 25.0
+
+    @property
+    def chunks(self) -> int:
+        return self.virtual_stages if self.pp > 1 and self.pp_schedule == "interleaved-1f1b" else 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.micro_batch * self.num_micro
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    params: int
+    grads: int
+    master: int
+    optimizer: int
+    activations: int
+    buffers: int
+    offloaded: int
+    notes: tuple[str, ...]
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.master + self.optimizer + self.activations + self.buffers
+
+
+@lru_cache(maxsize=65536)
+def _stage_params(shape, tp: int, pp: int, pp_index: int, chunks: int, dp: int) -> tuple[int, int]:
+    """(parameters on the rank, its FSDP shard over dp): cached, the planner asks often."""
+    tensors = prm.rank_tensors(shape, tp, pp, pp_index, chunks)
+    return sum(prm.numel(t) for t in tensors), prm.fsdp_shard_numel(tensors, dp)
+
+
+@lru_cache(maxsize=65536)
+def _chunk_activation_bytes(shape, lay: Layout, stage: int, num_stages: int, blocks: range) -> float:
+    """Bytes one micro-batch leaves in one (virtual) stage until its backward."""
+    tokens = lay.micro_batch * shape.seq_len
+    full = act.block_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
+    edge = act.boundary_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
+    n_ckpt = act.checkpointed_blocks(blocks, lay.activation_checkpointing, lay.checkpoint_every)
+    per_token = n_ckpt * edge + (len(blocks) - n_ckpt) * full
+    if stage == num_stages - 1:
+        per_token += act.head_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
+    elif num_stages > 1:
+        per_token += edge  # the stage output the schedule keeps until its backward
+    return per_token * tokens
+
+
+def _activations(shape, lay: Layout, pp_index: int) -> float:
+    return _activations_cached(shape, lay.tp, lay.pp, lay.chunks, lay.sequence_parallel, lay.micro_batch,
+                               lay.num_micro, lay.pp_schedule, lay.activation_checkpointing,
+                               lay.checkpoint_every, lay.dtype, pp_index, lay.global_batch)
+
+
+@lru_cache(maxsize=65536)
+def _activations_cached(shape, tp, pp, chunks, sp, micro_batch, num_micro, schedule, ckpt, every, dtype,
+                        pp_index, global_batch) -> float:
+    # Only the knobs that change activations are in the key (not zero, offload or dp).
+    lay = Layout(tp=tp, pp=pp, virtual_stages=chunks, pp_schedule=schedule, sequence_parallel=sp,
+                 micro_batch=micro_batch, num_micro=num_micro, activation_checkpointing=ckpt,
+                 checkpoint_every=every, dtype=dtype)
+    num_stages = lay.pp * lay.chunks
+    split = prm.stage_blocks(shape.layers, num_stages)
+    stages = list(range(pp_index, num_stages, lay.pp))
+    per_chunk = [_chunk_activation_bytes(shape, lay, s, num_stages, split[s]) for s in stages]
+    if lay.pp > 1:
+        held = max_in_flight(lay.pp_schedule, lay.pp, lay.num_micro, pp_index, lay.chunks)
+    else:
+        held = (1,)  # gradient accumulation: one micro-batch at a time
+    total = sum(n * b for n, b in zip(held, per_chunk))
+    if pp_index == 0:
+        total += act.token_batch_bytes(global_batch, shape.seq_len)
+    return total
+
+
+def _chunk_numel(range_numel: float) -> int:
+    """Elements per chunk of the master-weight step and the nvme staging (docs/strategies.md)."""
+    return min(4 * 2**20, max(4096, -(-int(range_numel) // 8)))
+
+
+def _buffers(shape, lay: Layout, pp_index: int, p: int, w: int) -> tuple[float, list[str]]:
+    """Transient bytes: logits, recomputation, ZeRO gathers, master-step and staging chunks."""
+    notes = []
+    tokens = lay.micro_batch * shape.seq_len
+    out = 0.0
+    if pp_index == lay.pp - 1:
+        # The head's logits of one micro-batch and, when they are not fp32, the loss's fp32 copy.
+        out += tokens * shape.vocab * (w + (4 if w != 4 else 0))
+    if lay.activation_checkpointing != "none":
+        # Backward re-runs one checkpointed block at a time: its activations come back briefly.
+        out += tokens * act.block_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
+        notes.append("checkpointing: one recomputed block's activations during backward (buffers)")
+    rng = -(-p // lay.dp) if lay.zero == 1 else p
+    chunk = _chunk_numel(rng)
+    if lay.zero in (0, 1) and (lay.dtype != "fp32" or lay.zero == 1):
+        out += chunk * 4  # the master step converts one chunk of gradients to fp32
+    if lay.zero == 1 and lay.dp > 1:
+        out += lay.dp * chunk * w  # all-gather of one chunk per rank
+    if lay.offload == "nvme":
+        out += 3 * chunk * 4  # staging: master, moment 1, moment 2 of one chunk
+    if lay.zero == 2:
+        out += p * w + 4 * prm.largest_block_numel(shape, lay.tp)
+        notes.append("zero=2 (FSDP2, no reshard after forward): the unsharded weights from forward to the end "
+                     "of backward, and one block's fp32 unsharded gradient")
+    if lay.zero == 3:
+        block = prm.largest_block_numel(shape, lay.tp)
+        out += 2 * block * w + 4 * block
+        notes.append("zero=3: two gathered blocks (running + prefetched) and one block's fp32 unsharded gradient")
+    return out, notes
+
+
+def estimate_stage(shape, lay: Layout, pp_index: int, convention: str = "workbench") -> StageMemory:
+    """Memory of any rank on pipeline stage `pp_index`. A number as `shape` is a size-only model."""
+    w = act.DTYPE_BYTES[lay.dtype]
+    if isinstance(shape, (int, float)):  # {params: N}: model states only, spread evenly
+        p = float(shape) / (lay.tp * lay.pp)
+        shard = p / lay.dp
+        a, buf, notes = 0.0, 0.0, ["size-only model: model states only (no activations or buffers)"]
+    else:
+        p, shard = _stage_params(shape, lay.tp, lay.pp, pp_index, lay.chunks, lay.dp)
+        a = _activations(shape, lay, pp_index)
+        buf, notes = _buffers(shape, lay, pp_index, p, w)
+    states = model_states(p, shard, lay.dp, lay.zero, lay.dtype, lay.optimizer, convention)
+    rng = p if lay.zero == 0 else -(-p // lay.dp)
+    states, moved = offload(states, lay.offload, lay.zero, rng, lay.optimizer)
+    return StageMemory(int(states.params), int(states.grads), int(states.master), int(states.optimizer),
+                       int(a), int(buf), int(moved), (states.note, *notes))

@@ -1,0 +1,132 @@
+"""Which parameter tensors each rank holds: pipeline stage split, then tensor-parallel split.
+
+Pure Python from a ModelShape (no torch): the same tensors `workbench.models.GPT` creates,
+with the dimension tensor parallelism cuts (column-parallel: dim 0, row-parallel: dim 1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+# How the runtime's TP plan cuts each block tensor: "col" shards dim 0 (output features),
+# "row" shards dim 1 (input features), None is replicated. A row-parallel bias is added after
+# the reduction, so it stays whole.
+_GPT_BLOCK = (
+    ("attn_norm.weight", "h", None), ("attn_norm.bias", "h", None),
+    ("attn.wq.weight", "h,h", "col"), ("attn.wq.bias", "h", "col"),
+    ("attn.wk.weight", "kv,h", "col"), ("attn.wk.bias", "kv", "col"),
+    ("attn.wv.weight", "kv,h", "col"), ("attn.wv.bias", "kv", "col"),
+    ("attn.wo.weight", "h,h", "row"), ("attn.wo.bias", "h", None),
+    ("mlp_norm.weight", "h", None), ("mlp_norm.bias", "h", None),
+    ("mlp.w1.weight", "f,h", "col"), ("mlp.w1.bias", "f", "col"),
+    ("mlp.w2.weight", "h,f", "row"), ("mlp.w2.bias", "h", None),
+)
+_LLAMA_BLOCK = (
+    ("attn_norm.weight", "h", None),
+    ("attn.wq.weight", "h,h", "col"), ("attn.wk.weight", "kv,h", "col"),
+    ("attn.wv.weight", "kv,h", "col"), ("attn.wo.weight", "h,h", "row"),
+    ("mlp_norm.weight", "h", None),
+    ("mlp.w1.weight", "f,h", "col"), ("mlp.w2.weight", "h,f", "row"), ("mlp.w3.weight", "f,h", "col"),
+)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    shape: tuple[int, ...]  # the local shape on one tp rank
+
+
+def _dims(spec: str, shape) -> tuple[int, ...]:
+    table = {"h": shape.hidden, "kv": shape.kv_dim, "f": shape.ffn_hidden, "v": shape.vocab, "s": shape.seq_len}
+    return tuple(table[d] for d in spec.split(","))
+
+
+def _local(dims: tuple[int, ...], split: str | None, tp: int) -> tuple[int, ...]:
+    if split == "col":
+        return (dims[0] // tp,) + dims[1:]
+    if split == "row":
+        return (dims[0], dims[1] // tp)
+    return dims
+
+
+@lru_cache(maxsize=1024)
+def stage_blocks(layers: int, num_stages: int) -> list[range]:
+    """Blocks of each (virtual) pipeline stage: an even split, earlier stages take the remainder."""
+    base, extra = divmod(layers, num_stages)
+    out, start = [], 0
+    for s in range(num_stages):
+        n = base + (1 if s < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return tuple(out)
+
+
+def block_tensors(shape, tp: int, prefix: str = "") -> list[Tensor]:
+    table = _GPT_BLOCK if shape.family == "gpt" else _LLAMA_BLOCK
+    return [Tensor(prefix + n, _local(_dims(d, shape), s, tp)) for n, d, s in table]
+
+
+def embedding_tensors(shape, tp: int) -> list[Tensor]:
+    # Vocabulary-parallel embedding (rows split over tp); learned positions stay whole.
+    out = [Tensor("tok_emb.weight", (shape.vocab // tp if shape.vocab % tp == 0 else shape.vocab, shape.hidden))]
+    if shape.family == "gpt":
+        out.append(Tensor("pos_emb.weight", (shape.seq_len, shape.hidden)))
+    return out
+
+
+def final_tensors(shape, tp: int) -> list[Tensor]:
+    norm = [Tensor("norm.weight", (shape.hidden,))]
+    if shape.family == "gpt":
+        norm.append(Tensor("norm.bias", (shape.hidden,)))
+    if shape.tie_embeddings:
+        return norm  # the head is the embedding's weight, counted once with the embedding
+    vocab_local = shape.vocab // tp if shape.vocab % tp == 0 else shape.vocab
+    return norm + [Tensor("head.weight", (vocab_local, shape.hidden))]
+
+
+@lru_cache(maxsize=4096)
+def rank_tensors(shape, tp: int, pp: int, pp_index: int, virtual_stages: int = 1) -> tuple[Tensor, ...]:
+    """The parameter tensors one (pp_index, any tp rank) holds, with their local shapes.
+
+    With interleaving, pipeline rank r holds virtual stages r, r + pp, r + 2 pp, ...
+    """
+    num_stages = pp * virtual_stages
+    blocks = stage_blocks(shape.layers, num_stages)
+    out: list[Tensor] = []
+    for stage in range(pp_index, num_stages, pp):
+        if stage == 0:
+            out += embedding_tensors(shape, tp)
+        for b in blocks[stage]:
+            out += block_tensors(shape, tp, prefix=f"blocks.{b}.")
+        if stage == num_stages - 1:
+            out += final_tensors(shape, tp)
+    return tuple(out)
+
+
+def numel(t: Tensor) -> int:
+    n = 1
+    for d in t.shape:
+        n *= d
+    return n
+
+
+def rank_params(shape, tp: int, pp: int, pp_index: int, virtual_stages: int = 1) -> int:
+    """Parameter count on one rank of pipeline stage `pp_index` (before any ZeRO sharding)."""
+    return sum(numel(t) for t in rank_tensors(shape, tp, pp, pp_index, virtual_stages))
+
+
+def fsdp_shard_numel(tensors, n: int) -> int:
+    """Elements one rank keeps under FSDP2: each tensor split on dim 0 into n padded chunks."""
+    total = 0
+    for t in tensors:
+        rest = numel(t) // t.shape[0] if t.shape[0] else 0
+        total += -(-t.shape[0] // n) * rest
+    return total
+
+
+@lru_cache(maxsize=1024)
+def largest_block_numel(shape, tp: int) -> int:
+    """Elements of the largest unit FSDP gathers at once (one block, or the embedding/head)."""
+    block = sum(numel(t) for t in block_tensors(shape, tp))
+    emb = sum(numel(t) for t in embedding_tensors(shape, tp))
+    return max(block, emb)

@@ -1,0 +1,202 @@
+"""`workbench plan`: every valid layout for the spec's GPUs, the ones that fit, fastest first, priced.
+
+Searches dp x tp x pp (tp inside a node and dividing the heads, pp <= layers), ZeRO 0-3,
+CPU offload, activation checkpointing, micro-batch sizes and pipeline schedules, with the
+memory model (workbench.memory) and the step-time model (workbench.steptime).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from workbench.memory import Layout, estimate_stage
+from workbench.memory.estimate import _stage_params
+from workbench.prices import PRICES_DATE, load_prices
+from workbench.steptime import step_time
+
+# Headroom for the CUDA context, NCCL buffers and allocator fragmentation: a layout whose
+# predicted peak is above this share of the device's memory is not offered.
+USABLE_FRACTION = 0.92
+# With offload=cpu, the offloaded states of the node's ranks share its RAM with the processes
+# and pinned staging buffers.
+HOST_USABLE_FRACTION = 0.8
+
+
+@dataclass
+class Candidate:
+    layout: dict
+    micro_batch: int
+    fits: bool
+    peak_bytes: int
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    usd_per_hour: float = 0.0
+    usd_per_hour_spot: float = 0.0
+    cloud: str | None = None
+    prices: dict = field(default_factory=dict)
+    usd_per_billion_tokens: float = 0.0
+    usd_per_billion_tokens_spot: float = 0.0
+
+
+@dataclass
+class PlanResult:
+    """Ranked candidates; `to_dict(top=)` is the `workbench plan --json` contract."""
+
+    candidates: list[Candidate]
+    world_size: int
+    device: str
+    searched: int
+    elapsed_s: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self, top: int | None = None) -> dict:
+        cands = self.candidates[:top] if top else self.candidates
+        return {"candidates": [asdict(c) for c in cands], "world_size": self.world_size, "device": self.device,
+                "searched": self.searched, "fitting": sum(c.fits for c in self.candidates),
+                "prices_date": PRICES_DATE, "elapsed_s": round(self.elapsed_s, 4), "notes": self.notes}
+
+    def table(self, top: int = 10) -> str:
+        head = (f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'zero':>4} {'offload':>7} {'ckpt':>9} {'schedule':>16} "
+                f"{'mb':>3} {'peak GiB':>9} {'step s':>8} {'tok/s':>10} {'MFU':>5} {'$/h':>8} {'$/h spot':>9} {'$/B tok':>8}")
+        lines = [head, "-" * len(head)]
+        for i, c in enumerate(self.candidates[:top], 1):
+            lay = c.layout
+            sched = lay["pp_schedule"] if lay["pp"] > 1 else "-"
+            lines.append(
+                f"{i:>3} {lay['dp']:>4} {lay['tp']:>3} {lay['pp']:>3} {lay['zero']:>4} {lay['offload']:>7} "
+                f"{lay['activation_checkpointing']:>9} {sched:>16} {c.micro_batch:>3} {c.peak_bytes / 2**30:>9.1f} "
+                f"{c.step_time_s:>8.2f} {c.tokens_per_s:>10,.0f} {c.mfu:>5.0%} {c.usd_per_hour:>8.2f} "
+                f"{c.usd_per_hour_spot:>9.2f} {c.usd_per_billion_tokens_spot:>8.0f}" + ("" if c.fits else "  DOES NOT FIT"))
+        fitting = sum(c.fits for c in self.candidates)
+        lines.append(f"{fitting} layouts fit on {self.world_size} x {self.device} ({self.searched} searched in "
+                     f"{self.elapsed_s:.2f} s); prices {PRICES_DATE}, cheapest cloud; $/B tok = USD per billion "
+                     "tokens on spot.")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        return "<pre>" + self.table().replace("&", "&amp;").replace("<", "&lt;") + "</pre>"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _layouts(spec, shape, world: int, gpn: int):
+    """Every (dp, tp, pp, zero, offload, schedule, micro_batch), each with its checkpointing options."""
+    gb = spec.train.global_batch
+    for tp in _divisors(min(world, gpn)):
+        if gpn % tp or any(v % tp for v in (shape.heads, shape.kv_heads, shape.hidden, shape.ffn_hidden)):
+            continue
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            if pp > shape.layers or gb % dp:
+                continue
+            schedules = ["1f1b"] if pp == 1 else ["1f1b", "interleaved-1f1b", "zero-bubble", "gpipe"]
+            for mb in _divisors(gb // dp):
+                m = gb // (dp * mb)
+                for sched in schedules:
+                    v = spec.layout.virtual_stages if sched == "interleaved-1f1b" else 1
+                    if pp > 1 and (sched != "gpipe" and m < pp or pp * v > shape.layers):
+                        continue
+                    for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
+                        for off in (("none", "cpu") if zero else ("none",)):
+                            # Checkpointing modes from fastest to leanest: the planner keeps
+                            # the first that fits (the others are slower and add nothing).
+                            yield [Layout(dp=dp, tp=tp, pp=pp, zero=zero, offload=off, activation_checkpointing=ckpt,
+                                          checkpoint_every=spec.layout.checkpoint_every, pp_schedule=sched,
+                                          virtual_stages=spec.layout.virtual_stages,
+                                          sequence_parallel=tp > 1, micro_batch=mb, num_micro=m,
+                                          dtype=spec.precision.dtype, optimizer=spec.train.optimizer,
+                                          bucket_mb=spec.layout.bucket_mb)
+                                   for ckpt in ("none", "selective", "full")]
+
+
+def _peak(shape, lay: Layout) -> tuple[int, int]:
+    """(device peak, host/disk bytes) over the stages that can be largest.
+
+    Stage 0 holds the most micro-batches in flight (and the extra blocks of an uneven split);
+    the last stage holds the head and the logits. Middle stages are never above both.
+    """
+    stages = [estimate_stage(shape, lay, k) for k in {0, lay.pp - 1}]
+    return max(s.total for s in stages), max(s.offloaded for s in stages)
+
+
+def plan(spec, prices=None, top: int | None = None) -> PlanResult:
+    """Rank the layouts that fit the spec's resources by predicted tokens/s.
+
+    Args:
+        spec: a JobSpec, or anything `workbench.load_spec` accepts.
+        prices: price override (YAML path or dict, see workbench.prices.load_prices).
+        top: keep only the best `top` candidates.
+    Returns:
+        PlanResult, best first.
+    Raises:
+        ConfigError: a model without a shape ({params: N} or a factory).
+    """
+    from workbench.catalog import get_device
+    from workbench.errors import ConfigError
+    from workbench.spec import load_spec
+
+    t0 = time.perf_counter()
+    spec = load_spec(spec)
+    if spec.model.params is not None or spec.model.factory is not None:
+        raise ConfigError("plan needs the model's shape to price compute and activations: give a preset or "
+                          "{family, layers, hidden, heads, vocab, seq_len}. For a bare size, `workbench memory` "
+                          "gives the model states per rank.")
+    shape = spec.model.shape()
+    dev = get_device(spec.resources.gpu)
+    world, gpn = spec.resources.num_gpus, spec.resources.gpus_per_node
+    usable = dev.memory_bytes * USABLE_FRACTION
+    host_usable = dev.host_memory_bytes * HOST_USABLE_FRACTION
+    dev_prices = load_prices(prices).get(dev.name, {})
+    fitting, misses, searched = [], [], 0
+    for options in _layouts(spec, shape, world, gpn):
+        for lay in options:
+            searched += 1
+            peak, offloaded = _peak(shape, lay)
+            host_ok = lay.offload != "cpu" or not dev.host_memory_bytes or offloaded <= host_usable
+            if peak <= usable and host_ok:
+                fitting.append(_candidate(shape, lay, dev, spec, gpn, peak, True, dev_prices))
+                break
+            misses.append((peak, lay))
+    fitting.sort(key=lambda c: (-c.tokens_per_s, c.peak_bytes))
+    notes = [f"fits = predicted peak <= {USABLE_FRACTION:.0%} of {dev.memory_bytes / 2**30:.1f} GiB "
+             "(CUDA context, NCCL and fragmentation headroom)"]
+    if dev.host_memory_bytes:
+        notes.append(f"offload=cpu fits when the offloaded states <= {HOST_USABLE_FRACTION:.0%} of "
+                     f"{dev.host_memory_bytes / 2**30:.0f} GiB host memory per GPU")
+    if not fitting:
+        misses.sort(key=lambda x: x[0])
+        fitting = [_candidate(shape, lay, dev, spec, gpn, peak, False, dev_prices) for peak, lay in misses[:10]]
+        notes.append("nothing fits: these are the smallest peaks; add GPUs, lower micro_batch or seq_len")
+    if not dev_prices:
+        notes.append(f"no price known for {dev.name}: pass prices= or set WORKBENCH_PRICES")
+    result = fitting[:top] if top else fitting
+    return PlanResult(result, world, dev.name, searched, time.perf_counter() - t0, notes)
+
+
+def _candidate(shape, lay: Layout, dev, spec, gpn: int, peak: int, fits: bool, dev_prices: dict) -> Candidate:
+    p, shard = _stage_params(shape, lay.tp, lay.pp, 0, lay.chunks, lay.dp)
+    st = step_time(shape, lay, dev, spec.train.global_batch, gpn, p, shard)
+    layout = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero, "offload": lay.offload,
+              "activation_checkpointing": lay.activation_checkpointing, "pp_schedule": lay.pp_schedule,
+              "sequence_parallel": lay.sequence_parallel}
+    if lay.pp_schedule == "interleaved-1f1b":
+        layout["virtual_stages"] = lay.virtual_stages
+    c = Candidate(layout, lay.micro_batch, fits, int(peak), st.step_time_s, st.tokens_per_s, st.mfu)
+    n = lay.world_size
+    per_b = 1e9 / (st.tokens_per_s * 3600)
+    for cloud, price in dev_prices.items():
+        c.prices[cloud] = {"instance": price.instance, "usd_per_hour": round(price.on_demand * n, 2),
+                           "usd_per_hour_spot": round(price.spot * n, 2),
+                           "usd_per_billion_tokens": round(price.on_demand * n * per_b, 2),
+                           "usd_per_billion_tokens_spot": round(price.spot * n * per_b, 2)}
+    if c.prices:
+        c.cloud = min(c.prices, key=lambda k: c.prices[k]["usd_per_hour_spot"])
+        best = c.prices[c.cloud]
+        c.usd_per_hour, c.usd_per_hour_spot = best["usd_per_hour"], best["usd_per_hour_spot"]
+        c.usd_per_billion_tokens = best["usd_per_billion_tokens"]
+        c.usd_per_billion_tokens_spot = best["usd_per_billion_tokens_spot"]
+    return c
