@@ -133,6 +133,8 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
         start = time.perf_counter()
         batch = source.global_batch(step, t.global_batch).to(ctx.device)
         micro = rank_micro_batches(batch, where["dp"], lay.dp, t.micro_batch)
+        report_memory = step == 1 or step == t.steps or step % MEMORY_EVERY == 0
+        meter.active = report_memory
         meter.reset_peak()
         if pipeline is None:
             loss = forward_backward(par, micro, meter, step_fn, spec.precision.dtype)
@@ -146,7 +148,7 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=dp_group)
         loss_value = loss.item()
         elapsed = time.perf_counter() - start
-        if step == 1 or step == t.steps or step % MEMORY_EVERY == 0:
+        if report_memory:
             held = step_fn.measured_states()
             sink({"event": "memory", "step": step, "rank": ctx.rank, "coords": where,
                   "measured": meter.measure(par.modules, held["optimizer"], master=held["master"],
