@@ -67,7 +67,7 @@ class MemoryStore:
 
     kind = "memory"
 
-    def __init__(self, init: torch.Tensor, num_moments: int):
+    def __init__(self, init: torch.Tensor, num_moments: int, chunk: int = 0):
         self.master = init
         self.moments = [torch.zeros_like(init) for _ in range(num_moments)]
 
@@ -87,11 +87,12 @@ class MasterOptimizer:
     Args:
         params: the parameters (plain tensors or DTensors; their local tensors are used).
         group: the dp process group to shard over (zero=1), or None to own everything.
-        make_store: (initial fp32 range, number of moments) -> a store (MemoryStore or
+        make_store: (initial fp32 range, number of moments, chunk) -> a store (MemoryStore or
             offload.FileStore); called by bind().
+        chunk: elements stepped at a time (default: chunk_size of the range).
     """
 
-    def __init__(self, params: list[torch.Tensor], group, make_store):
+    def __init__(self, params: list[torch.Tensor], group, make_store, chunk: int | None = None):
         self.flat = FlatParams(params)
         self.group = group
         world = dist.get_world_size(group) if group is not None else 1
@@ -99,7 +100,7 @@ class MasterOptimizer:
         self.world = world
         self.range_numel = math.ceil(self.flat.numel / world)  # padded: every rank owns the same count
         self.start = rank * self.range_numel
-        self.chunk = chunk_size(self.range_numel)
+        self.chunk = chunk or chunk_size(self.range_numel)
         self.device = _local(params[0]).device
         self.param_dtype = _local(params[0]).dtype
         init = torch.zeros(self.range_numel, dtype=torch.float32, device=self.device)
@@ -110,7 +111,7 @@ class MasterOptimizer:
 
     def bind(self, num_moments: int) -> None:
         """Create the master/moment store (2 moments for adam/adamw, 1 for sgd)."""
-        self.store = self._make_store(self._init, num_moments)
+        self.store = self._make_store(self._init, num_moments, self.chunk)
         self._init = None
 
     def step(self, update, grad_coef: float) -> None:

@@ -86,11 +86,10 @@ class FileStore:
 
 
 def build_file_store(directory: str):
-    """A make_store(init, num_moments) for MasterOptimizer that keeps the state under `directory`."""
-    from workbench.parallel.master import chunk_size
+    """A make_store(init, num_moments, chunk) for MasterOptimizer that keeps the state under `directory`."""
 
-    def make(init: torch.Tensor, num_moments: int) -> FileStore:
-        return FileStore(init, num_moments, directory, chunk_size(init.numel()))
+    def make(init: torch.Tensor, num_moments: int, chunk: int) -> FileStore:
+        return FileStore(init, num_moments, directory, chunk)
 
     return make
 

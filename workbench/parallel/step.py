@@ -9,8 +9,10 @@ Two paths, same numbers as torch.optim:
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
+import torch.distributed as dist
 from torch.optim.adam import adam as adam_kernel
 from torch.optim.sgd import sgd as sgd_kernel
 
@@ -45,12 +47,36 @@ def functional_update(name: str, lr: float, weight_decay: float):
     return update, 2
 
 
-def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Global L2 norm of `grads` (DTensor-aware: sharded gradients are reduced over their mesh)."""
+def total_norm(grads: list[torch.Tensor | None], comm_device: torch.device) -> float:
+    """Global L2 norm of `grads`: plain tensors count as they are (DDP's are already identical on
+    every dp rank); DTensor shards are summed over their mesh, replicas counted once.
+
+    The per-rank sums hop to `comm_device` for the collective: with FSDP2's CPUOffloadPolicy the
+    shards live in host memory but NCCL only reduces device tensors (pytorch/pytorch#148532).
+    """
     from torch.distributed.tensor import DTensor
 
-    norm = torch.nn.utils.get_total_norm([g for g in grads if g is not None], foreach=False)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    plain = torch.zeros((), dtype=torch.float64, device=comm_device)
+    by_mesh: dict[int, tuple] = {}
+    for g in grads:
+        if g is None:
+            continue
+        if not isinstance(g, DTensor):
+            plain += g.detach().double().pow(2).sum().to(comm_device)
+            continue
+        if any(pl.is_partial() for pl in g.placements):
+            raise NotImplementedError("gradient norm of a Partial DTensor gradient")
+        replicas = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate())
+        mesh, acc = by_mesh.get(id(g.device_mesh), (g.device_mesh, 0.0))
+        by_mesh[id(g.device_mesh)] = (mesh, acc + g.to_local().detach().double().pow(2).sum().to(comm_device) / replicas)
+    total = plain
+    for mesh, acc in by_mesh.values():
+        acc = torch.as_tensor(acc, dtype=torch.float64, device=comm_device).clone()
+        for dim in range(mesh.ndim):
+            if mesh.size(dim) > 1:
+                dist.all_reduce(acc, group=mesh.get_group(dim))
+        total = total + acc
+    return float(total.sqrt())
 
 
 class TrainStep:
@@ -62,13 +88,16 @@ class TrainStep:
         grad_clip: clip the global gradient norm to this (0: off).
         scaler: the loss scaler (disabled for fp32/bf16).
         master: a MasterOptimizer (master path) or None (direct path).
+        comm_device: device of the collectives (default: the first parameter's).
     """
 
     def __init__(self, params, *, optimizer: str, lr: float, weight_decay: float, grad_clip: float,
-                 scaler: DynamicLossScaler, master: MasterOptimizer | None = None):
+                 scaler: DynamicLossScaler, master: MasterOptimizer | None = None,
+                 comm_device: torch.device | None = None):
         self.params = list(params)
         self.grad_clip, self.scaler, self.master = grad_clip, scaler, master
-        self.device = _local(self.params[0]).device
+        # Collectives (overflow flag, norm) run here: the compute device, even when the states are offloaded.
+        self.device = comm_device or _local(self.params[0]).device
         if master is None:
             self.optimizer = build_optimizer(self.params, optimizer, lr, weight_decay)
         else:
@@ -87,7 +116,7 @@ class TrainStep:
         if not skipped:
             coef = 1.0 / used_scale
             if self.grad_clip > 0:
-                norm = float(total_norm(grads)) * coef
+                norm = total_norm(grads, self.device) * coef
                 coef *= min(1.0, self.grad_clip / (norm + 1e-6))
             if self.master is not None:
                 self.master.step(self._update, coef)

@@ -52,13 +52,13 @@ def init_distributed() -> RankContext:
     return RankContext(rank, world, device)
 
 
-def build_train_step(par: Parallelized, spec: JobSpec) -> TrainStep:
+def build_train_step(par: Parallelized, spec: JobSpec, device: torch.device) -> TrainStep:
     """The optimizer side of the step for this layout and precision (see parallel/step.py)."""
     t, prec = spec.train, spec.precision
     scaler = DynamicLossScaler(prec.initial_loss_scale, enabled=(prec.dtype == "fp16"))
     params = [p for m in par.modules for p in m.parameters() if p.requires_grad]
     return TrainStep(params, optimizer=t.optimizer, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                     scaler=scaler, master=par.master)
+                     scaler=scaler, master=par.master, comm_device=device)
 
 
 def micro_batch_loss(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -112,7 +112,7 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
 
     torch.manual_seed(t.seed)
     par = parallelize(build_model_meta(spec), mesh, lay, device=ctx.device, seed=t.seed, dtype=spec.precision.dtype)
-    step_fn = build_train_step(par, spec)
+    step_fn = build_train_step(par, spec, ctx.device)
     if ctx.rank == 0:
         for note in par.notes:
             sink({"event": "note", "message": note})
