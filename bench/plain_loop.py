@@ -25,7 +25,8 @@ def train_plain(spec, device: str = "cpu", autocast_dtype: torch.dtype | None = 
         autocast_dtype: e.g. torch.bfloat16 to run forward/backward under autocast (weights and
             optimizer stay fp32, as with the runtime's bf16 policy).
     Returns:
-        {"times": wall-clock step ends, "losses": per-step mean loss, "peak_bytes": CUDA peak or 0}.
+        {"times": wall-clock step ends, "cpu_times": this process's CPU time at step ends,
+         "losses": per-step mean loss, "peak_bytes": CUDA peak or 0}.
     """
     spec = load_spec(spec)
     t = spec.train
@@ -38,7 +39,7 @@ def train_plain(spec, device: str = "cpu", autocast_dtype: torch.dtype | None = 
         else contextlib.nullcontext
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     for step in range(1, t.steps + 1):
         batch = source.global_batch(step, t.global_batch).to(device)
         total = torch.zeros((), device=device)
@@ -52,5 +53,6 @@ def train_plain(spec, device: str = "cpu", autocast_dtype: torch.dtype | None = 
         opt.zero_grad()
         losses.append(total.item())  # syncs the device: the step is done
         times.append(time.time())
+        cpu_times.append(time.process_time())
     peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
-    return {"times": times, "losses": losses, "peak_bytes": int(peak)}
+    return {"times": times, "cpu_times": cpu_times, "losses": losses, "peak_bytes": int(peak)}
