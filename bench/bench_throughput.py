@@ -14,11 +14,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from bench.common import ROOT, interleave, paired_ratios, stats, steady_tokens_per_s, table, tiny_spec, write_result
 
 GOAL = 0.97
+RAY_START_ATTEMPTS = 6
 
 
 def config(quick: bool) -> dict:
@@ -39,11 +41,13 @@ def run_workbench(spec_path: Path, work: Path, timeout_s: float) -> dict:
     """`workbench run SPEC --metrics-out F` in a fresh process; step ends from the step events."""
     metrics = work / "wb_metrics.jsonl"
     cmd = [sys.executable, "-m", "workbench.cli", "run", str(spec_path), "--metrics-out", str(metrics), "--no-progress"]
-    for attempt in range(3):
+    for attempt in range(RAY_START_ATTEMPTS):
         proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout_s)
-        # A loaded machine can make Ray's own start time out: that is not a training failure.
+        # On a loaded machine Ray's own start can exceed its fixed 30 s wait for the raylet
+        # ("timed out during startup"): not a training failure, so start again.
         if proc.returncode == 0 or "timed out during startup" not in proc.stderr:
             break
+        time.sleep(5 * (attempt + 1))
     if proc.returncode != 0:
         raise RuntimeError(f"workbench run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     steps = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -83,15 +87,27 @@ def run(quick: bool = False, reps: int | None = None) -> dict:
 
         def measure(name, fn):
             def once():
-                r = fn()
+                try:
+                    r = fn()
+                except (RuntimeError, subprocess.TimeoutExpired) as e:  # keep the other rounds
+                    failures.append(f"{name}: {str(e)[-300:]}")
+                    runs[name].append(None)
+                    return float("nan")
                 runs[name].append(r)
                 return steady_tokens_per_s(r["times"], tokens_per_step, skip)
             return once
 
-        tps = interleave({
+        failures: list[str] = []
+        raw = interleave({
             "workbench": measure("workbench", lambda: run_workbench(spec_path, work, timeout_s)),
             "torchrun": measure("torchrun", lambda: run_plain(spec_path, work, world, timeout_s)),
         }, reps=reps, warmup=0)
+    # Only rounds where both ran count: each ratio compares runs taken side by side.
+    ok = [i for i in range(reps) if raw["workbench"][i] == raw["workbench"][i] and raw["torchrun"][i] == raw["torchrun"][i]]
+    if not ok:
+        raise RuntimeError("no round completed both runs: " + "; ".join(failures))
+    tps = {k: [v[i] for i in ok] for k, v in raw.items()}
+    runs = {k: [v[i] for i in ok] for k, v in runs.items()}
     ratios = paired_ratios(tps["workbench"], tps["torchrun"])
     # Noise-robust second view: tokens / median step interval (load spikes from other processes
     # on a shared machine hit single steps; the median ignores them).
@@ -101,7 +117,8 @@ def run(quick: bool = False, reps: int | None = None) -> dict:
     return {
         "config": {"model": spec["model"]["preset"], "dp": world, "steps": spec["train"]["steps"],
                    "global_batch": spec["train"]["global_batch"], "micro_batch": spec["train"]["micro_batch"],
-                   "warmup_steps_skipped": skip, "tokens_per_step": tokens_per_step, "reps": reps},
+                   "warmup_steps_skipped": skip, "tokens_per_step": tokens_per_step, "reps": reps,
+                   "rounds_completed": len(ok)},
         "tokens_per_s": {k: v for k, v in tps.items()},
         "workbench": stats(tps["workbench"]),
         "torchrun": stats(tps["torchrun"]),
@@ -112,6 +129,7 @@ def run(quick: bool = False, reps: int | None = None) -> dict:
         "goal": GOAL,
         "max_loss_gap": loss_gap,  # the two do the same work: same losses up to reordering
         "step_times": {k: [_diffs(r["times"]) for r in v] for k, v in runs.items()},
+        "failed_rounds": failures,
     }
 
 
