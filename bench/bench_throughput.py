@@ -3,6 +3,8 @@
 Both run the same spec: same model, batches, shapes and optimizer. Runs alternate
 (workbench, torchrun, torchrun, workbench, ...) and each is timed from the wall-clock ends of its
 steps after a warm-up, so process and Ray start-up are left out. The ratio is taken per round.
+`workbench.run` (the function behind the CLI) runs in this process, so the embedded Ray cluster
+starts once and stays up, idle, during the torchrun rounds too.
 Run: python -m bench.bench_throughput [--quick]
 """
 from __future__ import annotations
@@ -37,19 +39,35 @@ def _env() -> dict:
     return env
 
 
-def run_workbench(spec_path: Path, work: Path, timeout_s: float) -> dict:
-    """`workbench run SPEC --metrics-out F` in a fresh process; step ends from the step events."""
-    metrics = work / "wb_metrics.jsonl"
-    cmd = [sys.executable, "-m", "workbench.cli", "run", str(spec_path), "--metrics-out", str(metrics), "--no-progress"]
+def start_ray() -> None:
+    """Start the embedded Ray cluster once, as `workbench run` does (backends.local_ray.ensure_ray).
+
+    Ray waits a fixed 30 s for its raylet to register; on a heavily loaded machine that can
+    time out ("timed out during startup"), which is not a training failure: start again.
+    """
+    import ray
+
+    from backends.local_ray import ensure_ray
+
     for attempt in range(RAY_START_ATTEMPTS):
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout_s)
-        # On a loaded machine Ray's own start can exceed its fixed 30 s wait for the raylet
-        # ("timed out during startup"): not a training failure, so start again.
-        if proc.returncode == 0 or "timed out during startup" not in proc.stderr:
-            break
-        time.sleep(5 * (attempt + 1))
-    if proc.returncode != 0:
-        raise RuntimeError(f"workbench run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        try:
+            ensure_ray()
+            return
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
+            if "timed out during startup" not in str(e) or attempt == RAY_START_ATTEMPTS - 1:
+                raise
+            ray.shutdown()
+            time.sleep(5 * (attempt + 1))
+
+
+def run_workbench(spec_path: Path, work: Path, timeout_s: float) -> dict:
+    """`workbench.run(spec, metrics_out=F)` (what `workbench run SPEC --metrics-out F` calls) on the
+    embedded Ray cluster this process started; step ends from the step events."""
+    from workbench.launch import run as workbench_run
+
+    metrics = work / "wb_metrics.jsonl"
+    start_ray()
+    workbench_run(str(spec_path), metrics_out=str(metrics), progress=False)
     steps = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = sorted((e for e in steps if e["event"] == "step"), key=lambda e: e["step"])
     return {"times": [e["time"] for e in steps], "losses": [e["loss"] for e in steps]}
@@ -89,7 +107,7 @@ def run(quick: bool = False, reps: int | None = None) -> dict:
             def once():
                 try:
                     r = fn()
-                except (RuntimeError, subprocess.TimeoutExpired) as e:  # keep the other rounds
+                except Exception as e:  # noqa: BLE001 - keep the other rounds; the reason is reported
                     failures.append(f"{name}: {str(e)[-300:]}")
                     runs[name].append(None)
                     return float("nan")
@@ -98,10 +116,14 @@ def run(quick: bool = False, reps: int | None = None) -> dict:
             return once
 
         failures: list[str] = []
+        start_ray()  # once, before the first round: its start-up is not part of any measurement
         raw = interleave({
             "workbench": measure("workbench", lambda: run_workbench(spec_path, work, timeout_s)),
             "torchrun": measure("torchrun", lambda: run_plain(spec_path, work, world, timeout_s)),
         }, reps=reps, warmup=0)
+    import ray
+
+    ray.shutdown()
     # Only rounds where both ran count: each ratio compares runs taken side by side.
     ok = [i for i in range(reps) if raw["workbench"][i] == raw["workbench"][i] and raw["torchrun"][i] == raw["torchrun"][i]]
     if not ok:
