@@ -56,7 +56,7 @@ def test_split_keeps_names_and_ends():
     ({"dp": 2, "sequence_parallel": True}, None, None, "tp=1"),
     ({"tp": 2, "zero": 2}, None, None, "dp=1"),
     ({"dp": 2, "pp": 2, "zero": 3, "pp_schedule": "zero-bubble"}, {"global_batch": 8}, None, "zero=2"),
-    ({"tp": 2}, None, {"dtype": "bf16"}, "precision.dtype=bf16"),
+    ({"tp": 2}, None, {"dtype": "bf16"}, "precision.dtype=bf16 with tp"),
 ])
 def test_unsupported_combinations_are_refused(layout, train, precision, words):
     with pytest.raises(ConfigError, match=words):
@@ -70,3 +70,10 @@ def test_interleaved_needs_whole_rounds():
     with pytest.raises(ConfigError, match="divisible by max"):
         validate_spec(spec({"pp": 2, "pp_schedule": "interleaved-1f1b"}, {"global_batch": 10}))
     validate_spec(spec({"pp": 2, "pp_schedule": "interleaved-1f1b"}, {"global_batch": 12}))
+
+
+@pytest.mark.parametrize("path", ["examples/tp2.yaml", "examples/pp2-1f1b.yaml", "examples/3d-8rank.yaml"])
+def test_model_parallel_examples_are_runnable(path):
+    s = load_spec(path)
+    check_runnable(s)
+    assert s.layout.tp * s.layout.pp > 1

@@ -137,7 +137,8 @@ def _train(spec, sink: Sink, should_stop: Callable[[], bool], resume: bool, gath
         from workbench.runtime.pipeline import PipelineEngine
 
         pipeline = PipelineEngine(par, mesh, schedule=lay.pp_schedule, device=ctx.device,
-                                  num_microbatches=t.global_batch // (lay.dp * t.micro_batch))
+                                  num_microbatches=t.global_batch // (lay.dp * t.micro_batch),
+                                  dtype=spec.precision.dtype, scale_loss=step_fn.scale_loss)
 
     ckpt = build_checkpointer(spec, par.modules, step_fn.optimizer, ctx.device, sink, extra_state=step_fn.stateful())
     first = ckpt.restore() + 1 if resume else 1
