@@ -52,6 +52,12 @@ def _event_bus_class():
         def __init__(self):
             self.events: list[dict] = []
             self.stop = False
+            self.starts: dict[int, int] = {}
+
+        def register(self, rank: int) -> int:
+            """Count a rank's starts: the worker group's restart attempt (0 on the first start)."""
+            self.starts[rank] = self.starts.get(rank, 0) + 1
+            return self.starts[rank] - 1
 
         def put(self, event: dict) -> None:
             self.events.append(event)
@@ -78,8 +84,12 @@ def _train_worker(config: dict) -> None:
 
     bus = config["bus"]
     try:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        # After FailureConfig restarts the group, continue from the last checkpoint.
+        attempt = ray.get(bus.register.remote(rank))
+        bus.put.remote({"event": "worker", "rank": rank, "pid": os.getpid(), "attempt": attempt})
         train(config["spec"], lambda e: bus.put.remote(e), should_stop=lambda: ray.get(bus.stop_requested.remote()),
-              resume=config["resume"])
+              resume=config["resume"] or attempt > 0, attempt=attempt)
     except BaseException as e:
         rank = dist.get_rank() if dist.is_initialized() else 0
         ray.get(bus.put.remote({"event": "error", "rank": rank, "message": f"{type(e).__name__}: {e}"}))

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from workbench.errors import WorkerError
+from workbench.runtime.preemption import EXIT_PREEMPTED, forward_signal
 from workbench.spec import JobSpec, load_spec
 from workbench.validate import check_runnable
 
 EXIT_FAILED = 1
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on purpose (SIGTERM / Stop); resume with --resume
 
 
 @dataclass
@@ -45,7 +45,21 @@ def start(spec, on_event: Callable[[dict], None] | None = None, resume: bool = F
 
     spec = load_spec(spec)
     check_runnable(spec)
+    if resume:
+        check_resume_from_checkpoint(spec)
     return LocalRayBackend().submit(spec, on_event=on_event, resume=resume)
+
+
+def check_resume_from_checkpoint(spec: JobSpec) -> None:
+    """Before any worker starts: ConfigError if the newest checkpoint's spec is incompatible."""
+    if not spec.checkpoint.uri:
+        return
+    from workbench.runtime.checkpoint_store import Store
+    from workbench.validate import check_resume
+
+    manifest = Store(spec.checkpoint.uri).latest_manifest()
+    if manifest is not None:
+        check_resume(spec, manifest["spec"])
 
 
 def run(spec: JobSpec | dict | str, metrics_out: str | None = None, resume: bool = False, progress: bool = True,
@@ -72,15 +86,9 @@ def run(spec: JobSpec | dict | str, metrics_out: str | None = None, resume: bool
     out = open(metrics_out, "w") if metrics_out else None
     bar = _progress_bar(spec) if progress else None
     try:
-        for event in handle.follow():
-            if out is not None and event["event"] != "error":
-                out.write(json.dumps(event) + "\n")
-                out.flush()
-            if bar is not None and event["event"] == "step":
-                if event["step"] == 1:
-                    bar.set_description_str(spec.name)
-                bar.update(event["step"] - bar.n)
-                bar.set_postfix(loss=f"{event['loss']:.4f}", tok_s=f"{event['tokens_per_s']:,.0f}")
+        with forward_signal(handle.cancel):  # SIGTERM: the workers stop after a step and checkpoint
+            for event in handle.follow():
+                _record(event, out, bar, spec.name)
         status = handle.status()
         events = handle.events
         end = next((e for e in reversed(events) if e["event"] == "end"), None)
@@ -103,6 +111,19 @@ def run(spec: JobSpec | dict | str, metrics_out: str | None = None, resume: bool
     if result.status == "failed":
         raise WorkerError(status.message or "the run failed without a message (see Ray logs)")
     return result
+
+
+def _record(event: dict, out, bar, name: str) -> None:
+    if out is not None and event["event"] != "error":
+        out.write(json.dumps(event) + "\n")
+        out.flush()
+    if event["event"] == "warning":
+        print(f"warning: {event['message']}", file=sys.stderr)
+    if bar is not None and event["event"] == "step":
+        if event["step"] == 1:
+            bar.set_description_str(name)
+        bar.update(event["step"] - bar.n)
+        bar.set_postfix(loss=f"{event['loss']:.4f}", tok_s=f"{event['tokens_per_s']:,.0f}")
 
 
 def _progress_bar(spec: JobSpec):

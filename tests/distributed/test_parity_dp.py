@@ -143,3 +143,57 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale(pool2):
     assert steps[0]["skipped"] is True and steps[0]["loss_scale"] == 2.0**40
     assert steps[1]["loss_scale"] == 2.0**39
     assert all(b["loss_scale"] == a["loss_scale"] / 2 for a, b in zip(steps, steps[1:]) if a["skipped"])
+
+
+def _stepped_master(params, group, mesh, steps=3):
+    """A MasterOptimizer over `params` after `steps` adamw steps on fixed gradients."""
+    from workbench.parallel.master import MasterOptimizer, MemoryStore
+    from workbench.parallel.step import functional_update
+
+    update, moments = functional_update("adamw", lr=1e-2, weight_decay=0.1)
+    master = MasterOptimizer(params, group, MemoryStore, chunk=50, mesh=mesh)
+    master.bind(moments)
+    for k in range(steps):
+        for i, p in enumerate(params):
+            p.grad = torch.full_like(p, 0.1 * (i + 1) * (-1) ** k)
+        master.step(update, 1.0)
+    return master
+
+
+def _params(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ((13, 7), (5,), (101,))]
+
+
+def _save_zero1_master(checkpoint_dir, sink):
+    """On 2 ranks: zero=1 master (half the flat range each), saved with DCP."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    params = _params(0)
+    master = _stepped_master(params, mesh.get_group(), mesh)
+    dcp.save({"master": master}, checkpoint_id=checkpoint_dir)
+    sink({"event": "params", "rank": dist.get_rank(), "values": [p.detach().clone() for p in params]})
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_zero1_master_checkpoint_reshards_to_one_rank(pool2, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = str(tmp_path / "ckpt")
+    events = pool2.run(ckpt, fn=_save_zero1_master, timeout_s=120)
+    dp2_params = [e["values"] for e in events if e["event"] == "params"]
+    single = _stepped_master(_params(0), None, None)  # the same steps, unsharded, in this process
+    loaded_params = _params(7)
+    loaded = _stepped_master(loaded_params, None, None, steps=0)
+    dcp.load({"master": loaded}, checkpoint_id=ckpt)
+    assert loaded.num_steps == 3
+    for name, value in single.state_dict().items():
+        assert torch.equal(torch.as_tensor(loaded.state_dict()[name]), torch.as_tensor(value)), name
+    for values in dp2_params:  # both dp ranks ended with the single-process weights
+        for a, b in zip(values, single.flat.params):
+            assert torch.equal(a, b)
+    for a, b in zip(loaded_params, single.flat.params):
+        assert torch.equal(a, b)

@@ -9,6 +9,7 @@ function.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -61,7 +62,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, layout, *, device: to
         dtype: precision.dtype (fp32 | bf16 | fp16).
     """
     if mesh is not None and (layout.tp > 1 or layout.pp > 1):
-        return _parallelize_nd(model, mesh, layout, device=device, seed=seed)
+        return _parallelize_nd(model, mesh, layout, device=device, seed=seed, dtype=dtype)
     apply_activation_checkpointing(model, layout.activation_checkpointing, every=layout.checkpoint_every)
     dp_mesh = mesh["dp"] if mesh is not None else None
     notes: list[str] = []
@@ -87,10 +88,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, layout, *, device: to
     return Parallelized(ddp, [ddp.module], no_sync=ddp.no_sync, master=master, notes=notes)
 
 
-def _parallelize_nd(model: nn.Module, mesh: DeviceMesh, layout, *, device: torch.device, seed: int) -> Parallelized:
-    """tp > 1 and/or pp > 1, with or without dp."""
-    from workbench.parallel.grad_sync import all_reduce_grads
-
+def _parallelize_nd(model: nn.Module, mesh: DeviceMesh, layout, *, device: torch.device, seed: int,
+                    dtype: str) -> Parallelized:
+    """tp > 1 and/or pp > 1, with or without dp: the same steps per stage module."""
     par = Parallelized(model, [model])
     if layout.pp > 1:
         from workbench.parallel.pp import apply_pp
@@ -106,9 +106,34 @@ def _parallelize_nd(model: nn.Module, mesh: DeviceMesh, layout, *, device: torch
         for m in par.modules:
             apply_tp(m, mesh["tp"], sequence_parallel=layout.sequence_parallel)
         par.loss_context = loss_parallel
+    init_device, offload = device, None
+    if layout.zero >= 2 and layout.offload == "cpu":
+        offload, note = cpu_offload_policy(device)
+        init_device = torch.device("cpu")  # CPUOffloadPolicy wants the shards in host memory
+        par.notes += [note] if note else []
     for m in par.modules:
-        materialize(m, device, seed=seed)
-    if layout.dp > 1:
-        group, modules, bucket_mb = mesh.get_group("dp"), par.modules, layout.bucket_mb
-        par.finish_grads = lambda: all_reduce_grads(modules, group, bucket_mb=bucket_mb)
+        apply_activation_checkpointing(m, layout.activation_checkpointing, every=layout.checkpoint_every)
+        # zero 2/3: FSDP2 over the dp axis, sharding TP's shards further (2-D DTensors).
+        apply_zero(m, mesh["dp"], stage=layout.zero, mp_policy=mixed_precision_policy(dtype), offload_policy=offload)
+    for m in par.modules:
+        materialize(m, init_device, seed=seed)
+    par.params_are_master = layout.zero >= 2 and dtype != "fp32"
+    if layout.zero < 2 and (dtype != "fp32" or layout.zero == 1 or layout.offload == "nvme"):
+        store = build_file_store(layout.nvme_path) if layout.offload == "nvme" else None
+        par.master = build_master(nn.ModuleList(par.modules), mesh["dp"], stage=layout.zero, make_store=store)
+        for m in par.modules:
+            apply_precision(m, dtype)
+    par.finish_grads = functools.partial(_finish_grads, par.modules, layout, mesh)
     return par
+
+
+def _finish_grads(modules: list[nn.Module], layout, mesh: DeviceMesh) -> None:
+    """After the step's last backward: TP gradients laid out like their parameters, then the
+    dp average where no wrapper does it (FSDP2 reduce-scatters by itself for zero 2/3)."""
+    from workbench.parallel.grad_sync import all_reduce_grads
+    from workbench.parallel.tp import align_grad_placements
+
+    if layout.tp > 1:
+        align_grad_placements(modules)
+    if layout.dp > 1 and layout.zero < 2:
+        all_reduce_grads(modules, mesh.get_group("dp"), bucket_mb=layout.bucket_mb)

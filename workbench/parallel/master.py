@@ -90,11 +90,12 @@ class MasterOptimizer:
         make_store: (initial fp32 range, number of moments, chunk) -> a store (MemoryStore or
             offload.FileStore); called by bind().
         chunk: elements stepped at a time (default: chunk_size of the range).
+        mesh: the 1-D dp mesh that `group` belongs to (for layout-invariant state_dicts).
     """
 
-    def __init__(self, params: list[torch.Tensor], group, make_store, chunk: int | None = None):
+    def __init__(self, params: list[torch.Tensor], group, make_store, chunk: int | None = None, mesh=None):
         self.flat = FlatParams(params)
-        self.group = group
+        self.group, self.mesh = group, (mesh if group is not None else None)
         world = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
         self.world = world
@@ -111,6 +112,7 @@ class MasterOptimizer:
 
     def bind(self, num_moments: int) -> None:
         """Create the master/moment store (2 moments for adam/adamw, 1 for sgd)."""
+        self.num_moments = num_moments
         self.store = self._make_store(self._init, num_moments, self.chunk)
         self._init = None
 
@@ -145,6 +147,57 @@ class MasterOptimizer:
         for r, part in enumerate(parts):
             base = r * self.range_numel
             self.flat.write(base + c0, base + c1, part)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _valid(self) -> int:
+        """Elements of this rank's range that are real parameters (the rest is padding)."""
+        return max(0, min(self.range_numel, self.flat.numel - self.start))
+
+    def _local_state(self) -> list[torch.Tensor]:
+        """master and moments of the valid part of this rank's range (views when in memory)."""
+        n = self._valid()
+        if self.store.kind == "memory":
+            return [self.store.master[:n]] + [m[:n] for m in self.store.moments]
+        out = [torch.empty(n, dtype=torch.float32) for _ in range(1 + self.num_moments)]
+        for c0 in range(0, n, self.chunk):
+            c1 = min(c0 + self.chunk, n)
+            master, moments = self.store.load(c0, c1)
+            for dst, src in zip(out, [master] + moments):
+                dst[c0:c1].copy_(src)
+        return out
+
+    def state_dict(self) -> dict:
+        """Master and moments as length-P fp32 vectors in the parameters' flat order: a DTensor
+        sharded Shard(0) over dp for zero=1 (torch's Shard(0) split is exactly our ranges), a
+        plain tensor otherwise, so torch.distributed.checkpoint can reshard them to another dp."""
+        local = self._local_state()
+        names = ["master"] + [f"moment{i}" for i in range(len(local) - 1)]
+        out: dict = {"num_steps": self.num_steps}
+        for name, t in zip(names, local):
+            if self.mesh is not None:
+                from torch.distributed.tensor import DTensor, Shard
+
+                t = DTensor.from_local(t, self.mesh, [Shard(0)], run_check=False, shape=(self.flat.numel,),
+                                       stride=(1,))
+            out[name] = t
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load a state_dict() (possibly saved under another dp) and write the master into the parameters."""
+        self.num_steps = int(state["num_steps"])
+        n = self._valid()
+        names = ["master"] + [f"moment{i}" for i in range(self.num_moments)]
+        values = [_local(state[name]) for name in names]
+        values = [v if v.numel() == n else v[self.start:self.start + n] for v in values]  # full -> my range
+        for c0 in range(0, self.range_numel, self.chunk):
+            c1 = min(c0 + self.chunk, self.range_numel)
+            master, moments = self.store.load(c0, c1)
+            for dst, src in zip([master] + moments, values):
+                hi = max(c0, min(c1, n))
+                if hi > c0:
+                    dst[: hi - c0].copy_(src[c0:hi])
+            self.store.save(c0, c1)
+            self._publish(c0, c1, master)
 
     def full_master(self) -> torch.Tensor:
         """The whole flat fp32 master on every rank of the group (tests, checkpoints)."""

@@ -130,10 +130,10 @@ def build_schedule(modules: list[nn.Module], indices: list[int], num_stages: int
     stages = [PipelineStage(m, i, num_stages, device, group=group) for m, i in zip(modules, indices)]
     single = {"gpipe": S.ScheduleGPipe, "1f1b": S.Schedule1F1B}
     multi = {"interleaved-1f1b": S.ScheduleInterleaved1F1B, "zero-bubble": S.ScheduleInterleavedZeroBubble}
-    # scale_grads: the schedule divides the summed micro-batch gradients by their number, so
-    # gradients are those of the mean loss, as in single-process gradient accumulation.
+    # scale_grads=False: loss_fn returns each micro-batch's loss already divided by their number
+    # (as gradient accumulation does), so the summed gradients are those of the mean loss.
     if schedule in single:
-        sched = single[schedule](stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=True)
+        sched = single[schedule](stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
     else:
-        sched = multi[schedule](stages, num_microbatches, loss_fn=loss_fn, scale_grads=True)
+        sched = multi[schedule](stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
     return sched, stages

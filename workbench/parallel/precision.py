@@ -99,3 +99,9 @@ class DynamicLossScaler:
         if self._clean_steps >= self.growth_interval:
             self.scale *= self.growth_factor
             self._clean_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self._clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self._clean_steps = float(state["scale"]), int(state["clean_steps"])

@@ -134,6 +134,14 @@ class TrainStep:
                 p.grad.zero_()
 
     # -- memory and state -------------------------------------------------------------------
+    def stateful(self) -> dict:
+        """Objects with state_dict()/load_state_dict() that a checkpoint must hold besides the
+        model and `self.optimizer` (None on the master path): the loss scaler, the fp32 master."""
+        out = {"scaler": self.scaler} if self.scaler.enabled else {}
+        if self.master is not None:
+            out["master"] = self.master
+        return out
+
     def measured_states(self) -> dict:
         """The master/optimizer tensors and extra offload keys for MemoryMeter.measure."""
         if self.master is None:

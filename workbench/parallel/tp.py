@@ -79,3 +79,20 @@ def _block_plan(block: nn.Module, sp: bool) -> dict:
             "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         })
     return plan
+
+
+def align_grad_placements(modules: list[nn.Module]) -> None:
+    """Give every DTensor gradient its parameter's placements.
+
+    The vocab-parallel embedding's weight gradient comes out of backward with another placement
+    than its Shard(0) weight (a full-vocabulary local tensor); torch.optim copes through DTensor
+    dispatch, but code that works on local shards (gradient all-reduce, a flat fp32 master,
+    memory accounting) needs the gradient laid out like the parameter.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for m in modules:
+        for p in m.parameters():
+            g = p.grad
+            if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+                p.grad = g.redistribute(p.device_mesh, p.placements)

@@ -61,4 +61,4 @@ def build_master(model: nn.Module, dp_mesh: DeviceMesh | None, *, stage: int, ma
     """
     group = dp_mesh.get_group() if dp_mesh is not None and stage == 1 and dp_mesh.size() > 1 else None
     params = [p for p in model.parameters() if p.requires_grad]
-    return MasterOptimizer(params, group, make_store or MemoryStore)
+    return MasterOptimizer(params, group, make_store or MemoryStore, mesh=dp_mesh)

@@ -19,9 +19,11 @@ from workbench.data import build_token_source, rank_micro_batches
 from workbench.models import build_model_meta
 from workbench.parallel.apply import Parallelized, parallelize
 from workbench.parallel.layout import build_mesh, coords
+from workbench.runtime.checkpoint import build_checkpointer
 from workbench.parallel.precision import DynamicLossScaler, autocast
 from workbench.parallel.step import TrainStep
 from workbench.runtime.meter import MemoryMeter
+from workbench.runtime.preemption import PreemptionNotice
 from workbench.spec import JobSpec, load_spec
 from workbench.validate import check_runnable
 
@@ -91,7 +93,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] = lambda: False,
-          resume: bool = False, gather_state: bool = False) -> dict:
+          resume: bool = False, gather_state: bool = False, attempt: int = 0) -> dict:
     """Train `spec` on this rank. Returns the final {"status", "step", "loss"}.
 
     Args:
@@ -102,7 +104,16 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
         resume: continue from the newest complete checkpoint under checkpoint.uri.
         gather_state: also return the full fp32 trained weights by canonical name under "state"
             (on rank 0; collective, for parity tests).
+        attempt: how many times the launcher restarted the workers (recorded in the restart event).
     """
+    with PreemptionNotice() as notice:  # SIGTERM -> stop after this step (main thread only)
+        result = _train(spec, sink, lambda: should_stop() or notice.requested, resume, gather_state, attempt)
+    if notice.requested and notice.seconds_left() < 0:
+        sink({"event": "warning", "message": notice.overrun_message()})
+    return result
+
+
+def _train(spec, sink: Sink, should_stop: Callable[[], bool], resume: bool, gather_state: bool, attempt: int) -> dict:
     spec = load_spec(spec)
     check_runnable(spec)
     ctx = init_distributed()
@@ -126,10 +137,15 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
         from workbench.runtime.pipeline import PipelineEngine
 
         pipeline = PipelineEngine(par, mesh, schedule=lay.pp_schedule, device=ctx.device,
-                                  num_microbatches=t.global_batch // (lay.dp * t.micro_batch))
+                                  num_microbatches=t.global_batch // (lay.dp * t.micro_batch),
+                                  dtype=spec.precision.dtype, scale_loss=step_fn.scale_loss)
 
-    step, loss_value, status = 0, float("nan"), "completed"
-    for step in range(1, t.steps + 1):
+    ckpt = build_checkpointer(spec, par.modules, step_fn.optimizer, ctx.device, sink, extra_state=step_fn.stateful())
+    first = ckpt.restore() + 1 if resume else 1
+    if resume and ctx.rank == 0:
+        sink({"event": "restart", "attempt": attempt, "from_step": first - 1})
+    step, loss_value, status = first - 1, float("nan"), "completed"
+    for step in range(first, t.steps + 1):
         start = time.perf_counter()
         batch = source.global_batch(step, t.global_batch).to(ctx.device)
         micro = rank_micro_batches(batch, where["dp"], lay.dp, t.micro_batch)
@@ -157,15 +173,19 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
         if ctx.rank == 0:
             sink({"event": "step", "step": step, "loss": loss_value,
                   "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed, "time": time.time(), **step_extra})
-        if step < t.steps and _any_rank(should_stop(), ctx.device):
+        save, stop = ckpt.poll(step, should_stop(), last_step=t.steps)
+        if save:
+            ckpt.save(step, block=stop or step == t.steps)
+        if stop:
             status = "preempted"
             break
+    ckpt.close()
     result = {"status": status, "step": step, "loss": loss_value}
     if gather_state:
         from workbench.runtime.materialize import canonical_name
 
         named = [(canonical_name(n), p) for m in par.modules for n, p in m.named_parameters()]
-        state = step_fn.full_state(named)
+        state = _gather_tp_shards(step_fn.full_state(named), named)
         if lay.pp > 1:  # each pipeline rank holds its stages: collect them all on rank 0
             parts = [None] * ctx.world_size if ctx.rank == 0 else None
             dist.gather_object(state, parts, dst=0)
@@ -177,13 +197,16 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
     return result
 
 
-def _any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank if it is True on any: ranks must stop after the same step."""
-    if not dist.is_initialized():
-        return flag
-    t = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+def _gather_tp_shards(state: dict, named: list) -> dict:
+    """Values that came back as this rank's tensor-parallel shard (a master over local tensors)
+    are all-gathered to the full tensor. Collective over the tp mesh."""
+    from torch.distributed.tensor import DTensor
+
+    for name, p in named:
+        if isinstance(p, DTensor) and name in state and state[name].shape != p.shape:
+            local = state[name].to(p.device).view(p.to_local().shape)
+            state[name] = DTensor.from_local(local, p.device_mesh, p.placements).full_tensor().cpu()
+    return state
 
 
 def train_with_state(spec: JobSpec | dict, sink: Sink) -> dict:

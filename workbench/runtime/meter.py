@@ -35,6 +35,22 @@ def tensor_bytes(tensors) -> int:
     return total
 
 
+def storage_of(t: torch.Tensor) -> tuple[int, int]:
+    """(key, bytes) of the storage behind `t`: a DTensor's local shard; a tensor subclass
+    without a real storage (e.g. an async collective's result) counts its own elements."""
+    local = _local(t)
+    local = getattr(local, "elem", local)  # AsyncCollectiveTensor wraps the real tensor
+    try:
+        storage = local.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return id(local), local.numel() * local.element_size()
+
+
+def _is_param(t: torch.Tensor) -> bool:
+    return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
+
+
 class MemoryMeter:
     """Tracks saved activations and reports a rank's memory breakdown."""
 
@@ -60,11 +76,13 @@ class MemoryMeter:
         storages = self._storages
 
         def pack(t: torch.Tensor):
-            local = _local(t)  # tensor parallel saves DTensors; count their local storage
-            if local.device.type != "meta":
-                ptr = local.untyped_storage().data_ptr()
+            # FSDP2's gathered (unsharded) parameters are Parameters too, in storages made per
+            # forward: they are transient buffers, not activations. Tensor parallel saves
+            # DTensors: count their local storage.
+            if t.device.type != "meta" and not _is_param(t):
+                ptr, nbytes = storage_of(t)
                 if ptr not in self._param_ptrs and ptr not in storages:
-                    storages[ptr] = local.untyped_storage().nbytes()
+                    storages[ptr] = nbytes
                     self.in_flight += storages[ptr]
                     self.peak_activations = max(self.peak_activations, self.in_flight)
             return t

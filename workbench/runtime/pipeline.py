@@ -16,9 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from workbench.parallel.pp import build_schedule
-from workbench.runtime.meter import MemoryMeter
-
-Sink = Callable[[dict], None]
+from workbench.parallel.precision import autocast
+from workbench.runtime.meter import MemoryMeter, storage_of
 
 
 def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -41,9 +40,13 @@ class PipelineEngine:
         schedule: layout.pp_schedule.
         num_microbatches: micro-batches per dp rank per step.
         device: this rank's device.
+        dtype: precision.dtype: the forward runs under its autocast.
+        scale_loss: the loss scaler's `scale_loss` (fp16), applied to each micro-batch's loss
+            before the schedule's backward.
     """
 
-    def __init__(self, par, mesh, *, schedule: str, num_microbatches: int, device: torch.device):
+    def __init__(self, par, mesh, *, schedule: str, num_microbatches: int, device: torch.device,
+                 dtype: str = "fp32", scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
         self.loss_context = par.loss_context
         self.pp_group = mesh.get_group("pp")
         pp = mesh["pp"].size()
@@ -51,7 +54,10 @@ class PipelineEngine:
         # pipeline rank (num_stages - 1) % pp.
         self.last_pp_rank = (par.num_stages - 1) % pp
         self.has_last = any(i == par.num_stages - 1 for i in par.stage_indices)
-        self.device = device
+        self.device, self.dtype, self._scale_loss = device, dtype, scale_loss
+        self._losses: list[torch.Tensor] = []
+        self._pending_loss = False
+        self.num_microbatches = num_microbatches
         self.schedule, self.stages = build_schedule(
             par.modules, par.stage_indices, par.num_stages, mesh["pp"], schedule=schedule,
             num_microbatches=num_microbatches, loss_fn=self._loss, device=device)
@@ -78,13 +84,13 @@ class PipelineEngine:
         tokens = torch.cat(micro_batches)
         x, y = tokens[:, :-1], tokens[:, 1:]
         self._meter, self._items, self._t0 = meter, ([] if record else None), time.perf_counter()
-        losses: list[torch.Tensor] = []
-        with self.loss_context():
+        self._losses = []
+        with self.loss_context(), autocast(self.device.type, self.dtype):
             # Every rank passes inputs and targets: the schedule feeds them to whichever of this
             # rank's stages is first / last (a rank may hold both in looped placement).
-            self.schedule.step(x, target=y, losses=losses, return_outputs=False)
+            self.schedule.step(x, target=y, return_outputs=False)
         if self.has_last:
-            loss = torch.stack([_local_value(v.detach()) for v in losses]).mean()
+            loss = torch.stack(self._losses).mean()
         else:
             loss = torch.zeros((), device=self.device)
         dist.broadcast(loss, group=self.pp_group, group_src=self.last_pp_rank)
@@ -99,14 +105,20 @@ class PipelineEngine:
         # Called right after the last stage's forward of a micro-batch: its saved tensors
         # belong to that micro-batch.
         with self._saving(self._current):
-            return pipeline_loss(logits, targets)
+            loss = pipeline_loss(logits, targets)
+        if self._pending_loss:  # not the schedule's shape inference on step 1 (made-up inputs)
+            self._pending_loss = False
+            self._losses.append(_local_value(loss.detach()))
+        # Divided before backward, as in gradient accumulation: low-precision gradients
+        # accumulate the mean, not a num_microbatches times larger sum.
+        return self._scale_loss(loss / self.num_microbatches)
 
     def _instrument(self, stage) -> None:
         fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
         s = stage.stage_index
 
         def forward_one_chunk(mb, *args, **kwargs):
-            self._current = (s, mb)
+            self._current, self._pending_loss = (s, mb), stage.is_last
             with self._timed(mb, "F", s), self._saving((s, mb)):
                 return fwd(mb, *args, **kwargs)
 
@@ -148,11 +160,12 @@ class PipelineEngine:
         saved = self._saved.setdefault(key, {})
 
         def pack(t: torch.Tensor):
-            local = _local(t)
-            if local.device.type != "meta":
-                ptr = local.untyped_storage().data_ptr()
+            # FSDP2's gathered parameters are transient buffers, not activations (as in the meter).
+            is_param = isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None), torch.nn.Parameter)
+            if t.device.type != "meta" and not is_param:
+                ptr, nbytes = storage_of(t)
                 if ptr not in self._param_ptrs and ptr not in saved:
-                    saved[ptr] = local.untyped_storage().nbytes()
+                    saved[ptr] = nbytes
                     meter.in_flight += saved[ptr]
                     meter.peak_activations = max(meter.peak_activations, meter.in_flight)
             return t

@@ -1,0 +1,162 @@
+"""Checkpoints in one process: exact resume (local disk and an object store), the schedule,
+retention, the stage-module view, resume compatibility and the SIGTERM notice."""
+import json
+import os
+import signal
+import warnings
+
+import fsspec
+import pytest
+import torch
+import torch.nn as nn
+
+from workbench.errors import ConfigError
+from workbench.runtime.checkpoint import Checkpointer, union_module
+from workbench.runtime.checkpoint_store import MANIFEST, Store
+from workbench.runtime.loop import train
+from workbench.runtime.preemption import PreemptionNotice
+from workbench.spec import load_spec
+from workbench.validate import check_resume
+
+STEPS = 6
+
+
+def tiny(uri=None, **ckpt) -> dict:
+    spec = {"name": "ckpt", "model": {"preset": "gpt-tiny"},
+            "train": {"steps": STEPS, "global_batch": 8, "micro_batch": 4}}
+    if uri is not None:
+        spec["checkpoint"] = {"uri": str(uri), **ckpt}
+    return spec
+
+
+def losses(events: list[dict]) -> list[float]:
+    return [e["loss"] for e in events if e["event"] == "step"]
+
+
+def stop_after(n: int):
+    calls = iter(range(1, 10_000))
+    return lambda: next(calls) >= n
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[float]:
+    """The uninterrupted run's loss at steps 1..STEPS."""
+    events: list[dict] = []
+    train(tiny(), events.append)
+    return losses(events)
+
+
+def test_interrupted_run_resumes_on_the_exact_curve(tmp_path, reference):
+    events: list[dict] = []
+    out = train(tiny(tmp_path, every_steps=2), events.append, should_stop=stop_after(3))
+    assert out["status"] == "preempted" and out["step"] == 3
+    assert [e["step"] for e in events if e["event"] == "checkpoint"] == [2, 3]  # on schedule + on stop
+    assert events[-1] == {"event": "end", "status": "preempted", "step": 3}
+
+    resumed: list[dict] = []
+    out = train(tiny(tmp_path, every_steps=2), resumed.append, resume=True)
+    assert out["status"] == "completed"
+    assert {"event": "restart", "attempt": 0, "from_step": 3} in resumed
+    assert [e["step"] for e in resumed if e["event"] == "step"] == [4, 5, 6]
+    assert losses(resumed) == reference[3:]  # bit-for-bit, not approximately
+
+
+def test_object_store_async_save_and_retention(reference):
+    uri = "memory://workbench-test/async"
+    events: list[dict] = []
+    train(tiny(uri, every_steps=1, keep=2, async_save=True), events.append, should_stop=stop_after(4))
+    store = Store(uri)
+    assert store.committed_steps() == [4, 3]  # keep=2
+    assert [e["uri"] for e in events if e["event"] == "checkpoint"][-1] == "memory:///workbench-test/async/step-000000004"
+    manifest = json.loads(store.fs.cat(f"{store.step_dir(4)}/{MANIFEST}"))
+    assert manifest["step"] == 4 and manifest["spec"]["model"]["preset"] == "gpt-tiny"
+    assert set(manifest["files"]) >= {".metadata", "rng-rank00000.pt"}
+
+    resumed: list[dict] = []
+    train(tiny(uri, every_steps=1, keep=2, async_save=True), resumed.append, resume=True)
+    assert losses(resumed) == reference[4:]
+    fsspec.filesystem("memory").rm("/workbench-test", recursive=True)
+
+
+def _linear_checkpointer(uri, clock, **ckpt):
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    saved = []
+    spec = load_spec(tiny(uri, **ckpt)).to_dict()
+    return Checkpointer(spec, [model], opt, clock=clock, on_saved=lambda s, u: saved.append(s)), model, saved
+
+
+def test_time_based_saves_and_keep(tmp_path):
+    now = [0.0]
+    ck, model, saved = _linear_checkpointer(tmp_path, lambda: now[0], every_minutes=1.0, keep=2)
+    plan = []
+    for step, minutes in enumerate([0.5, 1.2, 1.5, 2.3, 3.4], start=1):
+        now[0] = minutes * 60
+        save, stop = ck.poll(step, False, last_step=10)
+        plan.append(save)
+        if save:
+            ck.save(step)
+    assert plan == [False, True, False, True, True] and saved == [2, 4, 5]
+    assert Store(str(tmp_path)).committed_steps() == [5, 4]
+    assert ck.poll(10, False, last_step=10) == (True, False)  # the last step is always saved
+    assert ck.poll(7, True, last_step=10) == (True, True)  # a stop request saves, then stops
+
+
+def test_manifestless_directories_are_never_loaded(tmp_path):
+    ck, model, saved = _linear_checkpointer(tmp_path, lambda: 0.0)
+    ck.save(2)
+    weights = model.weight.detach().clone()
+    ck.save(3)
+    os.remove(tmp_path / "step-000000003" / MANIFEST)  # as if the writer died before the commit
+    (tmp_path / "step-000000009.partial").mkdir()  # an interrupted local write
+    with torch.no_grad():
+        model.weight.zero_()
+    assert ck.restore() == 2
+    torch.testing.assert_close(model.weight, weights, rtol=0, atol=0)
+    ck.save(4)  # the next commit clears the stale directories below it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000002", "step-000000004", "step-000000009.partial"]
+
+
+def test_union_module_keeps_the_full_models_names():
+    full = nn.Module()
+    full.emb = nn.Embedding(8, 4)
+    full.blocks = nn.ModuleDict({str(i): nn.Linear(4, 4) for i in range(4)})
+    full.head = nn.Linear(4, 8)
+    first, last = nn.Module(), nn.Module()
+    first.emb, first.blocks = full.emb, nn.ModuleDict({"0": full.blocks["0"], "1": full.blocks["1"]})
+    last.blocks, last.head = nn.ModuleDict({"2": full.blocks["2"], "3": full.blocks["3"]}), full.head
+    view = union_module([first, last])
+    assert sorted(n for n, _ in view.named_parameters()) == sorted(n for n, _ in full.named_parameters())
+    assert dict(view.named_parameters())["blocks.3.weight"] is full.blocks["3"].weight
+
+
+def test_resume_rules_name_the_difference():
+    saved = load_spec(tiny()).to_dict()
+    assert check_resume(load_spec(dict(tiny(), layout={"dp": 2}, resources={"gpus_per_node": 2})), saved) == []
+    with pytest.raises(ConfigError, match=r"model\.layers: checkpoint has 4, this spec has 6"):
+        check_resume(load_spec(dict(tiny(), model={"preset": "gpt-tiny", "layers": 6})), saved)
+    with pytest.raises(ConfigError, match=r"train\.optimizer: checkpoint has 'adamw', this spec has 'sgd'"):
+        check_resume(load_spec(dict(tiny(), train=dict(tiny()["train"], optimizer="sgd"))), saved)
+    with pytest.raises(ConfigError, match=r"precision\.dtype: checkpoint has 'fp32', this spec has 'bf16'"):
+        check_resume(load_spec(dict(tiny(), precision={"dtype": "bf16"})), saved)
+    notes = check_resume(load_spec(dict(tiny(), train=dict(tiny()["train"], global_batch=16))), saved)
+    assert len(notes) == 1 and "global_batch" in notes[0]
+
+
+def test_sigterm_sets_the_notice_and_restores_the_handler(monkeypatch):
+    before = signal.getsignal(signal.SIGTERM)
+    with PreemptionNotice() as notice:
+        assert not notice.requested
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert notice.requested and notice.seconds_left() > 0
+        monkeypatch.setenv("WORKBENCH_PREEMPT_GRACE_S", "0")
+        assert notice.seconds_left() < 0 and "grace period" in notice.overrun_message()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_resume_without_checkpoint_warns_and_starts_fresh(tmp_path):
+    ck, _, _ = _linear_checkpointer(tmp_path / "empty", lambda: 0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ck.restore() == 0
+    assert any("no complete checkpoint" in str(w.message) for w in caught)

@@ -1,0 +1,324 @@
+"""Checkpoints of a training run with torch.distributed.checkpoint (DCP), for every layout.
+
+DCP's `get_state_dict` / `set_state_dict` turn DDP, FSDP2 and DTensor (TP) modules into
+canonical, layout-free keys, so each rank writes only its shards and a checkpoint loads under
+another world size or layout (resharding). What is saved: model, optimizer, extra stateful
+objects (the fp16 loss scaler), RNG states per rank; the step and the spec go in the manifest.
+Data needs no state: batch k is a pure function of (data.seed, k). See docs/checkpoints.md.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+from workbench.errors import ConfigError
+from workbench.runtime.checkpoint_state import (rng_state, set_rng_state, stage, state_bytes, state_dict_options,
+                                                 union_module)
+from workbench.runtime.checkpoint_store import CorruptCheckpoint, Store, describe_error, disk_full, new_manifest
+
+# DCP says this on every single-process save/load, which is what we mean there.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+OPTIONAL_PARTS = ("scaler",)  # state that may start fresh when a checkpoint lacks it
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; the message says why and what is still intact."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped on resume (incomplete or corrupt) in favour of an older one."""
+
+
+class Checkpointer:
+    """Saves and restores one rank's share of a run. Every method is called on all ranks.
+
+    Args:
+        spec: the job spec as a dict (recorded in each manifest, checked on resume).
+        modules: this rank's model modules (one, or several pipeline stages).
+        optimizer: the torch optimizer over their parameters, or None when an extra holds the
+            optimizer state (the fp32 master of mixed precision / zero=1).
+        extra_state: other objects with state_dict()/load_state_dict(), e.g. {"scaler": scaler}.
+        device: the device of the loop's collectives (polls).
+        on_saved: called on rank 0 with (step, url) once a checkpoint is complete.
+        warn: called on rank 0 with a message when a checkpoint is skipped on resume.
+        clock: seconds, monotonic (injectable for tests of time-based saves).
+    """
+
+    def __init__(self, spec: dict, modules: list[nn.Module], optimizer: torch.optim.Optimizer | None, *,
+                 extra_state: dict | None = None, device: torch.device | None = None,
+                 on_saved: Callable[[int, str], None] | None = None,
+                 warn: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic):
+        cfg = spec.get("checkpoint", {})
+        self.spec, self.optimizer = spec, optimizer
+        self.uri = cfg.get("uri")
+        self.every_steps = int(cfg.get("every_steps", 0))
+        self.every_s = float(cfg.get("every_minutes", 0.0)) * 60.0
+        self.keep = int(cfg.get("keep", 3))
+        self.async_save = bool(cfg.get("async_save", False))
+        self.module = modules[0] if len(modules) == 1 else union_module(modules)
+        self.extra_state = dict(extra_state or {})
+        self.device = device or torch.device("cpu")
+        self.on_saved, self._warn_cb, self.clock = on_saved, warn, clock
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        # A separate gloo group: checkpoint collectives run on CPU and, with async_save, in a
+        # background thread next to the training collectives of the default group.
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.store = Store(self.uri) if self.uri else None
+        self.last_saved_step = 0
+        self._last_save_time = clock()
+        self._thread: threading.Thread | None = None
+        self._thread_error: BaseException | None = None
+        self._need_bytes = 0
+        self.last_blocking_s = 0.0
+        self._staging: dict = {}  # CPU buffers reused by background saves (one in flight at a time)
+
+    @property
+    def enabled(self) -> bool:
+        return self.store is not None
+
+    # -- schedule -----------------------------------------------------------------------
+    def poll(self, step: int, stop_requested: bool, *, last_step: int) -> tuple[bool, bool]:
+        """(save now, stop now) after `step`, the same on every rank (one small all-reduce).
+
+        A stop on any rank stops all; a time-based save due on any rank's clock saves on all.
+        """
+        time_due = self.enabled and self.every_s > 0 and self.clock() - self._last_save_time >= self.every_s
+        stop, time_due = _any_rank([stop_requested and step < last_step, time_due], self.device)
+        if not self.enabled:
+            return False, stop
+        step_due = self.every_steps > 0 and step % self.every_steps == 0
+        return stop or time_due or step_due or step == last_step, stop
+
+    # -- save ---------------------------------------------------------------------------
+    def save(self, step: int, *, block: bool = False) -> None:
+        """Write a checkpoint of `step`; in the background if async_save and not `block`.
+
+        Raises:
+            CheckpointError: this or the previous (async) save failed; earlier checkpoints
+                are intact.
+        """
+        self.wait()
+        entered = time.perf_counter()  # the pause training sees (after any previous save finished)
+        self._last_save_time = self.clock()
+        state = self._state_dict()
+        rng = rng_state()
+        if self.async_save and not block:
+            staged = stage(state, self._staging)  # training changes the live tensors from now on
+            self._thread = threading.Thread(target=self._write_bg, args=(step, staged, rng),
+                                            name=f"checkpoint-{step}", daemon=True)
+            self._thread.start()
+            self.last_blocking_s = time.perf_counter() - entered
+        else:
+            self._write(step, state, rng)
+            self.last_blocking_s = time.perf_counter() - entered
+
+    def wait(self) -> None:
+        """Block until a background save finishes; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._thread_error is not None:
+            error, self._thread_error = self._thread_error, None
+            raise error
+
+    close = wait
+
+    def _write_bg(self, step: int, state: dict, rng: dict) -> None:
+        try:
+            self._write(step, state, rng)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the training thread by wait()
+            self._thread_error = e
+
+    def _write(self, step: int, state: dict, rng: dict) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        start, store = time.perf_counter(), self.store
+        self._need_bytes = state_bytes(state)
+        staging = store.staging_dir(step)
+
+        def prepare():
+            if self.rank == 0:
+                store.remove(staging)
+                store.fs.makedirs(staging, exist_ok=True)
+
+        self._phase(step, "preparing the directory", prepare, everyone=False)
+        self._phase(step, "writing RNG states", lambda: store.write_torch(f"{staging}/rng-rank{self.rank:05d}.pt", rng))
+        self._phase(step, "writing tensors", lambda: dcp.save(state, storage_writer=self._writer(staging),
+                                                               process_group=self.group, no_dist=self.group is None))
+        files = self._phase(step, "listing files", lambda: store.list_files(staging) if self.rank == 0 else None,
+                            everyone=False)
+        mine = self._phase(step, "checksumming",
+                           lambda: {rel: store.checksum(f"{staging}/{rel}") for rel in files[self.rank::self.world]})
+        sums = {}
+        for part in self._gather(mine):
+            sums.update(part)
+
+        def commit():
+            if self.rank != 0:
+                return None
+            store.write_manifest(staging, new_manifest(step, self.spec, self.world, sums, time.perf_counter() - start))
+            url = store.commit(step)
+            store.prune(self.keep, current=step)
+            return url
+
+        url = self._phase(step, "committing", commit, everyone=False)
+        self.last_saved_step = step
+        if self.rank == 0 and self.on_saved is not None:
+            self.on_saved(step, url)
+
+    def _writer(self, path: str):
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        if self.store.local:
+            return FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+        return FsspecWriter(self.store.url(path), single_file_per_rank=True, sync_files=False, thread_count=1)
+
+    def _phase(self, step: int, what: str, fn: Callable, everyone: bool = True):
+        """Run one phase of a save and agree on its outcome: all ranks raise the same error."""
+        result, error = None, None
+        try:
+            result = fn()
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - turned into a CheckpointError below
+            error = describe_error(e)
+        errors = [e for e in self._gather(error) if e]
+        if errors:
+            if self.rank == 0:  # frees the space a full disk needs
+                self.store.remove(self.store.staging_dir(step))
+                self.store.prune(self.keep, current=step + 1)
+            full = None if error is None or "no space left" in error else disk_full(self.store, self._need_bytes)
+            errors = [e for e in self._gather(full) if e] + errors
+            prev = f"step {self.last_saved_step}" if self.last_saved_step else "none written by this run"
+            raise CheckpointError(
+                f"checkpoint of step {step} to {self.uri} failed while {what}: {errors[0]}. "
+                f"The previous checkpoint is intact ({prev}); the partial files were removed."
+                + (" Free space on that volume, lower checkpoint.keep, or point checkpoint.uri at a "
+                   "larger one, then resume with --resume." if "no space left" in errors[0].lower() else ""))
+        return self._broadcast(result) if not everyone else result
+
+    # -- restore ------------------------------------------------------------------------
+    def restore(self) -> int:
+        """Load the newest complete, intact checkpoint; returns its step (0 when none).
+
+        A newest checkpoint that is incomplete or corrupt is skipped with a warning.
+        Raises:
+            ConfigError: the checkpoint was written by an incompatible spec (e.g. another model shape).
+        """
+        from workbench.spec import load_spec
+        from workbench.validate import check_resume
+
+        if not self.enabled:
+            self._warn("resume requested but checkpoint.uri is not set; starting from step 0")
+            return 0
+        steps = self._broadcast(self.store.committed_steps() if self.rank == 0 else None)
+        for step in steps:
+            try:
+                manifest = self.store.read_manifest(step)
+                problems = self.store.verify(step, manifest, self.rank, self.world)
+            except CorruptCheckpoint as e:
+                problems = [str(e)]
+            problems = [p for part in self._gather(problems) for p in part]
+            if problems:
+                self._warn(f"checkpoint step {step} under {self.uri} is incomplete or corrupt "
+                           f"({'; '.join(problems[:3])}); falling back to the previous complete checkpoint")
+                continue
+            for note in check_resume(load_spec(self.spec), manifest["spec"]):
+                self._warn(note)
+            self._load(step, manifest)
+            self.last_saved_step = step
+            self._last_save_time = self.clock()
+            return step
+        self._warn(f"no complete checkpoint under {self.uri}; starting from step 0")
+        return 0
+
+    def _load(self, step: int, manifest: dict) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        path = self.store.step_dir(step)
+        url = self.store.url(path)
+        reader = FileSystemReader if self.store.local else FsspecReader
+        saved = {key.split(".", 1)[0] for key in reader(url).read_metadata().state_dict_metadata}
+        state = self._state_dict()
+        missing = [part for part in state if part not in saved]
+        for part in missing:
+            if part not in OPTIONAL_PARTS:
+                raise ConfigError(
+                    f"cannot resume: the checkpoint of step {step} under {self.uri} has no {part!r} state, which "
+                    f"this run needs (it was written with layout {manifest.get('layout')} and precision "
+                    f"{manifest['spec'].get('precision', {}).get('dtype', 'fp32')}; zero=1 and mixed precision keep "
+                    "an fp32 master instead of a torch optimizer). Resume with the checkpoint's zero stage and "
+                    "precision, or start a fresh run.")
+            self._warn(f"the checkpoint of step {step} has no {part!r} state; it starts fresh")
+        present = {k: v for k, v in state.items() if k not in missing}
+        dcp.load(present, storage_reader=reader(url), process_group=self.group, no_dist=self.group is None)
+        set_model_state_dict(self.module, present["model"])
+        if self.optimizer is not None:
+            set_optimizer_state_dict(self.module, self.optimizer, present["optim"], options=state_dict_options())
+        for name, obj in self.extra_state.items():
+            if name in present:
+                obj.load_state_dict(present[name])
+        if manifest.get("world_size") == self.world:  # per-rank streams only map 1:1 on the same world
+            set_rng_state(self.store.read_torch(f"{path}/rng-rank{self.rank:05d}.pt"))
+
+    def _state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if self.optimizer is None:  # the optimizer state lives in an extra (an fp32 master)
+            state = {"model": get_model_state_dict(self.module)}
+        else:
+            model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=state_dict_options())
+            state = {"model": model_sd, "optim": optim_sd}
+        for name, obj in self.extra_state.items():
+            state[name] = obj.state_dict()
+        return state
+
+    # -- collectives on the checkpoint group ----------------------------------------------
+    def _gather(self, obj) -> list:
+        if self.group is None:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _broadcast(self, obj):
+        if self.group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _warn(self, message: str) -> None:
+        if self.rank == 0:
+            warnings.warn(message, CheckpointWarning, stacklevel=2)
+            if self._warn_cb is not None:
+                self._warn_cb(message)
+
+
+def build_checkpointer(spec, modules: list[nn.Module], optimizer: torch.optim.Optimizer | None, device: torch.device,
+                       sink: Callable[[dict], None], extra_state: dict | None = None) -> Checkpointer:
+    """The loop's Checkpointer: `checkpoint` and `warning` events go to `sink` (from rank 0)."""
+    return Checkpointer(spec.to_dict(), modules, optimizer, extra_state=extra_state, device=device,
+                        on_saved=lambda step, url: sink({"event": "checkpoint", "step": step, "uri": url}),
+                        warn=lambda message: sink({"event": "warning", "message": message}))
+
+
+def _any_rank(flags: list[bool], device: torch.device) -> list[bool]:
+    """Each flag True on every rank if it is True on any."""
+    if not dist.is_initialized():
+        return [bool(f) for f in flags]
+    t = torch.tensor([int(f) for f in flags], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]
