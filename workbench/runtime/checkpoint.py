@@ -155,9 +155,10 @@ class Checkpointer:
         self._phase(step, "writing RNG states", lambda: store.write_torch(f"{staging}/rng-rank{self.rank:05d}.pt", rng))
         self._phase(step, "writing tensors", lambda: dcp.save(state, storage_writer=self._writer(staging),
                                                                process_group=self.group, no_dist=self.group is None))
-        files = store.list_files(staging) if self.rank == 0 else None
-        files = self._broadcast(files)
-        mine = {rel: store.checksum(f"{staging}/{rel}") for rel in files[self.rank::self.world]}
+        files = self._phase(step, "listing files", lambda: store.list_files(staging) if self.rank == 0 else None,
+                            everyone=False)
+        mine = self._phase(step, "checksumming",
+                           lambda: {rel: store.checksum(f"{staging}/{rel}") for rel in files[self.rank::self.world]})
         sums = {}
         for part in self._gather(mine):
             sums.update(part)

@@ -150,6 +150,8 @@ def _train(spec, sink: Sink, should_stop: Callable[[], bool], resume: bool, gath
         start = time.perf_counter()
         batch = source.global_batch(step, t.global_batch).to(ctx.device)
         micro = rank_micro_batches(batch, where["dp"], lay.dp, t.micro_batch)
+        report_memory = step == 1 or step == t.steps or step % MEMORY_EVERY == 0
+        meter.active = report_memory
         meter.reset_peak()
         if pipeline is None:
             loss = forward_backward(par, micro, meter, step_fn, spec.precision.dtype)
@@ -163,7 +165,7 @@ def _train(spec, sink: Sink, should_stop: Callable[[], bool], resume: bool, gath
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=dp_group)
         loss_value = loss.item()
         elapsed = time.perf_counter() - start
-        if step == 1 or step == t.steps or step % MEMORY_EVERY == 0:
+        if report_memory:
             held = step_fn.measured_states()
             sink({"event": "memory", "step": step, "rank": ctx.rank, "coords": where,
                   "measured": meter.measure(par.modules, held["optimizer"], master=held["master"],
@@ -171,7 +173,7 @@ def _train(spec, sink: Sink, should_stop: Callable[[], bool], resume: bool, gath
         step_fn.zero_grad()
         if ctx.rank == 0:
             sink({"event": "step", "step": step, "loss": loss_value,
-                  "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed, **step_extra})
+                  "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed, "time": time.time(), **step_extra})
         save, stop = ckpt.poll(step, should_stop(), last_step=t.steps)
         if save:
             ckpt.save(step, block=stop or step == t.steps)

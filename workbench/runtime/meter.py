@@ -12,11 +12,10 @@ import contextlib
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor  # at import, not per call: _local runs per saved tensor
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -58,6 +57,9 @@ class MemoryMeter:
     def __init__(self, device: torch.device):
         self.device = device
         self.in_flight = 0  # bytes saved for backward and not yet released
+        # The saved-tensor hooks cost two Python calls per saved tensor: the loop turns them on
+        # only for steps that report memory (the bytes saved per step do not change).
+        self.active = True
         self.peak_activations = 0
         self._param_ptrs: set[int] = set()
         self._storages: dict[int, int] = {}
@@ -68,6 +70,9 @@ class MemoryMeter:
     @contextlib.contextmanager
     def saving(self):
         """Count tensors saved for backward inside this context (one micro-batch's forward)."""
+        if not self.active:
+            yield
+            return
         storages = self._storages
 
         def pack(t: torch.Tensor):

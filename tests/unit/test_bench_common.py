@@ -1,0 +1,49 @@
+"""The benchmark helpers: statistics, alternation, steady-state throughput, results files."""
+import pytest
+
+from bench.common import interleave, paired_ratios, read_result, stats, steady_tokens_per_s, table, tiny_spec, write_result
+
+
+def test_stats_median_and_spread():
+    s = stats([3.0, 1.0, 2.0, 10.0])
+    assert s["n"] == 4 and s["median"] == 2.5 and s["min"] == 1.0 and s["max"] == 10.0
+    assert s["q1"] <= s["median"] <= s["q3"]
+    assert stats([])["n"] == 0
+
+
+def test_interleave_alternates_and_skips_warmup():
+    calls = []
+
+    def make(name):
+        def f():
+            calls.append(name)
+            return float(len(calls))
+        return f
+
+    out = interleave({"a": make("a"), "b": make("b")}, reps=2, warmup=1)
+    assert calls == ["a", "b", "b", "a", "a", "b"]  # order flips every round
+    assert out == {"a": [4.0, 5.0], "b": [3.0, 6.0]}  # warm-up round dropped
+    assert paired_ratios(out["a"], out["b"]) == [4.0 / 3.0, 5.0 / 6.0]
+
+
+def test_steady_tokens_per_s_leaves_out_warmup():
+    times = [0.0, 5.0, 6.0, 7.0, 8.0]  # a slow first step, then 1 s per step
+    assert steady_tokens_per_s(times, tokens_per_step=100, skip=1) == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="more than"):
+        steady_tokens_per_s(times[:2], 100, skip=1)
+
+
+def test_tiny_spec_sets_world_size_and_validates():
+    from workbench.spec import load_spec
+
+    spec = load_spec(tiny_spec("gpt-tiny", layout={"dp": 2, "zero": 1}, train={"global_batch": 8}))
+    assert spec.layout.dp == 2 and spec.resources.gpus_per_node == 2 and spec.train.micro_batch == 4
+
+
+def test_results_round_trip_with_machine(tmp_path):
+    path = write_result("x", {"value": 1.5}, tmp_path)
+    back = read_result("x", tmp_path)
+    assert path.name == "x.json" and back["value"] == 1.5 and back["machine"]["cpus"] >= 1
+    assert read_result("missing", tmp_path) is None
+    text = table([["a", 1.23456], ["b", float("nan")]], ["name", "v"])
+    assert "1.23" in text and "-" in text.splitlines()[-1]
