@@ -80,7 +80,7 @@ class Bundle:
         names = sorted(set(self.files) | set(self.generated))
         size = sum(self.files[n].stat().st_size for n in self.files) + sum(map(len, self.generated.values()))
         return {"files": len(names), "bytes": size, "top_level": sorted({n.split("/")[0] for n in names}),
-                "excluded_as_secret": self.excluded_secrets}
+                "excluded_credential_files": self.excluded_secrets}
 
 
 def _gitignore_rules(directory: Path, rel: str) -> list[tuple[str, bool, bool, bool]]:

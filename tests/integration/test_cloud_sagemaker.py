@@ -160,5 +160,5 @@ def test_dry_run_needs_no_credentials_or_network(monkeypatch, tmp_path):
     assert req["operation"] == "CreateTrainingJob"
     assert req["endpoint"] == "https://api.sagemaker.us-east-1.amazonaws.com/"
     assert req["body"]["CheckpointConfig"]["S3Uri"].endswith("/")
-    assert req["code"]["excluded_as_secret"] == [".env", "notes.py"]
+    assert req["code"]["excluded_credential_files"] == [".env", "notes.py"]
     assert "Authorization" not in json.dumps(req)
