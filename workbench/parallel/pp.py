@@ -42,32 +42,10 @@ def balance_blocks(block_params: list[int], first_extra: int, last_extra: int, n
     n = len(block_params)
     if not 1 <= num_stages <= n:
         raise ValueError(f"cannot split {n} blocks into {num_stages} non-empty stages")
-    prefix = [0]
-    for p in block_params:
-        prefix.append(prefix[-1] + p)
+    # One implementation for the runtime and the memory model, so predictions use the real split.
+    from workbench.memory.params import balance_blocks as balanced
 
-    def cost(s: int, i: int, j: int) -> int:  # stage s holds blocks [i, j)
-        return prefix[j] - prefix[i] + (first_extra if s == 0 else 0) + (last_extra if s == num_stages - 1 else 0)
-
-    # best[s][j]: smallest max-cost to put blocks [0, j) on stages [0, s]; exact, O(S n^2).
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(num_stages)]
-    cut = [[0] * (n + 1) for _ in range(num_stages)]
-    for j in range(1, n + 1):
-        best[0][j] = cost(0, 0, j)
-    for s in range(1, num_stages):
-        for j in range(s + 1, n + 1):
-            for i in range(s, j):
-                c = max(best[s - 1][i], cost(s, i, j))
-                if c < best[s][j]:
-                    best[s][j], cut[s][j] = c, i
-    bounds, j = [], n
-    for s in range(num_stages - 1, 0, -1):
-        i = cut[s][j]
-        bounds.append(range(i, j))
-        j = i
-    bounds.append(range(0, j))
-    return bounds[::-1]
+    return list(balanced(tuple(block_params), first_extra, last_extra, num_stages))
 
 
 def _params(module: nn.Module | None) -> int:
