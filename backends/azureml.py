@@ -9,12 +9,11 @@ from __future__ import annotations
 import logging
 import re
 import tempfile
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from backends import instances
-from backends.base import JobState, JobStatus
+from backends.base import JobState, JobStatus, poll_until_done
 from backends.bundle import SPEC_FILE, build_bundle, checkpoint_uri, job_name, sha256
 from workbench.errors import ConfigError
 from workbench.validate import check_runnable
@@ -186,9 +185,4 @@ class AzureMLJob:
         self._client.jobs.begin_cancel(self.job_id)
 
     def wait(self, timeout_s: float | None = None, poll_s: float = 30.0) -> JobStatus:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            status = self.status()
-            if status.state.done or deadline is not None and time.monotonic() >= deadline:
-                return status
-            time.sleep(poll_s)
+        return poll_until_done(self.status, timeout_s, poll_s)

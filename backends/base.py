@@ -6,6 +6,7 @@ Every target (local Ray, a Ray cluster, SageMaker, Vertex AI, Azure ML) implemen
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -33,6 +34,16 @@ class JobStatus:
     message: str = ""
     interruptions: int = 0  # spot interruptions, where the service reports them
     raw: dict = field(default_factory=dict)  # the service's own status fields
+
+
+def poll_until_done(status, timeout_s: float | None, poll_s: float) -> JobStatus:
+    """Call `status()` every `poll_s` seconds until the job is done or `timeout_s` passed."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        current = status()
+        if current.state.done or deadline is not None and time.monotonic() >= deadline:
+            return current
+        time.sleep(poll_s)
 
 
 @runtime_checkable

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from backends.base import JobState, JobStatus
+from backends.base import JobState, JobStatus, poll_until_done
 from backends.bundle import SPEC_FILE, build_bundle, job_name, sha256
 from workbench.errors import ConfigError
 from workbench.validate import check_runnable
@@ -147,12 +147,7 @@ class RayClusterJob:
         self._client.stop_job(self.job_id)
 
     def wait(self, timeout_s: float | None = None, poll_s: float = 1.0) -> JobStatus:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            status = self.status()
-            if status.state.done or deadline is not None and time.monotonic() >= deadline:
-                return status
-            time.sleep(poll_s)
+        return poll_until_done(self.status, timeout_s, poll_s)
 
 
 def quote(args: list[str]) -> str:

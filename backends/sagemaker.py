@@ -7,11 +7,10 @@ sagemaker-core. Credentials come from boto3's standard chain (env, profile, SSO,
 from __future__ import annotations
 
 import json
-import time
 from typing import TYPE_CHECKING
 
 from backends import instances
-from backends.base import JobState, JobStatus
+from backends.base import JobState, JobStatus, poll_until_done
 from backends.bundle import SPEC_FILE, build_bundle, checkpoint_uri, job_name, sha256, slug
 from workbench.errors import ConfigError
 from workbench.validate import check_runnable
@@ -239,9 +238,4 @@ class SageMakerJob:
         self._client.stop_training_job(TrainingJobName=self.job_id)
 
     def wait(self, timeout_s: float | None = None, poll_s: float = 30.0) -> JobStatus:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            status = self.status()
-            if status.state.done or deadline is not None and time.monotonic() >= deadline:
-                return status
-            time.sleep(poll_s)
+        return poll_until_done(self.status, timeout_s, poll_s)

@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import time
 from typing import TYPE_CHECKING
 
 from backends import instances
-from backends.base import JobState, JobStatus
+from backends.base import JobState, JobStatus, poll_until_done
 from backends.bundle import SPEC_FILE, build_bundle, checkpoint_uri, job_name, sha256, slug
 from workbench.errors import ConfigError
 from workbench.validate import check_runnable
@@ -194,9 +193,4 @@ class VertexJob:
         self._client.cancel_custom_job(name=self.job_id)
 
     def wait(self, timeout_s: float | None = None, poll_s: float = 30.0) -> JobStatus:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            status = self.status()
-            if status.state.done or deadline is not None and time.monotonic() >= deadline:
-                return status
-            time.sleep(poll_s)
+        return poll_until_done(self.status, timeout_s, poll_s)

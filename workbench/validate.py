@@ -179,7 +179,7 @@ def _check_dp_combinations(spec: "JobSpec") -> None:
 
 def _check_model_parallel_runnable(spec: "JobSpec") -> None:
     """What tensor/pipeline parallel cannot run with, each with the reason and a fix."""
-    lay, t = spec.layout, spec.train
+    lay = spec.layout
     if lay.tp == 1 and lay.pp == 1:
         if lay.sequence_parallel:
             raise ConfigError("layout.sequence_parallel=true shards activations across tensor-parallel ranks, "
