@@ -143,9 +143,9 @@ class RunPanel:
             if not self.mem_box.children:
                 self.mem_box.children = [self.mem_fig]  # after the update: a new view draws the final figure
         if any(e.get("event") == "timeline" for e in events):
+            sync_figure(self.timeline_fig, figures.timeline_figure(events))
             if not self.timeline_box.children:
                 self.timeline_box.children = [self.timeline_fig]
-            sync_figure(self.timeline_fig, figures.timeline_figure(events))
         restarts = [e for e in events if e.get("event") == "restart"]
         if restarts and self.state.run_state == "running":
             self.note.value = note_html(f"Restarted {len(restarts)} time(s); resumed from the last checkpoint.")
