@@ -198,6 +198,16 @@ def sec_overhead(r, doc, img) -> str:
                f"JSONL sink vs no-op sink: {_pct(r['sink_overhead'])}. Checkpoint every "
                f"{r['config']['ckpt_every']} steps: {_pct(r['checkpoint_overhead'])} CPU per step "
                f"(wall {_pct(r['checkpoint_overhead_wall'])}).")
+    step = w["cpu_mean_step_s"]["plain loop"]["median"]
+    every = c["memory_every"]
+    # hooks run on 1 step in `every` (plus the first and last); one measurement per memory step;
+    # a step event and (rank-wise) a memory event through the sink
+    parts_cost = (c["hook_share_of_fwd_bwd"] / every + c["measure_per_step_s"] / step
+                  + 2 * c["times"]["JSONL event"]["median"] / step)
+    out.append(f"From the parts, the metrics cost per steady step is about **{_pct(parts_cost)}** (meter hooks "
+               f"{_pct(c['hook_share_of_fwd_bwd'])} of a forward+backward on 1 step in {every}, one memory measurement "
+               f"per {every} steps, two JSONL events): the whole-run differences above are within this VM's "
+               "round-to-round noise, which the parts avoid by timing each piece alone, alternated.")
     if not w["checkpoint_available"]:
         same = w["cpu_mean_step_s"][w["checkpoint_name"]]["median"] / w["cpu_mean_step_s"]["runtime, JSONL sink"]["median"] - 1
         out.append("Checkpointing has not landed in this build (no checkpoint events), so the 'checkpoint' variant ran "

@@ -16,7 +16,15 @@ def figure_widget(fig: go.Figure) -> go.FigureWidget:
 
 
 def sync_figure(widget: go.FigureWidget, fig: go.Figure) -> None:
-    """Make `widget` show `fig`: values in one batch_update; traces re-created only if their kinds changed."""
+    """Make `widget` show `fig`: values in one batch_update; traces re-created only if their kinds changed.
+
+    An unchanged figure sends nothing: an update that reaches plotly.js while it is still drawing
+    the widget's first view leaves the plot blank, and most spec edits do not change a chart.
+    """
+    key = fig.to_json()
+    if getattr(widget, "_wb_last", None) == key:
+        return
+    widget._wb_last = key
     same = len(widget.data) == len(fig.data) and all(a.type == b.type for a, b in zip(widget.data, fig.data))
     if not same:
         widget.data = ()

@@ -48,7 +48,6 @@ class MemoryPanel:
             self.note.value = note_html(st.estimate_note or "No estimate.", "info")
             self.fig_box.children = []
             return
-        self.fig_box.children = [self.fig]
         est = st.estimate
         bad = [r["rank"] for r in est["per_rank"] if r["total"] > est["device_memory"]]
         if bad:
@@ -59,6 +58,8 @@ class MemoryPanel:
         else:
             self.note.value = note_html(st.estimate_note, "info")
         sync_figure(self.fig, figures.memory_figure(est))
+        if not self.fig_box.children:
+            self.fig_box.children = [self.fig]  # after the update: a new view draws the final figure
         self._show_schedule()
 
     def _show_schedule(self) -> None:

@@ -134,18 +134,18 @@ class RunPanel:
             self.progress_text.value = f"step {steps[-1]['step']} / {self.progress.max}"
         measured = figures.latest_measured(events)
         if measured:
-            if not self.mem_box.children:
-                self.mem_box.children = [self.mem_fig]
             spec = self.state.spec
             device = _device_bytes(spec.resources.gpu) if spec is not None else None
             fig = figures.memory_figure(self.state.estimate, measured, device_memory=device, height=320)
             title = "Memory per rank: measured beside predicted" if self.state.estimate else "Memory per rank: measured"
             fig.update_layout(title_text=title)
             sync_figure(self.mem_fig, fig)
+            if not self.mem_box.children:
+                self.mem_box.children = [self.mem_fig]  # after the update: a new view draws the final figure
         if any(e.get("event") == "timeline" for e in events):
+            sync_figure(self.timeline_fig, figures.timeline_figure(events))
             if not self.timeline_box.children:
                 self.timeline_box.children = [self.timeline_fig]
-            sync_figure(self.timeline_fig, figures.timeline_figure(events))
         restarts = [e for e in events if e.get("event") == "restart"]
         if restarts and self.state.run_state == "running":
             self.note.value = note_html(f"Restarted {len(restarts)} time(s); resumed from the last checkpoint.")
