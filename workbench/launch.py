@@ -38,8 +38,9 @@ class RunResult:
 def start(spec, on_event: Callable[[dict], None] | None = None, resume: bool = False):
     """Start `spec` on local Ray in the background and return its handle (non-blocking).
 
-    The handle has `.events`, `.follow()`, `.wait()`, `.status()`, `.cancel()`; `on_event`
-    is called from a background thread for each metrics event.
+    The handle has `.events`, `.follow()`, `.wait()`, `.status()`, `.cancel()`. Events are
+    pulled from the workers while someone follows the handle (`follow()` or `wait()`, e.g. on a
+    background thread, as the notebook does); `on_event` is called from that thread for each.
     """
     from backends.local_ray import LocalRayBackend
 
