@@ -75,20 +75,23 @@ class MemoryMeter:
             return
         storages = self._storages
 
-        def pack(t: torch.Tensor):
-            # FSDP2's gathered (unsharded) parameters are Parameters too, in storages made per
-            # forward: they are transient buffers, not activations. Tensor parallel saves
-            # DTensors: count their local storage.
-            if t.device.type != "meta" and not _is_param(t):
-                ptr, nbytes = storage_of(t)
-                if ptr not in self._param_ptrs and ptr not in storages:
-                    storages[ptr] = nbytes
-                    self.in_flight += storages[ptr]
-                    self.peak_activations = max(self.peak_activations, self.in_flight)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: self.count_saved(t, storages), lambda t: t):
             yield
+
+    def count_saved(self, t: torch.Tensor, storages: dict[int, int], param_ptrs: set[int] | None = None):
+        """A saved-tensor pack hook: count `t`'s storage once into `storages` and the in-flight total.
+
+        FSDP2's gathered (unsharded) parameters are Parameters too, in storages made per forward:
+        they are transient buffers, not activations. Tensor parallel saves DTensors: count their
+        local storage.
+        """
+        if t.device.type != "meta" and not _is_param(t):
+            ptr, nbytes = storage_of(t)
+            if ptr not in (self._param_ptrs if param_ptrs is None else param_ptrs) and ptr not in storages:
+                storages[ptr] = nbytes
+                self.in_flight += nbytes
+                self.peak_activations = max(self.peak_activations, self.in_flight)
+        return t
 
     def released(self) -> None:
         """Backward of every micro-batch in flight finished: their saved tensors are free."""

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from workbench.parallel.pp import build_schedule
 from workbench.parallel.precision import autocast
-from workbench.runtime.meter import MemoryMeter, storage_of
+from workbench.runtime.meter import MemoryMeter
 
 
 def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -159,18 +159,8 @@ class PipelineEngine:
             return
         saved = self._saved.setdefault(key, {})
 
-        def pack(t: torch.Tensor):
-            # FSDP2's gathered parameters are transient buffers, not activations (as in the meter).
-            is_param = isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None), torch.nn.Parameter)
-            if t.device.type != "meta" and not is_param:
-                ptr, nbytes = storage_of(t)
-                if ptr not in self._param_ptrs and ptr not in saved:
-                    saved[ptr] = nbytes
-                    meter.in_flight += saved[ptr]
-                    meter.peak_activations = max(meter.peak_activations, meter.in_flight)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: meter.count_saved(t, saved, self._param_ptrs),
+                                                      lambda t: t):
             yield
 
     def _release(self, key) -> None:

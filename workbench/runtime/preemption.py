@@ -26,7 +26,29 @@ def grace_seconds() -> float:
         return DEFAULT_GRACE_S
 
 
-class PreemptionNotice:
+class _SignalScope:
+    """Installs `self._handle` for `self.signals` while active (main thread only, else inert)
+    and restores the previous handlers on exit."""
+
+    signals: tuple[int, ...]
+    _previous: dict[int, object]
+
+    def _handle(self, signum, frame) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in self.signals:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+
+
+class PreemptionNotice(_SignalScope):
     """Records SIGTERM while active (a context manager); the loop polls `requested`.
 
     Signal handlers can only be installed from the main thread; elsewhere (a Ray actor's
@@ -59,19 +81,9 @@ class PreemptionNotice:
             sys.exit(128 + signum)
         self.received_at = time.monotonic()
 
-    def __enter__(self) -> "PreemptionNotice":
-        if threading.current_thread() is threading.main_thread():
-            for s in self.signals:
-                self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous.clear()
 
 
-class forward_signal:
+class forward_signal(_SignalScope):
     """While active, the first SIGTERM calls `stop()` (once, on a helper thread) instead of
     killing the process; a second one exits with 128 + SIGTERM. Main thread only, else inert.
 
@@ -91,13 +103,3 @@ class forward_signal:
               file=sys.stderr, flush=True)
         threading.Thread(target=self.stop, name="workbench-stop", daemon=True).start()
 
-    def __enter__(self) -> "forward_signal":
-        if threading.current_thread() is threading.main_thread():
-            for s in self.signals:
-                self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous.clear()
