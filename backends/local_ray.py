@@ -2,7 +2,9 @@
 
 CPU workers use gloo and take a fraction of a CPU each, so 4-8 ranks run on a 2-core machine;
 with GPUs each worker gets one and NCCL. Metrics flow from the workers to the driver through a
-small actor (`EventBus`), fire-and-forget, so a slow driver never slows training.
+small actor (`EventBus`). Each worker batches its events and exchanges them for the stop flag
+on a background thread every `_FLUSH_S`, so the training step never waits on Ray: no actor call
+on the hot path, one small one per rank per interval.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from backends.base import JobState, JobStatus
 from workbench.errors import WorkerError
 
 _POLL_S = 0.2
+_FLUSH_S = 0.25  # worker -> bus: events out, stop flag back
 _START_ATTEMPTS = 3
 
 
@@ -71,8 +74,10 @@ def _event_bus_class():
             self.starts[rank] = self.starts.get(rank, 0) + 1
             return self.starts[rank] - 1
 
-        def put(self, event: dict) -> None:
-            self.events.append(event)
+        def exchange(self, events: list[dict]) -> bool:
+            """A worker's batch of events in; whether a stop was requested back."""
+            self.events.extend(events)
+            return self.stop
 
         def drain(self) -> list[dict]:
             out, self.events = self.events, []
@@ -87,6 +92,42 @@ def _event_bus_class():
     return EventBus
 
 
+class _Mailbox:
+    """The worker's side of the EventBus: `put` appends locally (no Ray call on the training
+    step); a daemon thread sends the batch and reads the stop flag every `_FLUSH_S`."""
+
+    def __init__(self, bus, interval_s: float = _FLUSH_S):
+        self._bus, self._interval = bus, interval_s
+        self._pending: list[dict] = []
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self.stop = False
+        self._thread = threading.Thread(target=self._run, name="workbench-mailbox", daemon=True)
+        self._thread.start()
+
+    def put(self, event: dict) -> None:
+        with self._lock:
+            self._pending.append(event)
+
+    def flush(self) -> None:
+        """Send what is pending and wait until the bus has it."""
+        import ray
+
+        with self._lock:
+            batch, self._pending = self._pending, []
+        self.stop = ray.get(self._bus.exchange.remote(batch)) or self.stop
+
+    def _run(self) -> None:
+        while not self._done.wait(self._interval):
+            self.flush()
+
+    def close(self) -> None:
+        """Stop the thread and deliver the rest (the run's last events)."""
+        self._done.set()
+        self._thread.join()
+        self.flush()
+
+
 def _train_worker(config: dict) -> None:
     """Runs inside each Ray Train worker; Ray has already joined the process group."""
     import ray
@@ -95,17 +136,19 @@ def _train_worker(config: dict) -> None:
     from workbench.runtime.loop import train
 
     bus = config["bus"]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    # After FailureConfig restarts the group, continue from the last checkpoint.
+    attempt = ray.get(bus.register.remote(rank))
+    mailbox = _Mailbox(bus)
     try:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        # After FailureConfig restarts the group, continue from the last checkpoint.
-        attempt = ray.get(bus.register.remote(rank))
-        bus.put.remote({"event": "worker", "rank": rank, "pid": os.getpid(), "attempt": attempt})
-        train(config["spec"], lambda e: bus.put.remote(e), should_stop=lambda: ray.get(bus.stop_requested.remote()),
+        mailbox.put({"event": "worker", "rank": rank, "pid": os.getpid(), "attempt": attempt})
+        train(config["spec"], mailbox.put, should_stop=lambda: mailbox.stop,
               resume=config["resume"] or attempt > 0, attempt=attempt)
     except BaseException as e:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        ray.get(bus.put.remote({"event": "error", "rank": rank, "message": f"{type(e).__name__}: {e}"}))
+        mailbox.put({"event": "error", "rank": rank, "message": f"{type(e).__name__}: {e}"})
         raise
+    finally:
+        mailbox.close()
 
 
 class LocalRayJob:
@@ -124,6 +167,7 @@ class LocalRayJob:
         self._on_event = on_event
         self._state = JobState.PENDING
         self._error: str | None = None
+        self._end: dict | None = None
         self._bus = _event_bus_class().remote()
         world = spec.world_size
         use_gpu = torch.cuda.is_available() and spec.resources.gpu != "cpu"
@@ -152,17 +196,28 @@ class LocalRayJob:
         except Exception as e:  # noqa: BLE001 - reported through status and wait()
             self._error = f"{type(e).__name__}: {e}"
         finally:
-            self._pump()
+            self._pump(final=True)
 
-    def _pump(self) -> None:
+    def _pump(self, final: bool = False) -> None:
+        """Take the workers' events from the bus. Rank 0's `end` is held back until every
+        worker has finished (`final`): the other ranks' last events may still be on their way,
+        and `end` is the last event of a run."""
         import ray
 
         for event in ray.get(self._bus.drain.remote()):
-            self.events.append(event)
             if event["event"] == "end":
+                self._end = event
                 self._state = JobState.STOPPED if event["status"] == "preempted" else JobState.COMPLETED
-            if self._on_event is not None:
-                self._on_event(event)
+            else:
+                self._deliver(event)
+        if final and self._end is not None:
+            self._deliver(self._end)
+            self._end = None
+
+    def _deliver(self, event: dict) -> None:
+        self.events.append(event)
+        if self._on_event is not None:
+            self._on_event(event)
 
     def follow(self, timeout_s: float | None = None):
         """Yield events as they arrive until the job ends."""

@@ -134,10 +134,11 @@ class TrainStep:
         return {"loss_scale": used_scale, "skipped": skipped} if self.scaler.enabled else {}
 
     def zero_grad(self) -> None:
-        # Keep the tensors (DDP's gradients are views into its buckets); zero them in place.
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.zero_()
+        # Keep the tensors (DDP's gradients are views into its buckets); zero them in place, in
+        # one call (local shards: DTensor gradients of FSDP2 / TP zero through their local tensor).
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
 
     # -- memory and state -------------------------------------------------------------------
     def stateful(self) -> dict:

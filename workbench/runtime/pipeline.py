@@ -154,7 +154,7 @@ class PipelineEngine:
     def _saving(self, key):
         """Count the storages saved for backward under `key` (a stage's micro-batch)."""
         meter = self._meter
-        if meter is None or key is None:
+        if meter is None or not meter.active or key is None:
             yield
             return
         saved = self._saved.setdefault(key, {})
