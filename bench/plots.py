@@ -31,16 +31,25 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
+THROUGHPUT_LABELS = {"workbench": "workbench run (local Ray)", "runtime": "per-rank runtime under torchrun",
+                     "torchrun": "plain DDP under torchrun"}
+
+
 def plot_throughput(r: dict, path: Path) -> Path:
     plt, fig, ax = _fig()
-    n = len(r["tokens_per_s"]["workbench"])
-    xs = range(n)
-    ax.bar([x - 0.2 for x in xs], r["tokens_per_s"]["workbench"], 0.4, label="workbench run (local Ray)")
-    ax.bar([x + 0.2 for x in xs], r["tokens_per_s"]["torchrun"], 0.4, label="plain DDP under torchrun")
-    ax.set_xticks(list(xs), [f"round {i + 1}\nratio {q:.3f}" for i, q in enumerate(r["ratios"])])
+    arms = list(r["tokens_per_s"])
+    width = 0.8 / len(arms)
+    xs = range(len(r["tokens_per_s"][arms[0]]))
+    for i, arm in enumerate(arms):
+        ax.bar([x + (i - (len(arms) - 1) / 2) * width for x in xs], r["tokens_per_s"][arm], width,
+               label=THROUGHPUT_LABELS.get(arm, arm))
+    main = r["ratios"]["workbench / torchrun"]
+    ax.set_xticks(list(xs), [f"round {i + 1}\n{q:.3f}" for i, q in enumerate(main)])
+    ax.set_xlabel("per round: workbench run / plain torchrun")
     ax.set_ylabel("steady-state tokens/s")
     c = r["config"]
-    ax.set_title(f"{c['model']}, dp={c['dp']}: median ratio {r['ratio']['median']:.3f} (goal >= {r['goal']})")
+    ax.set_title(f"{c['model']}, dp={c['dp']}: median ratio {r['ratio']['workbench / torchrun']['median']:.3f} "
+                 f"(goal >= {r['goal']})")
     ax.legend(loc="lower right", fontsize=8)
     return _save(plt, fig, path)
 
