@@ -25,7 +25,7 @@ def config(quick: bool) -> dict:
     if quick:
         return {"preset": "gpt-tiny", "steps": 5, "skip": 1, "global_batch": 4, "micro_batch": 2, "reps": 1,
                 "ckpt_every": 2, "iters": 3}
-    return {"preset": "gpt-mini", "steps": 14, "skip": 3, "global_batch": 4, "micro_batch": 2, "reps": 8,
+    return {"preset": "gpt-mini", "steps": 26, "skip": 4, "global_batch": 4, "micro_batch": 2, "reps": 10,
             "ckpt_every": 5, "iters": 5}
 
 

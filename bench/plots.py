@@ -44,13 +44,14 @@ def plot_throughput(r: dict, path: Path) -> Path:
         ax.bar([x + (i - (len(arms) - 1) / 2) * width for x in xs], r["tokens_per_s"][arm], width,
                label=THROUGHPUT_LABELS.get(arm, arm))
     main = r["ratios"]["workbench / torchrun"]
-    ax.set_xticks(list(xs), [f"round {i + 1}\n{q:.3f}" for i, q in enumerate(main)])
-    ax.set_xlabel("per round: workbench run / plain torchrun")
+    ax.set_xticks(list(xs), [f"{i + 1}\n{q:.2f}" for i, q in enumerate(main)])
+    ax.set_xlabel("round, and its ratio workbench run / plain torchrun")
+    ax.set_ylim(0, 1.35 * max(v for arm in arms for v in r["tokens_per_s"][arm]))
     ax.set_ylabel("steady-state tokens/s")
     c = r["config"]
     ax.set_title(f"{c['model']}, dp={c['dp']}: median ratio {r['ratio']['workbench / torchrun']['median']:.3f} "
                  f"(goal >= {r['goal']})")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", ncol=3, fontsize=7)
     return _save(plt, fig, path)
 
 

@@ -73,7 +73,24 @@ def sec_throughput(r, doc, img) -> str:
                f"then the median. Goal workbench run / torchrun >= {goal}: **{verdict}** (median {q['median']:.3f}; "
                f"{m['median']:.3f} from the median step time). All three trained the same model on the same data: "
                f"the largest gap between per-step losses was {r['max_loss_gap']:.1e}.")
+    out.append(RAY_ARM)
     return "\n\n".join(out)
+
+
+RAY_ARM = """**Where the Ray arm's time goes** (measured 2026-11-30 on this VM, gpt-mini dp=2, steady state, 10 s
+windows): the per-step work is the same in all three arms (the training thread spends ~250 ms of CPU per
+step in each), but the Ray workers get less of the two cores: the training thread ran at 0.81..0.84 core
+in a Ray worker against 0.86..0.90 under torchrun, and the machine made ~5,100 context switches/s during
+a Ray run against ~3,100/s under torchrun (with the idle Ray cluster up in both). Every Ray actor
+process (two training workers, Ray Train's controller, synchronization, placement-group and dataset
+actors, our event mailbox) wakes its main thread ~100 times a second (Ray's core worker checks for
+signals every 10 ms), and on a machine whose every core runs a rank each wake-up takes a core from a
+rank. Two causes found and removed: Ray starts workers at nice 15, so every daemon wake-up preempted a
+rank (the embedded cluster now runs workers at nice 0; the earlier run the same morning, at nice 15,
+measured workbench / torchrun 0.919 and runtime / torchrun 0.967 over 10 rounds), and Ray Train's
+preemption watcher (off on the embedded one-node cluster). On GPU hosts the ranks' work runs on the GPUs
+and the CPU cores are rarely all busy, so we expect these wake-ups to matter much less there (not
+measured: no GPU was available)."""
 
 
 def sec_memory(r, doc, img) -> str:
@@ -197,14 +214,14 @@ def sec_overhead(r, doc, img) -> str:
                f"(wall {_pct(r['checkpoint_overhead_wall'])}).")
     step = w["cpu_mean_step_s"]["plain loop"]["median"]
     every = c["memory_every"]
-    # hooks run on 1 step in `every` (plus the first and last); one measurement per memory step;
-    # a step event and (rank-wise) a memory event through the sink
-    parts_cost = (c["hook_share_of_fwd_bwd"] / every + c["measure_per_step_s"] / step
-                  + 2 * c["times"]["JSONL event"]["median"] / step)
-    out.append(f"From the parts, the metrics cost per steady step is about **{_pct(parts_cost)}** (meter hooks "
-               f"{_pct(c['hook_share_of_fwd_bwd'])} of a forward+backward on 1 step in {every}, one memory measurement "
-               f"per {every} steps, two JSONL events): the whole-run differences above are within this VM's "
-               "round-to-round noise, which the parts avoid by timing each piece alone, alternated.")
+    # per steady step: one memory measurement in `every` steps, a step event and (rank-wise) a
+    # memory event through the sink; the meter's hooks run on the run's first step only
+    parts_cost = c["measure_per_step_s"] / step + 2 * c["times"]["JSONL event"]["median"] / step
+    out.append(f"From the parts, the metrics cost per steady step is about **{_pct(parts_cost)}** (one memory "
+               f"measurement per {every} steps, two JSONL events), plus once per run the meter's saved-tensor "
+               f"hooks on the first step ({_pct(c['hook_share_of_fwd_bwd'])} of that step's forward+backward). "
+               "The whole-run differences above move by several percent from round to round on this VM; the "
+               "parts avoid that noise by timing each piece alone, alternated.")
     return "\n\n".join(out)
 
 
@@ -270,9 +287,11 @@ Two profiles: cProfile of the in-process loop against the plain loop (gpt-tiny, 
 show most), and every process's CPU time sampled in 6 s windows (psutil) during a `workbench run`
 with dp=2, to see what besides the two training ranks wants the two cores. What changed:
 
-- The memory meter's saved-tensor hooks (two Python calls per saved tensor) run only on the steps
-  that emit a memory event (step 1, every `MEMORY_EVERY`, the last), and `DTensor` is imported once,
-  not per call (before/after in the table below). The pipeline's hooks follow the same switch.
+- The memory meter's saved-tensor hooks (two Python calls per saved tensor, 4-7% of a forward and
+  backward) ran on every step; first only on the steps that emit a memory event (before/after in
+  the table below), now only on the run's first step: the bytes saved per step do not change, so
+  that measurement stands for every memory event. `DTensor` is imported once, not per call. The
+  pipeline's hooks follow the same switch.
 - Ray workers made two actor calls per rank per step, one of them blocking (`ray.get` of the stop
   flag). Now each worker batches its events and exchanges them for the stop flag on a background
   thread every 0.25 s (`backends/local_ray.py`, `_Mailbox`): no Ray call on the training step; the

@@ -151,7 +151,7 @@ def _train(spec, sink: Sink, should_stop: Callable[[], bool], resume: bool, gath
         batch = source.global_batch(step, t.global_batch).to(ctx.device)
         micro = rank_micro_batches(batch, where["dp"], lay.dp, t.micro_batch)
         report_memory = step == 1 or step == t.steps or step % MEMORY_EVERY == 0
-        meter.active = report_memory
+        meter.active = step == first  # activations: measured once, see MemoryMeter.active
         meter.reset_peak()
         if pipeline is None:
             loss = forward_backward(par, micro, meter, step_fn, spec.precision.dtype)

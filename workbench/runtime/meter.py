@@ -3,8 +3,9 @@
 params/grads/master/optimizer are exact byte counts of the tensors this rank keeps (local
 shards of DTensors). Activations are the bytes saved for backward, counted through
 saved-tensor hooks (unique storages, parameters excluded) and kept as the peak over the
-micro-batches in flight. On CUDA, `peak` is torch.cuda.max_memory_allocated; on CPU, where no
-allocator statistics exist, it is the tracked total (model states + peak activations).
+micro-batches in flight, on the run's first step (the same on every step). On CUDA, `peak` is
+torch.cuda.max_memory_allocated; on CPU, where no allocator statistics exist, it is the tracked
+total (model states + peak activations).
 """
 from __future__ import annotations
 
@@ -57,8 +58,10 @@ class MemoryMeter:
     def __init__(self, device: torch.device):
         self.device = device
         self.in_flight = 0  # bytes saved for backward and not yet released
-        # The saved-tensor hooks cost two Python calls per saved tensor: the loop turns them on
-        # only for steps that report memory (the bytes saved per step do not change).
+        # The saved-tensor hooks cost two Python calls per saved tensor (~4-7% of a forward and
+        # backward on CPU): the loop turns them on for the run's first step only. The bytes saved
+        # per step do not change (fixed shapes and layout), so that measurement stands for every
+        # memory event of the run.
         self.active = True
         self.peak_activations = 0
         self._param_ptrs: set[int] = set()
@@ -99,7 +102,9 @@ class MemoryMeter:
         self._storages.clear()
 
     def reset_peak(self) -> None:
-        self.peak_activations = 0
+        """A new step begins: forget the device's peak; the activation peak too if this step measures it."""
+        if self.active:
+            self.peak_activations = 0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
