@@ -53,8 +53,8 @@ def ensure_ray(num_cpus: int | None = None):
                     runtime_env={"env_vars": {"PYTHONPATH": path, **_RAY_TRAIN_ENV}},
                     # Ray runs workers at nice 15 so that its own daemons stay responsive; here
                     # the workers are the job: at nice 15 every wake-up of a daemon (or of this
-                    # driver) preempts a training rank, ~7% of steady-state throughput measured
-                    # on 2 busy cores (docs/benchmarks.md).
+                    # driver) preempts a training rank when the ranks fill every core
+                    # (docs/benchmarks.md, section a).
                     _system_config={"worker_niceness": 0},
                 )
                 break
