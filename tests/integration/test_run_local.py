@@ -39,3 +39,22 @@ def test_worker_errors_come_back_readable():
     with pytest.raises(WorkerError) as e:
         workbench.run(spec, progress=False)
     assert "rank 0: RuntimeError: boom: this model always fails in forward" in str(e.value)
+
+
+def test_cancel_stops_every_rank_after_the_same_step():
+    """Stop goes driver -> bus -> each worker's mailbox; ranks agree on the step and the run ends preempted."""
+    from workbench.launch import start
+
+    spec = {"name": "stop-me", "model": {"preset": "gpt-tiny"}, "layout": {"dp": 2},
+            "train": {"steps": 500, "global_batch": 4, "micro_batch": 2}}
+    handle = start(spec)
+    for event in handle.follow(timeout_s=300):
+        if event["event"] == "step" and event["step"] == 3:
+            handle.cancel()
+    events = handle.events
+    end = events[-1]
+    assert end["event"] == "end" and end["status"] == "preempted", end
+    assert 3 <= end["step"] < 500
+    assert handle.status().state.value == "stopped"
+    steps = [e["step"] for e in events if e["event"] == "step"]
+    assert steps == list(range(1, end["step"] + 1))
