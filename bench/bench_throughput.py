@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import ROOT, interleave, paired_ratios, stats, steady_tokens_per_s, table, tiny_spec, write_result
+from bench.common import ROOT, interleave, median_ci, paired_ratios, stats, steady_tokens_per_s, table, tiny_spec, write_result
 
 GOAL = 0.97
 RAY_START_ATTEMPTS = 6
@@ -171,6 +171,7 @@ def run(quick: bool = False, reps: int | None = None) -> dict:
         "arms": {k: stats(v) for k, v in tps.items()},
         "ratios": ratios,
         "ratio": {label: stats(v) for label, v in ratios.items()},
+        "ratio_ci95": {label: median_ci(v) for label, v in ratios.items()},  # of the median, bootstrap
         "median_step": {"arms": {k: stats(v) for k, v in med.items()},
                         "ratio": {label: stats(v) for label, v in med_ratios.items()}, "ratios": med_ratios},
         "startup_s": {k: stats([r["startup_s"] for r in v]) for k, v in done.items()},

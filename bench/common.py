@@ -57,6 +57,16 @@ def paired_ratios(a: list[float], b: list[float]) -> list[float]:
     return [x / y for x, y in zip(a, b) if y]
 
 
+def median_ci(values: list[float], level: float = 0.95, resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """Bootstrap confidence interval of the median (percentile method, seeded: reproducible)."""
+    import random
+
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return meds[int(tail * (resamples - 1))], meds[int((1 - tail) * (resamples - 1))]
+
+
 def steady_tokens_per_s(times: list[float], tokens_per_step: int, skip: int) -> float:
     """Throughput between the end of step `skip` and the last step, from wall-clock step ends.
 

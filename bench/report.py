@@ -66,6 +66,7 @@ def sec_throughput(r, doc, img) -> str:
              for label, x in r["ratio"].items()]
     out.append(_md_table(rows, ["", "tokens/s (steady window, median of rounds)", "spread over rounds",
                                 "from the median step", "launch to end of step 1 (s)"]))
+    lo, hi = r.get("ratio_ci95", {}).get("workbench / torchrun", (float("nan"), float("nan")))
     verdict = "met" if q["median"] >= goal else "NOT met"
     out.append(f"{c['model']}, dp={c['dp']}, global batch {c['global_batch']}, micro-batch {c['micro_batch']}, "
                f"{c['steps']} steps of which {c['warmup_steps_skipped']} warm-up, {c['rounds_completed']} of "
@@ -73,6 +74,10 @@ def sec_throughput(r, doc, img) -> str:
                f"then the median. Goal workbench run / torchrun >= {goal}: **{verdict}** (median {q['median']:.3f}; "
                f"{m['median']:.3f} from the median step time). All three trained the same model on the same data: "
                f"the largest gap between per-step losses was {r['max_loss_gap']:.1e}.")
+    if lo == lo:
+        out.append(f"95% bootstrap interval of the median ratio: {lo:.3f}..{hi:.3f}"
+                   + (": the goal lies inside it, so this run can neither confirm nor rule it out."
+                      if lo < goal <= hi else "."))
     out.append(RAY_ARM)
     return "\n\n".join(out)
 

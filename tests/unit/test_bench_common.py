@@ -1,7 +1,7 @@
 """The benchmark helpers: statistics, alternation, steady-state throughput, results files."""
 import pytest
 
-from bench.common import interleave, paired_ratios, read_result, stats, steady_tokens_per_s, table, tiny_spec, write_result
+from bench.common import interleave, median_ci, paired_ratios, read_result, stats, steady_tokens_per_s, table, tiny_spec, write_result
 
 
 def test_stats_median_and_spread():
@@ -47,3 +47,13 @@ def test_results_round_trip_with_machine(tmp_path):
     assert read_result("missing", tmp_path) is None
     text = table([["a", 1.23456], ["b", float("nan")]], ["name", "v"])
     assert "1.23" in text and "-" in text.splitlines()[-1]
+
+
+def test_median_ci_brackets_the_median_and_narrows_with_more_rounds():
+    few = [0.9, 1.1, 0.95, 1.05, 1.0]
+    lo, hi = median_ci(few)
+    assert lo <= 1.0 <= hi and hi - lo > 0
+    many = few * 8
+    lo2, hi2 = median_ci(many)
+    assert lo2 <= 1.0 <= hi2 and hi2 - lo2 < hi - lo
+    assert median_ci(few) == median_ci(few)  # seeded
