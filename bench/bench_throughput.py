@@ -36,7 +36,7 @@ def config(quick: bool) -> dict:
     # Rounds are many and short: this VM's speed drifts by ~10% over tens of seconds, and a paired
     # ratio per round with a median over many rounds averages that drift out.
     return {"spec": tiny_spec("gpt-mini", train={"steps": 40, "global_batch": 8, "micro_batch": 2},
-                              layout={"dp": 2}), "skip": 8, "reps": 10}
+                              layout={"dp": 2}), "skip": 8, "reps": 20}
 
 
 def _env() -> dict:
@@ -197,7 +197,7 @@ def summary_rows(result: dict) -> list[list]:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="tiny model, few steps, one round")
-    p.add_argument("--reps", type=int, help="rounds (default 3)")
+    p.add_argument("--reps", type=int, help="rounds (default 20)")
     args = p.parse_args(argv)
     result = run(args.quick, args.reps)
     path = write_result("throughput", result)

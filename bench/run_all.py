@@ -1,7 +1,7 @@
 """Run every benchmark, print one table, write bench/results/*.json, redraw the figures and
 docs/benchmarks.md.
 
-    .venv/bin/python -m bench.run_all            # everything (~30-40 min on a loaded 2-core VM)
+    .venv/bin/python -m bench.run_all            # everything (~35 min on a quiet 2-core VM)
     .venv/bin/python -m bench.run_all --quick    # tiny sizes, one round: checks the scripts run
     .venv/bin/python -m bench.run_all --only overhead,memory
 """
