@@ -52,9 +52,8 @@ def ensure_ray(num_cpus: int | None = None):
                     log_to_driver=False,
                     runtime_env={"env_vars": {"PYTHONPATH": path, **_RAY_TRAIN_ENV}},
                     # Ray runs workers at nice 15 so that its own daemons stay responsive; here
-                    # the workers are the job: at nice 15 every wake-up of a daemon (or of this
-                    # driver) preempts a training rank when the ranks fill every core
-                    # (docs/benchmarks.md, section a).
+                    # the workers are the job and should not yield to every daemon wake-up (no
+                    # measurable change on a 2-core VM: docs/benchmarks.md, section a).
                     _system_config={"worker_niceness": 0},
                 )
                 break

@@ -89,13 +89,13 @@ in a Ray worker against 0.86..0.90 under torchrun, and the machine made ~5,100 c
 a Ray run against ~3,100/s under torchrun (with the idle Ray cluster up in both). Every Ray actor
 process (two training workers, Ray Train's controller, synchronization, placement-group and dataset
 actors, our event mailbox) wakes its main thread ~100 times a second (Ray's core worker checks for
-signals every 10 ms), and on a machine whose every core runs a rank each wake-up takes a core from a
-rank. Two causes found and removed: Ray starts workers at nice 15, so every daemon wake-up preempted a
-rank (the embedded cluster now runs workers at nice 0; the earlier run the same morning, at nice 15,
-measured workbench / torchrun 0.919 and runtime / torchrun 0.967 over 10 rounds), and Ray Train's
-preemption watcher (off on the embedded one-node cluster). On GPU hosts the ranks' work runs on the GPUs
-and the CPU cores are rarely all busy, so we expect these wake-ups to matter much less there (not
-measured: no GPU was available)."""
+signals every 10 ms, not configurable), and when every core runs a rank those wake-ups come out of the
+ranks. Tried and kept, without a measurable change in this ratio: workers at nice 0 instead of Ray's
+15 (10 rounds at nice 15 the same morning: 0.919), and Ray Train's preemption watcher off on the
+one-node embedded cluster (one process less at start-up). Not tried: running each rank in a child
+process of its Ray worker, outside Ray's core worker (torchrun's agent/worker split). On GPU hosts the
+ranks' work runs on the GPUs and the CPU cores are rarely all busy, so we expect these wake-ups to
+matter much less there (not measured: no GPU was available)."""
 
 
 def sec_memory(r, doc, img) -> str:
