@@ -88,7 +88,7 @@ step in each), but the Ray workers get less of the two cores: the training threa
 in a Ray worker against 0.86..0.90 under torchrun, and the machine made ~5,100 context switches/s during
 a Ray run against ~3,100/s under torchrun (with the idle Ray cluster up in both). Every Ray actor
 process (two training workers, Ray Train's controller, synchronization, placement-group and dataset
-actors, our event mailbox) wakes its main thread ~100 times a second (Ray's core worker checks for
+actors, our event bus) wakes its main thread ~100 times a second (Ray's core worker checks for
 signals every 10 ms, not configurable), and when every core runs a rank those wake-ups come out of the
 ranks. Tried and kept, without a measurable change in this ratio: workers at nice 0 instead of Ray's
 15 (10 rounds at nice 15 the same morning: 0.919), and Ray Train's preemption watcher off on the
