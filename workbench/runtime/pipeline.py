@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from workbench.parallel.pp import build_schedule
 from workbench.parallel.precision import autocast
-from workbench.runtime.meter import MemoryMeter
+from workbench.runtime.meter import MemoryMeter, _local
 
 
 def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -167,12 +167,6 @@ class PipelineEngine:
         saved = self._saved.pop(key, None)
         if saved and self._meter is not None:
             self._meter.in_flight -= sum(saved.values())
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _param_ptr(t: torch.Tensor) -> int:
