@@ -1,14 +1,16 @@
 """The `local` backend: Ray Train on an embedded Ray cluster, one worker (actor) per rank.
 
 CPU workers use gloo and take a fraction of a CPU each, so 4-8 ranks run on a 2-core machine;
-with GPUs each worker gets one and NCCL. Metrics flow from the workers to the driver through a
-small actor (`EventBus`). Each worker batches its events and exchanges them for the stop flag
-on a background thread every `_FLUSH_S`, so the training step never waits on Ray: no actor call
-on the hot path, one small one per rank per interval.
+with GPUs each worker gets one and NCCL. Each worker runs its rank in a child process, as
+torchrun's agent does: the rank's process has no Ray in it (a Ray worker's core worker wakes its
+process ~100 times a second for the GIL), and the worker relays. The rank's events reach the
+driver through a small actor (`EventBus`): the worker batches them and exchanges them for the
+stop flag on a background thread every `_FLUSH_S`, so the training step never waits on Ray.
 """
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -50,7 +52,8 @@ def ensure_ray(num_cpus: int | None = None):
                     include_dashboard=False,
                     logging_level="ERROR",
                     log_to_driver=False,
-                    runtime_env={"env_vars": {"PYTHONPATH": path, **_RAY_TRAIN_ENV}},
+                    runtime_env={"env_vars": {"PYTHONPATH": path, **_RAY_TRAIN_ENV},
+                                 "worker_process_setup_hook": "backends.local_ray.control_plane_setup"},
                     # Ray runs workers at nice 15 so that its own daemons stay responsive; here
                     # the workers are the job and should not yield to every daemon wake-up (no
                     # measurable change on a 2-core VM: docs/benchmarks.md, section a).
@@ -73,6 +76,7 @@ def _event_bus_class():
         """Mailbox between workers and the driver: metrics events out, a stop request in."""
 
         def __init__(self):
+            _set_policy("SCHED_IDLE")  # control plane: run on CPU time the ranks leave idle
             self.events: list[dict] = []
             self.stop = False
             self.starts: dict[int, int] = {}
@@ -102,10 +106,11 @@ def _event_bus_class():
 
 class _Mailbox:
     """The worker's side of the EventBus: `put` appends locally (no Ray call on the training
-    step); a daemon thread sends the batch and reads the stop flag every `_FLUSH_S`."""
+    step); a daemon thread sends the batch and reads the stop flag every `_FLUSH_S`, and calls
+    `on_stop` (from that thread) when the flag first comes back set."""
 
-    def __init__(self, bus, interval_s: float = _FLUSH_S):
-        self._bus, self._interval = bus, interval_s
+    def __init__(self, bus, on_stop: Callable[[], None], interval_s: float = _FLUSH_S):
+        self._bus, self._on_stop, self._interval = bus, on_stop, interval_s
         self._pending: list[dict] = []
         self._lock = threading.Lock()
         self._done = threading.Event()
@@ -123,7 +128,9 @@ class _Mailbox:
 
         with self._lock:
             batch, self._pending = self._pending, []
-        self.stop = ray.get(self._bus.exchange.remote(batch)) or self.stop
+        if ray.get(self._bus.exchange.remote(batch)) and not self.stop:
+            self.stop = True
+            self._on_stop()
 
     def _run(self) -> None:
         while not self._done.wait(self._interval):
@@ -136,24 +143,164 @@ class _Mailbox:
         self.flush()
 
 
-def _train_worker(config: dict) -> None:
-    """Runs inside each Ray Train worker; Ray has already joined the process group."""
-    import ray
-    import torch.distributed as dist
+_CHILD = "import sys; from backends.local_ray import _rank_main; _rank_main(int(sys.argv[1]))"
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when the thread that started it exits (Linux): a rank must not
+    outlive its Ray worker, whether Ray killed the worker or the worker crashed."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the rank exits when it finds the pipe closed
+        pass
+
+
+def _set_policy(policy_name: str) -> None:
+    """Put every thread of this process under the Linux scheduling policy `policy_name`
+    ("SCHED_BATCH", "SCHED_IDLE", "SCHED_OTHER"); a no-op where the OS has none."""
+    policy = getattr(os, policy_name, None)
+    if policy is None or not os.path.isdir("/proc/self/task"):
+        return
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+        except OSError:  # the thread has exited, or a sandbox forbids it: only slower
+            pass
+
+
+def control_plane_setup() -> None:
+    """Every Ray worker process of the embedded cluster runs SCHED_BATCH (its runtime_env's
+    worker_process_setup_hook): Ray's core worker wakes each actor process ~100 times a second,
+    and a batch process does not preempt a rank when it wakes; it runs on a CPU the ranks leave
+    idle (waiting on a collective) or at the next tick. The ranks switch back to SCHED_OTHER
+    (`_rank_main`). On a machine whose cores all run ranks, the 5-8 actor processes of Ray Train
+    otherwise preempt the ranks some 500 times a second (docs/benchmarks.md, section a).
+
+    Our own control plane goes further, to SCHED_IDLE (the event bus, and each worker once its
+    rank has started: a rank cannot leave SCHED_IDLE without privileges, so the hook cannot):
+    it then runs only on CPU time the ranks leave idle."""
+    _set_policy("SCHED_BATCH")
+
+
+def _rank_main(fd: int) -> None:
+    """The rank's process: run the per-rank loop, events out and the stop request in over `fd`."""
+    import traceback
+    from multiprocessing.connection import Connection
+
+    parent = os.getppid()
+    _set_policy("SCHED_OTHER")  # a rank is not control plane (control_plane_setup)
+    _die_with_parent()
+    if os.getppid() != parent:  # the worker died before the line above
+        sys.exit(1)
+    conn = Connection(fd)
+    config = conn.recv()
+    stop = False
+
+    def should_stop() -> bool:
+        nonlocal stop
+        try:
+            while not stop and conn.poll():
+                stop = conn.recv() == "stop"
+        except EOFError:  # the worker is gone: nobody left to report to
+            os._exit(1)
+        return stop
 
     from workbench.runtime.loop import train
 
+    try:
+        train(config["spec"], lambda event: conn.send(("event", event)), should_stop=should_stop,
+              resume=config["resume"], attempt=config["attempt"])
+    except BaseException as e:  # noqa: BLE001 - every failure goes to the worker, then Ray
+        traceback.print_exc()
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        sys.exit(1)
+    conn.send(("done", None))
+
+
+def _rank_rendezvous(ctx) -> tuple[dict, object]:
+    """The environment of a rank's process (torchrun's variables) and the store its process group
+    starts from: a TCPStore served by rank 0's worker, its address sent to every worker through
+    Ray Train; the ranks join it as torchrun's workers join their agent's store."""
+    import ray
+    from ray.train.collective import broadcast_from_rank_zero
+    from torch.distributed import TCPStore
+
+    rank, server, address = ctx.get_world_rank(), None, None
+    if rank == 0:
+        host = ray.util.get_node_ip_address()
+        server = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        address = (host, server.port)
+    host, port = broadcast_from_rank_zero(address)
+    env = {"RANK": str(rank), "WORLD_SIZE": str(ctx.get_world_size()), "LOCAL_RANK": str(ctx.get_local_rank()),
+           "LOCAL_WORLD_SIZE": str(ctx.get_local_world_size()), "MASTER_ADDR": host, "MASTER_PORT": str(port),
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return env, server
+
+
+def _run_rank_process(conn, child_end, env: dict, mailbox: "_Mailbox", rank: int, attempt: int) -> None:
+    """Start the rank's process on the pipe `conn`-`child_end` (its config already sent), relay
+    its events to the mailbox until it exits, and raise if it failed. The mailbox sends it the
+    stop request. Ray Train's own process group (in this worker) stays unused."""
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(child_end.fileno())],
+                            pass_fds=[child_end.fileno()], env={**os.environ, **env})
+    child_end.close()
+    _set_policy("SCHED_IDLE")  # from here this process only relays (control_plane_setup)
+    mailbox.put({"event": "worker", "rank": rank, "pid": os.getpid(), "rank_pid": proc.pid, "attempt": attempt})
+    outcome = None
+    while True:
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, OSError):  # the process exited (and closed its end)
+            break
+        if kind == "event":
+            mailbox.put(payload)
+        else:
+            outcome = (kind, payload)
+    code = proc.wait()
+    if outcome is not None and outcome[0] == "failed":
+        raise WorkerError(outcome[1])
+    if outcome is None or code != 0:
+        how = f"signal {-code}" if code < 0 else f"code {code}"
+        raise WorkerError(f"the rank's process (pid {proc.pid}) exited with {how} before the run ended")
+
+
+def _send_quietly(conn, message) -> None:
+    try:
+        conn.send(message)
+    except OSError:  # the rank has already exited: nothing left to stop
+        pass
+
+
+def _train_worker(config: dict) -> None:
+    """Runs inside each Ray Train worker: starts this rank in a process of its own and relays.
+
+    The rank does not train in the worker: Ray's core worker in that process wakes it ~100 times
+    a second, and the training thread got less of its core there than under torchrun; in a child
+    process the rank runs as it would under torchrun (docs/benchmarks.md, section a)."""
+    from multiprocessing import Pipe
+
+    import ray
+
     bus = config["bus"]
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    ctx = ray.train.get_context()
+    rank = ctx.get_world_rank()
     # After FailureConfig restarts the group, continue from the last checkpoint.
     attempt = ray.get(bus.register.remote(rank))
-    mailbox = _Mailbox(bus)
+    conn, child_end = Pipe()
+    # The config goes first, so that it is the first thing the rank reads even if a stop follows at once.
+    conn.send({"spec": config["spec"], "resume": config["resume"] or attempt > 0, "attempt": attempt})
+    mailbox = _Mailbox(bus, on_stop=lambda: _send_quietly(conn, "stop"))
     try:
-        mailbox.put({"event": "worker", "rank": rank, "pid": os.getpid(), "attempt": attempt})
-        train(config["spec"], mailbox.put, should_stop=lambda: mailbox.stop,
-              resume=config["resume"] or attempt > 0, attempt=attempt)
+        env, _server = _rank_rendezvous(ctx)
+        _run_rank_process(conn, child_end, env, mailbox, rank, attempt)
     except BaseException as e:
-        mailbox.put({"event": "error", "rank": rank, "message": f"{type(e).__name__}: {e}"})
+        mailbox.put({"event": "error", "rank": rank, "message": str(e) if isinstance(e, WorkerError)
+                     else f"{type(e).__name__}: {e}"})
         raise
     finally:
         mailbox.close()

@@ -247,10 +247,21 @@ def test_sigterm_at_a_random_step_then_resume(tmp_path):
     torch.testing.assert_close([joined[k] for k in ref], list(ref.values()), rtol=1e-5, atol=1e-5)
 
 
+def _alive(pid: int) -> bool:
+    """Running (not exited, not a zombie waiting to be reaped), from /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_sigkill_of_a_ray_worker_restarts_from_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("victim", ["rank_pid", "pid"])
+def test_sigkill_of_a_ray_worker_restarts_from_the_last_checkpoint(tmp_path, victim):
+    """SIGKILL of rank 1's process (what the OOM killer picks: the one holding the memory) or of
+    its Ray worker (which takes its rank down with it: no orphan keeps training or holding memory)."""
     import ray
 
     from workbench.launch import start
@@ -258,19 +269,23 @@ def test_sigkill_of_a_ray_worker_restarts_from_the_last_checkpoint(tmp_path):
     spec = tiny(24, tmp_path, dp=2, every_steps=4)
     spec["backend"] = {"name": "local", "max_failures": 1}
     handle = start(spec)
-    killed, pids = None, {}
+    killed, workers, left = None, {}, None
     try:
         for event in handle.follow(timeout_s=480):
             if event["event"] == "worker" and event["attempt"] == 0:
-                pids[event["rank"]] = event["pid"]
-            if killed is None and event["event"] == "checkpoint" and 1 in pids:
-                os.kill(pids[1], signal.SIGKILL)
+                workers[event["rank"]] = event
+            if event["event"] == "worker" and event["attempt"] == 1 and left is None:
+                # the group restarted: the first attempt's processes, ranks included, are gone
+                left = [pid for w in workers.values() for pid in (w["pid"], w["rank_pid"]) if _alive(pid)]
+            if killed is None and event["event"] == "checkpoint" and 1 in workers:
+                os.kill(workers[1][victim], signal.SIGKILL)
                 killed = {"after_checkpoint": event["step"],
                           "steps_seen": max(e["step"] for e in handle.events if e["event"] == "step")}
         assert handle.status().state.value == "completed", handle.status()
     finally:
         handle.cancel()
         ray.shutdown()
+    assert left == [], (victim, workers)
     assert killed is not None, "no checkpoint event arrived"
     events = handle.events
     cut = next(i for i, e in enumerate(events) if e["event"] == "restart")

@@ -1,5 +1,6 @@
 """`workbench run` end to end on an embedded local Ray cluster with 2 CPU workers."""
 import json
+import os
 import subprocess
 import sys
 
@@ -48,9 +49,17 @@ def test_cancel_stops_every_rank_after_the_same_step():
     spec = {"name": "stop-me", "model": {"preset": "gpt-tiny"}, "layout": {"dp": 2},
             "train": {"steps": 500, "global_batch": 4, "micro_batch": 2}}
     handle = start(spec)
+    workers, policies = {}, {}
     for event in handle.follow(timeout_s=300):
+        if event["event"] == "worker":
+            workers[event["rank"]] = event
         if event["event"] == "step" and event["step"] == 3:
+            # each rank runs in its own process at normal priority; its Ray worker only relays, on
+            # CPU time the ranks leave idle (backends/local_ray.py, control_plane_setup)
+            policies = {r: (os.sched_getscheduler(w["rank_pid"]), os.sched_getscheduler(w["pid"]))
+                        for r, w in workers.items()}
             handle.cancel()
+    assert policies == {0: (os.SCHED_OTHER, os.SCHED_IDLE), 1: (os.SCHED_OTHER, os.SCHED_IDLE)}
     events = handle.events
     end = events[-1]
     assert end["event"] == "end" and end["status"] == "preempted", end

@@ -57,3 +57,15 @@ def test_median_ci_brackets_the_median_and_narrows_with_more_rounds():
     lo2, hi2 = median_ci(many)
     assert lo2 <= 1.0 <= hi2 and hi2 - lo2 < hi - lo
     assert median_ci(few) == median_ci(few)  # seeded
+
+
+def test_cpu_share_groups_processes_by_role():
+    from bench.bench_cpu_share import group
+
+    assert group("/venv/bin/python -c import sys; from backends.local_ray import _rank_main; _rank_main(5)") == "ranks"
+    assert group("/venv/bin/python -u -m workbench.cloud_entry --spec s.json") == "ranks"
+    assert group("/venv/bin/python -m torch.distributed.run --standalone -m workbench.cloud_entry") == "other"
+    assert group("ray::RayTrainWorker") == "Ray actors"
+    assert group("ray::TrainController.run") == "Ray actors"
+    assert group("ray::DashboardAgent") == "Ray daemons"
+    assert group("/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --raylet_socket_name=x") == "Ray daemons"
