@@ -55,6 +55,24 @@ def plot_throughput(r: dict, path: Path) -> Path:
     return _save(plt, fig, path)
 
 
+def plot_cpu_share(r: dict, path: Path) -> Path:
+    """Where the machine's cores went in the steady window, per arm, stacked by process group."""
+    plt, fig, ax = _fig(6.4, 2.8)
+    arms = list(r["arms"])
+    left = [0.0] * len(arms)
+    for group in r["arms"][arms[0]]["cores"]:
+        values = [r["arms"][a]["cores"][group] for a in arms]
+        ax.barh(range(len(arms)), values, left=left, label=group)
+        left = [x + v for x, v in zip(left, values)]
+    ax.set_yticks(range(len(arms)), [THROUGHPUT_LABELS.get(a, a) for a in arms])
+    ax.set_xlabel("cores (median of rounds; the machine has 2)")
+    ax.set_title(f"{r['config']['model']}, dp={r['config']['dp']}: CPU over steps "
+                 f"{r['config']['window'][0]}..{r['config']['window'][1]}")
+    ax.set_xlim(0, 1.6 * max(left))
+    ax.legend(loc="center right", fontsize=7)
+    return _save(plt, fig, path)
+
+
 def plot_memory(r: dict, path: Path) -> Path:
     plt, fig, ax = _fig()
     rows = r["rows"]
@@ -174,6 +192,7 @@ def plot_overhead(r: dict, path: Path) -> Path:
 
 PLOTS = {
     "throughput": [("bench_throughput.png", plot_throughput)],
+    "cpu_share": [("bench_cpu_share.png", plot_cpu_share)],
     "memory": [("bench_memory.png", plot_memory)],
     "pipeline": [("bench_pipeline.png", plot_pipeline), ("bench_pipeline_timeline.png", plot_timeline)],
     "overlap": [("bench_overlap.png", plot_overlap)],

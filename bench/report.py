@@ -78,24 +78,54 @@ def sec_throughput(r, doc, img) -> str:
         out.append(f"95% bootstrap interval of the median ratio: {lo:.3f}..{hi:.3f}"
                    + (": the goal lies inside it, so this run can neither confirm nor rule it out."
                       if lo < goal <= hi else "."))
-    out.append(RAY_ARM)
+    out.append(RAY_DESIGN)
     return "\n\n".join(out)
 
 
-RAY_ARM = """**Where the Ray arm's time goes** (measured 2026-11-30 on this VM, gpt-mini dp=2, steady state, 10 s
-windows): the per-step work is the same in all three arms (the training thread spends ~250 ms of CPU per
-step in each), but the Ray workers get less of the two cores: the training thread ran at 0.81..0.84 core
-in a Ray worker against 0.86..0.90 under torchrun, and the machine made ~5,100 context switches/s during
-a Ray run against ~3,100/s under torchrun (with the idle Ray cluster up in both). Every Ray actor
-process (two training workers, Ray Train's controller, synchronization, placement-group and dataset
-actors, our event bus) wakes its main thread ~100 times a second (Ray's core worker checks for
-signals every 10 ms, not configurable), and when every core runs a rank those wake-ups come out of the
-ranks. Tried and kept, without a measurable change in this ratio: workers at nice 0 instead of Ray's
-15 (10 rounds at nice 15 the same morning: 0.919), and Ray Train's preemption watcher off on the
-one-node embedded cluster (one process less at start-up). Not tried: running each rank in a child
-process of its Ray worker, outside Ray's core worker (torchrun's agent/worker split). On GPU hosts the
-ranks' work runs on the GPUs and the CPU cores are rarely all busy, so we expect these wake-ups to
-matter much less there (not measured: no GPU was available)."""
+RAY_DESIGN = """**How the Ray arm runs a rank.** Each Ray Train worker (an actor) starts its rank in a child
+process, as torchrun's agent starts its workers, and relays: the rank's events go out over a pipe and
+on to the driver in batches, the stop request comes in the same way. The rank's process has no Ray in
+it. Every Ray worker process of the embedded cluster runs under Linux's `SCHED_BATCH` policy (a
+`worker_process_setup_hook`), and our own control plane (the relaying workers, once their rank has
+started, and the event bus) under `SCHED_IDLE`; the ranks run under the normal policy. Ray's core worker
+wakes each actor process ~100 times a second (its signal check, every 10 ms, not configurable): a batch
+process that wakes does not preempt a rank, it runs when a rank waits on a collective or at the next
+scheduler tick, and an idle-policy process runs only on CPU time the ranks leave idle.
+
+Before this (2026-11-30 08:37-09:05 UTC, same VM, 20 rounds): the rank trained in a thread of its Ray
+worker, every actor under the normal policy, and workbench run / torchrun was 0.924 (95% interval
+0.879..0.954); the training thread got 0.81..0.84 core against 0.86..0.90 under torchrun. What is left
+is in the table below: Ray Train's controller, synchronization, placement-group, dataset and autoscaling
+actors and our three control-plane processes still take CPU time and wake-ups on a machine whose two
+cores both run ranks. On GPU hosts the ranks' work is on the GPUs and the cores are rarely all busy;
+there the design costs one more process per GPU (the relaying worker; Ray Train sets its CUDA device,
+which may leave a CUDA context of a few hundred MiB in it: not measured, no GPU was lent)."""
+
+
+def sec_cpu_share(r, doc, img) -> str:
+    out = ["### Who gets the cores",
+           "`bench/bench_cpu_share.py`: every process's CPU time and context switches (psutil, /proc) over the same "
+           "steady window of a `workbench run` and of the runtime under torchrun, alternated, with the embedded Ray "
+           "cluster up in both."]
+    miss = _missing("cpu_share", r)
+    if miss:
+        return "\n\n".join(out + [miss])
+    names = {"workbench": "workbench run (Ray)", "runtime": "runtime under torchrun"}
+    groups = list(next(iter(r["arms"].values()))["cores"])
+    rows = [[names.get(k, k), f"{a['ms_per_step']['median']:.0f}", f"{a['rank_cores']['median']:.3f}",
+             f"{a['rank_switches_per_s']['median']:.0f}", *(f"{a['cores'][g]:.3f}" for g in groups)]
+            for k, a in r["arms"].items()]
+    out.append(_md_table(rows, ["", "ms/step", "cores per rank", "context switches/s per rank",
+                                *(f"{g} (cores)" for g in groups)]))
+    out.append(_img("bench_cpu_share.png", doc, img))
+    c = r["config"]
+    out.append(f"{c['model']}, dp={c['dp']}, steps {c['window'][0]}..{c['window'][1]}, median of {c['reps']} rounds "
+               "per arm. Processes above 0.01 core in the last workbench round, with their scheduling policy:")
+    last = r["rounds"]["workbench"][-1]["processes"]
+    out.append(_md_table([[p["group"], f"`{p['cmd']}`", f"{p['cores']:.3f}", f"{p['switches_per_s']:.0f}",
+                           p["policy"]] for p in last if p["cores"] >= 0.01],
+                         ["group", "process", "cores", "switches/s", "policy"]))
+    return "\n\n".join(out)
 
 
 def sec_memory(r, doc, img) -> str:
@@ -263,7 +293,7 @@ def write_report(results_dir: Path | None = None, doc: Path | None = None, img_d
     """Write the markdown report; returns its path."""
     results_dir, doc, img = Path(results_dir or RESULTS), Path(doc or DOC), Path(img_dir or IMG)
     res = {n: read_result(n, results_dir) for n in
-           ("throughput", "memory", "pipeline", "overlap", "activation_ckpt", "overhead", "gpu_1b")}
+           ("throughput", "cpu_share", "memory", "pipeline", "overlap", "activation_ckpt", "overhead", "gpu_1b")}
     machines = [r["machine"] for r in res.values() if r and "machine" in r]
     parts = [HEADER]
     if machines:
@@ -276,7 +306,8 @@ def write_report(results_dir: Path | None = None, doc: Path | None = None, img_d
             f"Python {m['python']}, torch {m['torch']}, gloo on CPU, one intra-op thread per process. Absolute "
             "numbers mean little here; the ratios between peers measured side by side are the point."
             + (" **These are --quick smoke numbers (tiny sizes, one round), not the real benchmark.**" if quick else ""))
-    parts += [sec_throughput(res["throughput"], doc, img), sec_memory(res["memory"], doc, img),
+    parts += [sec_throughput(res["throughput"], doc, img), sec_cpu_share(res["cpu_share"], doc, img),
+              sec_memory(res["memory"], doc, img),
               sec_pipeline(res["pipeline"], doc, img), sec_overlap(res["overlap"], doc, img),
               sec_activation_ckpt(res["activation_ckpt"], doc, img), sec_overhead(res["overhead"], doc, img)]
     parts.append(PROFILE + _hotpath(results_dir))
@@ -303,6 +334,9 @@ with dp=2, to see what besides the two training ranks wants the two cores. What 
   driver still sees events within ~0.5 s and the `end` event is still the last.
 - Gradients are zeroed in one `torch._foreach_zero_` call instead of one `zero_()` per parameter
   (they are zeroed in place, not set to None: DDP's gradients are views into its buckets).
+- Each Ray worker runs its rank in a child process and only relays; the embedded cluster's Ray
+  worker processes run `SCHED_BATCH`, the ranks the normal policy (section a, "How the Ray arm runs
+  a rank", and the CPU table above it).
 - The embedded cluster turns off Ray Train's preemption watcher (`RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0`):
   an extra actor process that started while the first steps ran (sampled at 0.4 core) with
   nothing to watch on a one-node cluster; the runtime handles SIGTERM itself.
@@ -310,10 +344,10 @@ with dp=2, to see what besides the two training ranks wants the two cores. What 
 What remains per step: one 2-value all-reduce so that every rank agrees on stopping or saving after
 the same step, the loss all-reduce over dp (the logged loss is the global-batch mean), and a memory
 measurement every `MEMORY_EVERY` steps. What remains at start-up: Ray Train starts its helper actors
-(DatasetManager, SynchronizationActor, PlacementGroupCleaner) as training begins; sampled at
-0.1..0.6 core each over the first ~10 s of training, after which the two training workers get
-~0.8 core each and every other process under 0.03. The throughput benchmark's warm-up steps cover
-that window; the start-up itself is the "launch to end of step 1" column of (a)."""
+(DatasetManager, SynchronizationActor, PlacementGroupCleaner) as training begins, sampled at
+0.1..0.6 core each over the first ~10 s of training, and each worker starts its rank's process (a
+Python with torch: a few seconds). The throughput benchmark's warm-up steps cover that window; the
+start-up itself is the "launch to end of step 1" column of (a)."""
 
 
 def _hotpath(results_dir: Path) -> str:

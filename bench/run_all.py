@@ -19,6 +19,7 @@ from bench.common import NOT_AVAILABLE, RESULTS, table, write_result
 # name -> module; in the order the issue lists them (a..f)
 BENCHMARKS = {
     "throughput": "bench.bench_throughput",
+    "cpu_share": "bench.bench_cpu_share",  # (a)'s why: who gets the cores
     "memory": "bench.bench_memory",
     "pipeline": "bench.bench_pipeline",
     "overlap": "bench.bench_overlap",

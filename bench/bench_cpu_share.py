@@ -1,0 +1,182 @@
+"""(a, why) Who gets the CPU while ranks train: `workbench run` (local Ray) against the same runtime
+under torchrun, every process's CPU time and context switches over the same steady window.
+
+On a machine whose cores all run ranks, anything else that runs comes out of the ranks. This
+splits the machine's CPU between the ranks, Ray's actors (Ray Train's controller and helpers,
+the workers that relay for the ranks, our event bus), Ray's daemons (raylet, GCS, agents) and the
+rest, from /proc (psutil) at the start and end of steps `window` of a gpt-mini dp=2 run.
+Run: python -m bench.bench_cpu_share [--quick] [--reps N]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.bench_throughput import _env, start_ray
+from bench.common import ROOT, interleave, stats, table, tiny_spec, write_result
+
+GROUPS = ("ranks", "Ray actors", "Ray daemons", "other")
+_DAEMONS = ("raylet", "gcs_server", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray/dashboard", "ray/_private",
+            "ray/autoscaler")
+_POLICIES = {0: "OTHER", 3: "BATCH", 5: "IDLE"}
+
+
+def config(quick: bool) -> dict:
+    if quick:
+        # steps of ~25 ms: a window of seconds, as events reach the driver in batches every 0.25 s
+        return {"spec": tiny_spec("gpt-tiny", train={"steps": 200, "global_batch": 8, "micro_batch": 2},
+                                  layout={"dp": 2}), "window": (20, 180), "reps": 1}
+    return {"spec": tiny_spec("gpt-mini", train={"steps": 110, "global_batch": 8, "micro_batch": 2},
+                              layout={"dp": 2}), "window": (20, 100), "reps": 3}
+
+
+def group(cmdline: str) -> str:
+    if "_rank_main" in cmdline or ("workbench.cloud_entry" in cmdline and "torch.distributed.run" not in cmdline):
+        return "ranks"
+    if any(d in cmdline for d in _DAEMONS):
+        return "Ray daemons"
+    if cmdline.startswith("ray::"):
+        return "Ray actors"
+    return "other"
+
+
+def label(cmdline: str) -> str:
+    """A command line short enough for a table: no interpreter or site-packages paths."""
+    short = re.sub(r"\S*site-packages/", "", cmdline.replace(sys.executable, "python"))
+    return short[:64]
+
+
+def snapshot() -> dict[int, tuple]:
+    """pid -> (group, command, CPU seconds, context switches, scheduling policy)."""
+    import psutil
+
+    out = {}
+    for p in psutil.process_iter(["cmdline", "name"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [p.info["name"] or ""]).strip()  # Ray pads its titles
+            t, c = p.cpu_times(), p.num_ctx_switches()
+            policy = _POLICIES.get(os.sched_getscheduler(p.pid), "?") if hasattr(os, "sched_getscheduler") else "?"
+            out[p.pid] = (group(cmd), label(cmd), t.user + t.system, c.voluntary + c.involuntary, policy)
+        except (psutil.Error, OSError):  # exited between listing and reading, or not ours to read
+            continue
+    return out
+
+
+class Window:
+    """Snapshots at the ends of two steps, from the events as they arrive."""
+
+    def __init__(self, first: int, last: int):
+        self.first, self.last = first, last
+        self.snaps: dict[int, tuple[float, dict]] = {}
+        self.step_times: dict[int, float] = {}
+
+    def see(self, event: dict) -> None:
+        if event.get("event") == "step" and event["step"] in (self.first, self.last):
+            self.snaps[event["step"]] = (time.monotonic(), snapshot())
+            self.step_times[event["step"]] = event["time"]
+
+    def result(self) -> dict:
+        (t0, s0), (t1, s1) = self.snaps[self.first], self.snaps[self.last]
+        wall = t1 - t0
+        procs = []
+        for pid, (grp, cmd, cpu, cs, policy) in s1.items():
+            if pid in s0:
+                procs.append({"group": grp, "cmd": cmd, "cores": (cpu - s0[pid][2]) / wall,
+                              "switches_per_s": (cs - s0[pid][3]) / wall, "policy": policy})
+        ranks = [p for p in procs if p["group"] == "ranks"]
+        ms = 1000 * (self.step_times[self.last] - self.step_times[self.first]) / (self.last - self.first)
+        return {"ms_per_step": ms, "ranks": len(ranks), "rank_cores": statistics.mean(p["cores"] for p in ranks),
+                "rank_switches_per_s": statistics.mean(p["switches_per_s"] for p in ranks),
+                "cores": {g: sum(p["cores"] for p in procs if p["group"] == g) for g in GROUPS},
+                "processes": sorted(procs, key=lambda p: -p["cores"])}
+
+
+def run_workbench(spec: dict, window: tuple[int, int]) -> dict:
+    from workbench.launch import start
+
+    w = Window(*window)
+    handle = start(spec)
+    for event in handle.follow(timeout_s=900):
+        w.see(event)
+    handle.raise_for_failure()
+    return w.result()
+
+
+def run_torchrun(spec: dict, window: tuple[int, int]) -> dict:
+    w = Window(*window)
+    with tempfile.TemporaryDirectory(prefix="bench-cpu-") as tmp:
+        path = Path(tmp) / "spec.json"
+        path.write_text(json.dumps(spec))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={spec['layout']['dp']}",
+               "-m", "workbench.cloud_entry", "--spec", str(path)]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        for line in proc.stdout:
+            if line.startswith("{"):
+                w.see(json.loads(line))
+        if proc.wait() != 0:
+            raise RuntimeError(f"torchrun exited with {proc.returncode}")
+    return w.result()
+
+
+ARMS = ("workbench", "runtime")
+
+
+def run(quick: bool = False, reps: int | None = None) -> dict:
+    cfg = config(quick)
+    spec, window = cfg["spec"], cfg["window"]
+    reps = reps or cfg["reps"]
+    rounds: dict[str, list[dict]] = {name: [] for name in ARMS}
+    arms = {"workbench": lambda: run_workbench(spec, window), "runtime": lambda: run_torchrun(spec, window)}
+
+    def measure(name):
+        def once():
+            r = arms[name]()
+            rounds[name].append(r)
+            return r["ms_per_step"]
+        return once
+
+    start_ray()  # the embedded cluster is up (idle) through the torchrun rounds too, as in (a)
+    interleave({name: measure(name) for name in ARMS}, reps=reps, warmup=0)
+    import ray
+
+    ray.shutdown()
+    summary = {name: {"ms_per_step": stats([r["ms_per_step"] for r in rs]),
+                      "rank_cores": stats([r["rank_cores"] for r in rs]),
+                      "rank_switches_per_s": stats([r["rank_switches_per_s"] for r in rs]),
+                      "cores": {g: stats([r["cores"][g] for r in rs])["median"] for g in GROUPS}}
+               for name, rs in rounds.items()}
+    return {"config": {"model": spec["model"]["preset"], "dp": spec["layout"]["dp"], "window": list(window),
+                       "reps": reps},
+            "arms": summary, "rounds": rounds}
+
+
+def summary_rows(result: dict) -> list[list]:
+    a = result["arms"]
+    return [["a) CPU share", "rank's cores, workbench run / torchrun",
+             a["workbench"]["rank_cores"]["median"] / a["runtime"]["rank_cores"]["median"], "", "1.0"]]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="tiny model, one round")
+    p.add_argument("--reps", type=int, help="rounds per arm (default 3)")
+    args = p.parse_args(argv)
+    result = run(args.quick, args.reps)
+    path = write_result("cpu_share", result)
+    rows = [[name, a["ms_per_step"]["median"], a["rank_cores"]["median"], a["rank_switches_per_s"]["median"],
+             *(a["cores"][g] for g in GROUPS)] for name, a in result["arms"].items()]
+    print(table(rows, ["arm", "ms/step", "cores per rank", "switches/s per rank", *(f"{g} (cores)" for g in GROUPS)]))
+    print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
