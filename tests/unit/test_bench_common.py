@@ -69,3 +69,12 @@ def test_cpu_share_groups_processes_by_role():
     assert group("ray::TrainController.run") == "Ray actors"
     assert group("ray::DashboardAgent") == "Ray daemons"
     assert group("/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --raylet_socket_name=x") == "Ray daemons"
+
+
+def test_cpu_share_labels_drop_the_paths():
+    import sys
+
+    from bench.bench_cpu_share import label
+
+    assert label(f"{sys.executable} -u /v/lib/python3.11/site-packages/ray/_private/log_monitor.py --x") == \
+        "python -u ray/_private/log_monitor.py --x"
