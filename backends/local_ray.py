@@ -2,10 +2,10 @@
 
 CPU workers use gloo and take a fraction of a CPU each, so 4-8 ranks run on a 2-core machine;
 with GPUs each worker gets one and NCCL. Each worker runs its rank in a child process, as
-torchrun's agent does: the rank's process has no Ray in it (a Ray worker's core worker wakes its
-process ~100 times a second for the GIL), and the worker relays. The rank's events reach the
-driver through a small actor (`EventBus`): the worker batches them and exchanges them for the
-stop flag on a background thread every `_FLUSH_S`, so the training step never waits on Ray.
+torchrun's agent does, and relays: the rank's process has no Ray in it, and the cluster's own
+processes yield the CPU to the ranks (`control_plane_setup`). The rank's events reach the driver
+through a small actor (`EventBus`): the worker batches them and exchanges them for the stop flag
+on a background thread every `_FLUSH_S`, so the training step never waits on Ray.
 """
 from __future__ import annotations
 
