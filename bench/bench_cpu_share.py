@@ -26,7 +26,7 @@ from bench.common import ROOT, interleave, stats, table, tiny_spec, write_result
 GROUPS = ("ranks", "Ray actors", "Ray daemons", "other")
 _DAEMONS = ("raylet", "gcs_server", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray/dashboard", "ray/_private",
             "ray/autoscaler")
-_POLICIES = {0: "OTHER", 3: "BATCH", 5: "IDLE"}
+_POLICIES = {getattr(os, f"SCHED_{n}"): n for n in ("OTHER", "BATCH", "IDLE") if hasattr(os, f"SCHED_{n}")}
 
 
 def config(quick: bool) -> dict:
@@ -63,7 +63,7 @@ def snapshot() -> dict[int, tuple]:
         try:
             cmd = " ".join(p.info["cmdline"] or [p.info["name"] or ""]).strip()  # Ray pads its titles
             t, c = p.cpu_times(), p.num_ctx_switches()
-            policy = _POLICIES.get(os.sched_getscheduler(p.pid), "?") if hasattr(os, "sched_getscheduler") else "?"
+            policy = _POLICIES.get(os.sched_getscheduler(p.pid), "?") if _POLICIES else "?"
             out[p.pid] = (group(cmd), label(cmd), t.user + t.system, c.voluntary + c.involuntary, policy)
         except (psutil.Error, OSError):  # exited between listing and reading, or not ours to read
             continue
