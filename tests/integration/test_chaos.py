@@ -28,9 +28,9 @@ from workbench.runtime.spawn import SpawnPool
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def tiny(steps: int, uri=None, dp: int = 1, **ckpt) -> dict:
+def tiny(steps: int, uri=None, dp: int = 1, global_batch: int = 8, **ckpt) -> dict:
     spec = {"name": "chaos", "model": {"preset": "gpt-tiny"},
-            "train": {"steps": steps, "global_batch": 8, "micro_batch": 4},
+            "train": {"steps": steps, "global_batch": global_batch, "micro_batch": 4},
             "layout": {"dp": dp}, "resources": {"gpus_per_node": dp}}
     if uri is not None:
         spec["checkpoint"] = {"uri": str(uri), **ckpt}
@@ -210,9 +210,12 @@ def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sigterm_at_a_random_step_then_resume(tmp_path):
-    steps = 24
+    # 16 micro-batches a step (~0.2 s here): the steps left after SIGTERM outlast the stop's way
+    # to the rank (driver -> event bus -> worker, polled every 0.25 s), which 8-sample steps
+    # (~0.03 s) did not always.
+    steps, batch = 24, 64
     spec_path = tmp_path / "spec.yaml"
-    spec_path.write_text(yaml.safe_dump(tiny(steps, tmp_path / "ckpt", every_steps=10)))
+    spec_path.write_text(yaml.safe_dump(tiny(steps, tmp_path / "ckpt", global_batch=batch, every_steps=10)))
     at = random.Random().randint(2, 12)
     print(f"SIGTERM after step {at}")
     metrics = tmp_path / "first.jsonl"
@@ -241,7 +244,7 @@ def test_sigterm_at_a_random_step_then_resume(tmp_path):
     assert second[-1] == {"event": "end", "status": "completed", "step": steps}
 
     reference: list[dict] = []
-    train(tiny(steps), reference.append)  # uninterrupted, in this process
+    train(tiny(steps, global_batch=batch), reference.append)  # uninterrupted, in this process
     joined = {**losses(first), **losses(second)}
     ref = losses(reference)
     torch.testing.assert_close([joined[k] for k in ref], list(ref.values()), rtol=1e-5, atol=1e-5)
