@@ -1,17 +1,24 @@
-"""The `local` backend: Ray Train on an embedded Ray cluster, one worker (actor) per rank.
+"""The `local` backend: an embedded Ray cluster, one actor per rank (the `ray` backend's job runs
+the same on an existing cluster).
 
-CPU workers use gloo and take a fraction of a CPU each, so 4-8 ranks run on a 2-core machine;
-with GPUs each worker gets one and NCCL. Each worker runs its rank in a child process, as
-torchrun's agent does, and relays: the rank's process has no Ray in it, and the cluster's own
-processes yield the CPU to the ranks (`control_plane_setup`). The rank's events reach the driver
-through a small actor (`EventBus`): the worker batches them and exchanges them for the stop flag
-on a background thread every `_FLUSH_S`, so the training step never waits on Ray.
+Each actor (`RankRelay`) takes a fraction of a CPU (gloo: 4-8 ranks run on a 2-core machine) or
+one GPU (NCCL), starts its rank in a child process with torchrun's variables, as torchrun's agent
+does, and relays: the rank's process has no Ray in it, and the cluster's own processes yield the
+CPU to the ranks (`control_plane_setup`). A driver thread polls the relays every `_POLL_S`: the
+rank's events in, the stop request out, so the training step never waits on Ray. On a failure it
+tears the group down and starts it again from the last checkpoint (`backend.max_failures`).
+
+Plain actors rather than Ray Train: Ray Train adds five helper actors (controller, synchronization,
+placement-group cleaner, dataset manager, autoscaling coordinator), each woken ~100 times a second,
+which on a machine whose cores all run ranks cost the ranks measurable time (docs/benchmarks.md,
+section a), and ~20 s of start-up.
 """
 from __future__ import annotations
 
+import collections
+import itertools
 import os
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -20,13 +27,9 @@ from typing import Callable
 from backends.base import JobState, JobStatus
 from workbench.errors import WorkerError
 
-_POLL_S = 0.2
-_FLUSH_S = 0.25  # worker -> bus: events out, stop flag back
+_POLL_S = 0.2  # driver <-> relays: events in, the stop request out
 _START_ATTEMPTS = 3
-# Ray Train's preemption watcher polls for node drains from an actor of its own: one more process
-# to start while training begins, with nothing to watch on a one-node embedded cluster (SIGTERM
-# preemption is the runtime's own: workbench/runtime/preemption.py).
-_RAY_TRAIN_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+_PLACEMENT_WARN_S = 30.0
 
 
 def _package_root() -> str:
@@ -52,7 +55,7 @@ def ensure_ray(num_cpus: int | None = None):
                     include_dashboard=False,
                     logging_level="ERROR",
                     log_to_driver=False,
-                    runtime_env={"env_vars": {"PYTHONPATH": path, **_RAY_TRAIN_ENV},
+                    runtime_env={"env_vars": {"PYTHONPATH": path},
                                  "worker_process_setup_hook": "backends.local_ray.control_plane_setup"},
                     # Ray runs workers at nice 15 so that its own daemons stay responsive; here
                     # the workers are the job and should not yield to every daemon wake-up (no
@@ -66,81 +69,6 @@ def ensure_ray(num_cpus: int | None = None):
                 if attempt == _START_ATTEMPTS - 1 or "timed out during startup" not in str(e):
                     raise
     return ray
-
-
-def _event_bus_class():
-    import ray
-
-    @ray.remote(num_cpus=0)
-    class EventBus:
-        """Mailbox between workers and the driver: metrics events out, a stop request in."""
-
-        def __init__(self):
-            _set_policy("SCHED_IDLE")  # control plane: run on CPU time the ranks leave idle
-            self.events: list[dict] = []
-            self.stop = False
-            self.starts: dict[int, int] = {}
-
-        def register(self, rank: int) -> int:
-            """Count a rank's starts: the worker group's restart attempt (0 on the first start)."""
-            self.starts[rank] = self.starts.get(rank, 0) + 1
-            return self.starts[rank] - 1
-
-        def exchange(self, events: list[dict]) -> bool:
-            """A worker's batch of events in; whether a stop was requested back."""
-            self.events.extend(events)
-            return self.stop
-
-        def drain(self) -> list[dict]:
-            out, self.events = self.events, []
-            return out
-
-        def request_stop(self) -> None:
-            self.stop = True
-
-        def stop_requested(self) -> bool:
-            return self.stop
-
-    return EventBus
-
-
-class _Mailbox:
-    """The worker's side of the EventBus: `put` appends locally (no Ray call on the training
-    step); a daemon thread sends the batch and reads the stop flag every `_FLUSH_S`, and calls
-    `on_stop` (from that thread) when the flag first comes back set."""
-
-    def __init__(self, bus, on_stop: Callable[[], None], interval_s: float = _FLUSH_S):
-        self._bus, self._on_stop, self._interval = bus, on_stop, interval_s
-        self._pending: list[dict] = []
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self.stop = False
-        self._thread = threading.Thread(target=self._run, name="workbench-mailbox", daemon=True)
-        self._thread.start()
-
-    def put(self, event: dict) -> None:
-        with self._lock:
-            self._pending.append(event)
-
-    def flush(self) -> None:
-        """Send what is pending and wait until the bus has it."""
-        import ray
-
-        with self._lock:
-            batch, self._pending = self._pending, []
-        if ray.get(self._bus.exchange.remote(batch)) and not self.stop:
-            self.stop = True
-            self._on_stop()
-
-    def _run(self) -> None:
-        while not self._done.wait(self._interval):
-            self.flush()
-
-    def close(self) -> None:
-        """Stop the thread and deliver the rest (the run's last events)."""
-        self._done.set()
-        self._thread.join()
-        self.flush()
 
 
 _CHILD = "import sys; from backends.local_ray import _rank_main; _rank_main(int(sys.argv[1]))"
@@ -176,12 +104,11 @@ def control_plane_setup() -> None:
     worker_process_setup_hook): Ray's core worker wakes each actor process ~100 times a second,
     and a batch process does not preempt a rank when it wakes; it runs on a CPU the ranks leave
     idle (waiting on a collective) or at the next tick. The ranks switch back to SCHED_OTHER
-    (`_rank_main`). On a machine whose cores all run ranks, the 5-8 actor processes of Ray Train
-    otherwise preempt the ranks some 500 times a second (docs/benchmarks.md, section a).
+    (`_rank_main`).
 
-    Our own control plane goes further, to SCHED_IDLE (the event bus, and each worker once its
-    rank has started: a rank cannot leave SCHED_IDLE without privileges, so the hook cannot):
-    it then runs only on CPU time the ranks leave idle."""
+    A relay goes further, to SCHED_IDLE, once its rank has started (a rank forked from an idle
+    process cannot leave SCHED_IDLE without privileges, so the hook cannot): it then runs only on
+    CPU time the ranks leave idle."""
     _set_policy("SCHED_BATCH")
 
 
@@ -213,60 +140,11 @@ def _rank_main(fd: int) -> None:
     try:
         train(config["spec"], lambda event: conn.send(("event", event)), should_stop=should_stop,
               resume=config["resume"], attempt=config["attempt"])
-    except BaseException as e:  # noqa: BLE001 - every failure goes to the worker, then Ray
+    except BaseException as e:  # noqa: BLE001 - every failure goes to the relay, then the driver
         traceback.print_exc()
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         sys.exit(1)
     conn.send(("done", None))
-
-
-def _rank_rendezvous(ctx) -> tuple[dict, object]:
-    """The environment of a rank's process (torchrun's variables) and the store its process group
-    starts from: a TCPStore served by rank 0's worker, its address sent to every worker through
-    Ray Train; the ranks join it as torchrun's workers join their agent's store."""
-    import ray
-    from ray.train.collective import broadcast_from_rank_zero
-    from torch.distributed import TCPStore
-
-    rank, server, address = ctx.get_world_rank(), None, None
-    if rank == 0:
-        host = ray.util.get_node_ip_address()
-        server = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        address = (host, server.port)
-    host, port = broadcast_from_rank_zero(address)
-    env = {"RANK": str(rank), "WORLD_SIZE": str(ctx.get_world_size()), "LOCAL_RANK": str(ctx.get_local_rank()),
-           "LOCAL_WORLD_SIZE": str(ctx.get_local_world_size()), "MASTER_ADDR": host, "MASTER_PORT": str(port),
-           "TORCHELASTIC_USE_AGENT_STORE": "True", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    return env, server
-
-
-def _run_rank_process(conn, child_end, env: dict, mailbox: "_Mailbox", rank: int, attempt: int) -> None:
-    """Start the rank's process on the pipe `conn`-`child_end` (its config already sent), relay
-    its events to the mailbox until it exits, and raise if it failed. The mailbox sends it the
-    stop request. Ray Train's own process group (in this worker) stays unused."""
-    import subprocess
-
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(child_end.fileno())],
-                            pass_fds=[child_end.fileno()], env={**os.environ, **env})
-    child_end.close()
-    _set_policy("SCHED_IDLE")  # from here this process only relays (control_plane_setup)
-    mailbox.put({"event": "worker", "rank": rank, "pid": os.getpid(), "rank_pid": proc.pid, "attempt": attempt})
-    outcome = None
-    while True:
-        try:
-            kind, payload = conn.recv()
-        except (EOFError, OSError):  # the process exited (and closed its end)
-            break
-        if kind == "event":
-            mailbox.put(payload)
-        else:
-            outcome = (kind, payload)
-    code = proc.wait()
-    if outcome is not None and outcome[0] == "failed":
-        raise WorkerError(outcome[1])
-    if outcome is None or code != 0:
-        how = f"signal {-code}" if code < 0 else f"code {code}"
-        raise WorkerError(f"the rank's process (pid {proc.pid}) exited with {how} before the run ended")
 
 
 def _send_quietly(conn, message) -> None:
@@ -276,98 +154,260 @@ def _send_quietly(conn, message) -> None:
         pass
 
 
-def _train_worker(config: dict) -> None:
-    """Runs inside each Ray Train worker: starts this rank in a process of its own and relays.
-
-    The rank does not train in the worker: Ray's core worker in that process wakes it ~100 times
-    a second, and the training thread got less of its core there than under torchrun; in a child
-    process the rank runs as it would under torchrun (docs/benchmarks.md, section a)."""
-    from multiprocessing import Pipe
-
+def _relay_class():
     import ray
 
-    bus = config["bus"]
-    ctx = ray.train.get_context()
-    rank = ctx.get_world_rank()
-    # After FailureConfig restarts the group, continue from the last checkpoint.
-    attempt = ray.get(bus.register.remote(rank))
-    conn, child_end = Pipe()
-    # The config goes first, so that it is the first thing the rank reads even if a stop follows at once.
-    conn.send({"spec": config["spec"], "resume": config["resume"] or attempt > 0, "attempt": attempt})
-    mailbox = _Mailbox(bus, on_stop=lambda: _send_quietly(conn, "stop"))
-    try:
-        env, _server = _rank_rendezvous(ctx)
-        _run_rank_process(conn, child_end, env, mailbox, rank, attempt)
-    except BaseException as e:
-        mailbox.put({"event": "error", "rank": rank, "message": str(e) if isinstance(e, WorkerError)
-                     else f"{type(e).__name__}: {e}"})
-        raise
-    finally:
-        mailbox.close()
+    @ray.remote(max_concurrency=2)  # `run` on one thread, `exchange` on the other
+    class RankRelay:
+        """One Ray actor per rank, as torchrun's agent per node: it starts the rank in a process of
+        its own, keeps the rank's events until the driver takes them and passes the stop request on."""
+
+        def __init__(self):
+            self._pending: list[dict] = []
+            self._lock = threading.Lock()
+            self._conn = None
+            self._stop = False
+            self._store = None
+
+        def where(self) -> dict:
+            """The node and the GPUs Ray gave this actor: the driver orders the ranks from them."""
+            ctx = ray.get_runtime_context()
+            return {"node": ctx.get_node_id(), "gpus": [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])]}
+
+        def serve_store(self) -> tuple[str, int]:
+            """Rank 0's relay serves the TCPStore the ranks' process group starts from, as torchrun's
+            agent does (TORCHELASTIC_USE_AGENT_STORE); it lives as long as this actor."""
+            from torch.distributed import TCPStore
+
+            host = ray.util.get_node_ip_address()
+            self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            return host, self._store.port
+
+        def run(self, config: dict, env: dict) -> str | None:
+            """Start the rank's process and relay its events until it exits: None when it finished
+            the run, else what went wrong."""
+            import subprocess
+            from multiprocessing import Pipe
+
+            conn, child_end = Pipe()
+            conn.send(config)  # first, so that it is what the rank reads first even if a stop follows at once
+            path = os.pathsep.join(p for p in sys.path if p)  # this actor's: the job's code, wherever Ray put it
+            proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(child_end.fileno())],
+                                    pass_fds=[child_end.fileno()], env={**os.environ, "PYTHONPATH": path, **env})
+            child_end.close()
+            with self._lock:
+                self._conn = conn
+                if self._stop:
+                    _send_quietly(conn, "stop")
+            _set_policy("SCHED_IDLE")  # from here this process only relays (control_plane_setup)
+            self._put({"event": "worker", "rank": int(env["RANK"]), "pid": os.getpid(), "rank_pid": proc.pid,
+                       "attempt": config["attempt"]})
+            outcome = None
+            while True:
+                try:
+                    kind, payload = conn.recv()
+                except (EOFError, OSError):  # the process exited (and closed its end)
+                    break
+                if kind == "event":
+                    self._put(payload)
+                else:
+                    outcome = (kind, payload)
+            code = proc.wait()
+            if outcome is not None and outcome[0] == "failed":
+                return outcome[1]
+            if outcome is None or code != 0:
+                how = f"signal {-code}" if code < 0 else f"code {code}"
+                return f"the rank's process (pid {proc.pid}) exited with {how} before the run ended"
+            return None
+
+        def _put(self, event: dict) -> None:
+            with self._lock:
+                self._pending.append(event)
+
+        def exchange(self, stop: bool) -> list[dict]:
+            """The driver's poll: the stop request in (once set, passed to the rank), the events out."""
+            with self._lock:
+                if stop and not self._stop:
+                    self._stop = True
+                    if self._conn is not None:
+                        _send_quietly(self._conn, "stop")
+                out, self._pending = self._pending, []
+            return out
+
+    return RankRelay
+
+
+def rank_order(where: list[dict]) -> list[int]:
+    """Each relay's rank, from where Ray placed it (`RankRelay.where`): grouped by node (nodes in
+    order of first appearance), then by GPU id, so that a node's ranks are consecutive and its
+    local ranks follow its GPUs, as torchrun numbers them."""
+    nodes: dict[str, int] = {}
+    for w in where:
+        nodes.setdefault(w["node"], len(nodes))
+
+    def key(i: int):
+        gpu = where[i]["gpus"][0] if where[i]["gpus"] else ""
+        return nodes[where[i]["node"]], (int(gpu), "") if gpu.isdigit() else (-1, gpu), i
+
+    ranks = [0] * len(where)
+    for rank, i in enumerate(sorted(range(len(where)), key=key)):
+        ranks[i] = rank
+    return ranks
+
+
+def rank_env(where: list[dict], ranks: list[int], i: int, master: tuple[str, int]) -> dict:
+    """Relay `i`'s rank's environment: torchrun's variables and, with GPUs, every GPU of its node
+    visible, LOCAL_RANK selecting its own (Ray shows each actor only its own GPU)."""
+    node = where[i]["node"]
+    peers = sorted((ranks[j], j) for j in range(len(where)) if where[j]["node"] == node)
+    env = {"RANK": str(ranks[i]), "WORLD_SIZE": str(len(where)),
+           "LOCAL_RANK": str([j for _, j in peers].index(i)), "LOCAL_WORLD_SIZE": str(len(peers)),
+           "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    gpus = [g for _, j in peers for g in where[j]["gpus"]]
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        env["LOCAL_RANK"] = str(gpus.index(where[i]["gpus"][0]))
+    return env
 
 
 class LocalRayJob:
-    """A job running on the embedded Ray cluster (a JobHandle)."""
+    """A job on a Ray cluster (a JobHandle): one relay actor per rank in a placement group, polled
+    by a driver thread; on a failure the group is torn down and started again from the last
+    checkpoint, up to `backend.max_failures` times."""
 
     def __init__(self, spec, on_event: Callable[[dict], None] | None = None, resume: bool = False):
-        ray = ensure_ray()
-        from ray.train import FailureConfig, RunConfig, ScalingConfig
-        from ray.train.torch import TorchConfig, TorchTrainer
-
         import torch
 
+        ensure_ray()
         self.spec = spec
         self.job_id = f"{spec.name}-{int(time.time())}"
         self.events: list[dict] = []
         self._on_event = on_event
+        self._resume = resume
         self._state = JobState.PENDING
         self._error: str | None = None
         self._end: dict | None = None
-        self._bus = _event_bus_class().remote()
-        world = spec.world_size
-        use_gpu = torch.cuda.is_available() and spec.resources.gpu != "cpu"
-        cpus = ray.cluster_resources().get("CPU", 1)
-        self._trainer = TorchTrainer(
-            _train_worker,
-            train_loop_config={"spec": spec.to_dict(), "bus": self._bus, "resume": resume},
-            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-            scaling_config=ScalingConfig(
-                num_workers=world, use_gpu=use_gpu,
-                resources_per_worker=None if use_gpu else {"CPU": min(1.0, cpus / world)},
-            ),
-            run_config=RunConfig(
-                name=self.job_id,
-                storage_path=tempfile.mkdtemp(prefix="workbench-ray-"),
-                failure_config=FailureConfig(max_failures=spec.backend.max_failures),
-            ),
-        )
+        self._inbox: collections.deque[dict] = collections.deque()  # driver thread -> whoever follows
+        self._pumping = threading.Lock()
+        self._stop = False
+        self._use_gpu = torch.cuda.is_available() and spec.resources.gpu != "cpu"
         self._thread = threading.Thread(target=self._fit, name=f"workbench-{self.job_id}", daemon=True)
         self._thread.start()
 
     def _fit(self) -> None:
         self._state = JobState.RUNNING
         try:
-            self._trainer.fit()
+            for attempt in itertools.count():
+                failure = self._run_group(attempt)
+                if failure is None:
+                    break
+                if self._stop or attempt >= self.spec.backend.max_failures:
+                    self._error = failure
+                    break
         except Exception as e:  # noqa: BLE001 - reported through status and wait()
             self._error = f"{type(e).__name__}: {e}"
         finally:
             self._pump(final=True)
 
-    def _pump(self, final: bool = False) -> None:
-        """Take the workers' events from the bus. Rank 0's `end` is held back until every
-        worker has finished (`final`): the other ranks' last events may still be on their way,
-        and `end` is the last event of a run."""
+    def _bundle(self) -> dict:
         import ray
 
-        for event in ray.get(self._bus.drain.remote()):
-            if event["event"] == "end":
-                self._end = event
-                self._state = JobState.STOPPED if event["status"] == "preempted" else JobState.COMPLETED
-            else:
-                self._deliver(event)
-        if final and self._end is not None:
-            self._deliver(self._end)
-            self._end = None
+        if self._use_gpu:
+            return {"CPU": 1.0, "GPU": 1.0}
+        return {"CPU": min(1.0, ray.cluster_resources().get("CPU", 1) / self.spec.world_size)}
+
+    def _run_group(self, attempt: int) -> str | None:
+        """Start one relay per rank, run the ranks to the end and tear the group down; None when
+        the run ended, else the first rank's failure to arrive, "rank N: what happened" (with an
+        `error` event): the cause, where the other ranks' failures are its consequences (a peer's
+        collective broken by the killed rank)."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        world, bundle = self.spec.world_size, self._bundle()
+        group = placement_group([bundle] * world, strategy="PACK")
+        relays, runs = [], {}
+        try:
+            if not self._wait_for_placement(group, bundle):
+                self._state = JobState.STOPPED
+                return None
+            relay = _relay_class()
+            relays = [relay.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, i)).remote()
+                      for i in range(world)]
+            where = ray.get([r.where.remote() for r in relays])
+            ranks = rank_order(where)
+            master = ray.get(relays[ranks.index(0)].serve_store.remote())
+            config = {"spec": self.spec.to_dict(), "resume": self._resume or attempt > 0, "attempt": attempt}
+            runs = {relays[i].run.remote(config, rank_env(where, ranks, i, master)): ranks[i] for i in range(world)}
+            pending, failure = list(runs), None
+            while pending and failure is None:
+                done, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)
+                self._poll(relays)
+                for ref in done:
+                    failure = failure or self._outcome(ref, runs[ref])
+            self._poll(relays)  # the last events (a failed rank's relay is still up)
+            if failure is not None:
+                self._inbox.append({"event": "error", "rank": failure[0], "message": failure[1]})
+            return None if failure is None else f"rank {failure[0]}: {failure[1]}"
+        finally:
+            for r in relays:
+                ray.kill(r)
+            if runs:  # wait until the relays, and so their ranks (PR_SET_PDEATHSIG), are gone
+                ray.wait(list(runs), num_returns=len(runs), timeout=30)
+            remove_placement_group(group)
+
+    def _wait_for_placement(self, group, bundle: dict) -> bool:
+        """Wait until the cluster holds every rank (an autoscaler may be adding nodes); say what is
+        missing after `_PLACEMENT_WARN_S`. False when the job was cancelled first."""
+        import ray
+
+        warn_at = time.monotonic() + _PLACEMENT_WARN_S
+        while not ray.wait([group.ready()], timeout=_POLL_S)[0]:
+            if self._stop:
+                return False
+            if warn_at is not None and time.monotonic() > warn_at:
+                warn_at = None
+                self._inbox.append({"event": "warning", "message": (
+                    f"waiting for resources: the ranks need {self.spec.world_size} x {bundle}; the cluster has "
+                    f"{ray.available_resources()} free of {ray.cluster_resources()}")})
+        return True
+
+    @staticmethod
+    def _outcome(ref, rank: int) -> tuple[int, str] | None:
+        import ray
+
+        try:
+            message = ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            message = f"its Ray worker died ({type(e).__name__}; the Ray logs say why, e.g. out of memory)"
+        return None if message is None else (rank, message)
+
+    def _poll(self, relays) -> None:
+        import ray
+
+        for ref in [r.exchange.remote(self._stop) for r in relays]:
+            try:
+                self._inbox.extend(ray.get(ref))
+            except ray.exceptions.RayActorError:  # its `run` reports the death
+                pass
+
+    def _pump(self, final: bool = False) -> None:
+        """Deliver the events the driver thread took from the relays. Rank 0's `end` is held back
+        until every rank has finished (`final`): the other ranks' last events may still be on their
+        way, and `end` is the last event of a run."""
+        with self._pumping:
+            while self._inbox:
+                event = self._inbox.popleft()
+                if event["event"] == "end":
+                    self._end = event
+                    self._state = JobState.STOPPED if event["status"] == "preempted" else JobState.COMPLETED
+                else:
+                    self._deliver(event)
+            if final and self._end is not None:
+                self._deliver(self._end)
+                self._end = None
 
     def _deliver(self, event: dict) -> None:
         self.events.append(event)
@@ -400,17 +440,10 @@ class LocalRayJob:
         if self._thread.is_alive():
             return JobStatus(self._state)
         if self._error is not None:
-            return JobStatus(JobState.FAILED, self.failure_message())
+            return JobStatus(JobState.FAILED, self._error)
         if self._state == JobState.RUNNING:  # finished without an end event
             return JobStatus(JobState.FAILED, "workers exited without finishing the run")
         return JobStatus(self._state)
-
-    def failure_message(self) -> str:
-        errors = [e for e in self.events if e["event"] == "error"]
-        if errors:
-            first = min(errors, key=lambda e: e["rank"])
-            return f"rank {first['rank']}: {first['message']}"
-        return self._error or ""
 
     def logs(self, tail: int = 100) -> str:
         import json
@@ -418,10 +451,8 @@ class LocalRayJob:
         return "\n".join(json.dumps(e) for e in self.events[-tail:])
 
     def cancel(self) -> None:
-        """Ask the workers to stop after the current step (they agree on the step)."""
-        import ray
-
-        ray.get(self._bus.request_stop.remote())
+        """Ask the ranks to stop after the current step (they agree on the step)."""
+        self._stop = True
 
     def raise_for_failure(self) -> None:
         status = self.status()

@@ -2,8 +2,8 @@
 under torchrun, every process's CPU time and context switches over the same steady window.
 
 On a machine whose cores all run ranks, anything else that runs comes out of the ranks. This
-splits the machine's CPU between the ranks, Ray's actors (Ray Train's controller and helpers,
-the workers that relay for the ranks, our event bus), Ray's daemons (raylet, GCS, agents) and the
+splits the machine's CPU between the ranks, Ray's actors (the relays that start the ranks and
+pass their events on, any other Ray worker process), Ray's daemons (raylet, GCS, agents) and the
 rest, from /proc (psutil) at the start and end of steps `window` of a gpt-mini dp=2 run.
 Run: python -m bench.bench_cpu_share [--quick] [--reps N]
 """

@@ -1,8 +1,8 @@
 """(a) Steady-state tokens/s of `workbench run` (local Ray, DDP dp=2) against plain torchrun DDP.
 
 Three arms run the same spec (same model, batches, shapes and optimizer):
-  workbench  `workbench.run` (the function behind `workbench run`): embedded Ray, Ray Train
-             workers, the per-rank runtime with its metrics, memory meter and stop polling;
+  workbench  `workbench.run` (the function behind `workbench run`): embedded Ray, one relay
+             actor per rank, the per-rank runtime with its metrics, memory meter and stop polling;
   runtime    the same per-rank runtime under torchrun (`-m workbench.cloud_entry`, as on a cloud
              or a GPU host without Ray): separates what Ray adds from what the runtime adds;
   torchrun   bench/plain_ddp.py under torchrun: the plain DDP script a user would write.

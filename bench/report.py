@@ -44,7 +44,7 @@ def sec_throughput(r, doc, img) -> str:
     out = ["## a) `workbench run` against plain torchrun DDP",
            "Three arms, same spec: model, batches (`TokenSource`), shapes and AdamW. **workbench run**: "
            "`workbench.run(spec, metrics_out=...)`, the function behind `workbench run`: the embedded Ray cluster, "
-           "Ray Train workers and the per-rank runtime (metrics events to the driver, memory meter, stop polling). "
+           "one relay actor per rank and the per-rank runtime (metrics events to the driver, memory meter, stop polling). "
            "**runtime under torchrun**: the same per-rank runtime started by `torchrun -m workbench.cloud_entry` "
            "(how clouds and GPU hosts without Ray run it), printing its events as JSON lines: it separates what "
            "the runtime adds from what Ray adds. **plain torchrun DDP**: `bench/plain_ddp.py`, the script a user "
@@ -82,24 +82,26 @@ def sec_throughput(r, doc, img) -> str:
     return "\n\n".join(out)
 
 
-RAY_DESIGN = """**How the Ray arm runs a rank.** Each Ray Train worker (an actor) starts its rank in a child
-process, as torchrun's agent starts its workers, and relays: the rank's events go out over a pipe and
-on to the driver in batches, the stop request comes in the same way. The rank's process has no Ray in
-it. Every Ray worker process of the embedded cluster runs under Linux's `SCHED_BATCH` policy (a
-`worker_process_setup_hook`), and our own control plane (the relaying workers, once their rank has
-started, and the event bus) under `SCHED_IDLE`; the ranks run under the normal policy. Ray's core worker
-wakes each actor process ~100 times a second (its signal check, every 10 ms, not configurable): a batch
-process that wakes does not preempt a rank, it runs when a rank waits on a collective or at the next
-scheduler tick, and an idle-policy process runs only on CPU time the ranks leave idle.
+RAY_DESIGN = """**How the Ray arm runs a rank.** One Ray actor per rank (`RankRelay`, in a placement group)
+starts its rank in a child process, as torchrun's agent starts its workers: torchrun's variables, a
+TCPStore served by rank 0's relay. The rank's process has no Ray in it; its events go over a pipe to
+its relay, and a driver thread polls the relays every 0.2 s for them and hands them the stop request.
+Every Ray worker process of the embedded cluster runs under Linux's `SCHED_BATCH` policy (a
+`worker_process_setup_hook`), a relay under `SCHED_IDLE` once its rank has started; the ranks run
+under the normal policy. Ray's core worker wakes each actor process ~100 times a second (its signal
+check, every 10 ms, not configurable): a batch process that wakes does not preempt a rank, and an
+idle-policy process runs only on CPU time the ranks leave idle.
 
-Before this (2026-11-30 08:37-09:05 UTC, same VM, 20 rounds): the rank trained in a thread of its Ray
-worker, every actor under the normal policy, and workbench run / torchrun was 0.924 (95% interval
-0.879..0.954); the training thread got 0.81..0.84 core against 0.86..0.90 under torchrun. What is left
-is in the table below: Ray Train's controller, synchronization, placement-group, dataset and autoscaling
-actors and our three control-plane processes still take CPU time and wake-ups on a machine whose two
-cores both run ranks. On GPU hosts the ranks' work is on the GPUs and the cores are rarely all busy;
-there the design costs one more process per GPU (the relaying worker; Ray Train sets its CUDA device,
-which may leave a CUDA context of a few hundred MiB in it: not measured, no GPU was lent)."""
+How it got here (same VM, 20 alternated rounds each, 2026-11-30): (1) the rank trained in a thread of
+its Ray Train worker, every actor under the normal policy: workbench run / torchrun 0.924 (95% interval
+0.879..0.954); the training thread got 0.81..0.84 core against 0.86..0.90 under torchrun. (2) Ray Train
+workers relaying for child-process ranks, with the policies above: 0.951 (0.899..1.011); cores per rank
+0.878 against 0.914, and 0.074 core in Ray actors: Ray Train's controller, synchronization,
+placement-group cleaner, dataset manager and autoscaling coordinator, plus our event bus, each woken
+~100 times a second. (3) Now: no Ray Train; the driver starts, polls and restarts the relays itself,
+so the only actor processes during training are the relays (table below). On GPU hosts the ranks'
+work is on the GPUs and the cores are rarely all busy; there the design costs one relay process per
+GPU, which never initialises CUDA (it only passes the GPU's id on)."""
 
 
 def sec_cpu_share(r, doc, img) -> str:
@@ -329,25 +331,25 @@ with dp=2, to see what besides the two training ranks wants the two cores. What 
   that measurement stands for every memory event. `DTensor` is imported once, not per call. The
   pipeline's hooks follow the same switch.
 - Ray workers made two actor calls per rank per step, one of them blocking (`ray.get` of the stop
-  flag). Now each worker batches its events and exchanges them for the stop flag on a background
-  thread every 0.25 s (`backends/local_ray.py`, `_Mailbox`): no Ray call on the training step; the
-  driver still sees events within ~0.5 s and the `end` event is still the last.
+  flag). Now the rank sends its events over a pipe to its relay actor and the driver polls the
+  relays every 0.2 s for them, handing them the stop request (`backends/local_ray.py`): no Ray call
+  on the training step; the driver still sees events within ~0.5 s and the `end` event is still
+  the last.
 - Gradients are zeroed in one `torch._foreach_zero_` call instead of one `zero_()` per parameter
   (they are zeroed in place, not set to None: DDP's gradients are views into its buckets).
-- Each Ray worker runs its rank in a child process and only relays; the embedded cluster's Ray
+- Each rank runs in a child process of its Ray actor, which only relays; the embedded cluster's Ray
   worker processes run `SCHED_BATCH`, the ranks the normal policy (section a, "How the Ray arm runs
   a rank", and the CPU table above it).
-- The embedded cluster turns off Ray Train's preemption watcher (`RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0`):
-  an extra actor process that started while the first steps ran (sampled at 0.4 core) with
-  nothing to watch on a one-node cluster; the runtime handles SIGTERM itself.
+- No Ray Train: its preemption watcher (an actor that started while the first steps ran, sampled at
+  0.4 core, with nothing to watch on a one-node cluster; the runtime handles SIGTERM itself) and its
+  controller, synchronization, placement-group, dataset and autoscaling actors are gone; the driver
+  starts the relays in a placement group and restarts the group from the last checkpoint itself.
 
 What remains per step: one 2-value all-reduce so that every rank agrees on stopping or saving after
 the same step, the loss all-reduce over dp (the logged loss is the global-batch mean), and a memory
-measurement every `MEMORY_EVERY` steps. What remains at start-up: Ray Train starts its helper actors
-(DatasetManager, SynchronizationActor, PlacementGroupCleaner) as training begins, sampled at
-0.1..0.6 core each over the first ~10 s of training, and each worker starts its rank's process (a
-Python with torch: a few seconds). The throughput benchmark's warm-up steps cover that window; the
-start-up itself is the "launch to end of step 1" column of (a)."""
+measurement every `MEMORY_EVERY` steps. What remains at start-up: the embedded cluster, one relay
+process per rank, and each relay starts its rank's process (a Python with torch: a few seconds).
+The start-up is the "launch to end of step 1" column of (a)."""
 
 
 def _hotpath(results_dir: Path) -> str:

@@ -95,7 +95,9 @@ def run(spec: JobSpec | dict | str, metrics_out: str | None = None, resume: bool
         end = next((e for e in reversed(events) if e["event"] == "end"), None)
         last_step = max((e["step"] for e in events if e["event"] == "step"), default=0)
         if end is None:
-            end = {"event": "end", "status": "failed", "step": last_step}
+            # no rank reported the end: a failure, or a cancel before the ranks started
+            end = {"event": "end", "status": "preempted" if status.state.value == "stopped" else "failed",
+                   "step": last_step}
             events.append(end)
             if out is not None:
                 out.write(json.dumps(end) + "\n")

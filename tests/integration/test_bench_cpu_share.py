@@ -17,6 +17,7 @@ def test_cpu_share_finds_the_ranks_and_the_control_plane():
     procs = r["rounds"]["workbench"][0]["processes"]
     if hasattr(os, "SCHED_BATCH"):
         assert {p["policy"] for p in procs if p["group"] == "ranks"} == {"OTHER"}
-        actors = {p["cmd"]: p["policy"] for p in procs if p["group"] == "Ray actors"}
-        assert actors["ray::RayTrainWorker"] == actors["ray::EventBus"] == "IDLE", actors  # ours: idle time only
-        assert actors["ray::TrainController.run"] == "BATCH", actors  # Ray Train's: never preempts a rank
+        actors = [(p["cmd"], p["policy"]) for p in procs if p["group"] == "Ray actors"]
+        assert actors.count(("ray::RankRelay", "IDLE")) == 2, actors  # ours: idle time only
+        # any other Ray worker process (one Ray keeps ready, say) never preempts a rank
+        assert {policy for cmd, policy in actors if cmd != "ray::RankRelay"} <= {"BATCH"}, actors

@@ -211,7 +211,7 @@ def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
 @pytest.mark.timeout(600)
 def test_sigterm_at_a_random_step_then_resume(tmp_path):
     # 16 micro-batches a step (~0.2 s here): the steps left after SIGTERM outlast the stop's way
-    # to the rank (driver -> event bus -> worker, polled every 0.25 s), which 8-sample steps
+    # to the rank (driver -> the rank's relay actor, polled every 0.2 s -> pipe), which 8-sample steps
     # (~0.03 s) did not always.
     steps, batch = 24, 64
     spec_path = tmp_path / "spec.yaml"

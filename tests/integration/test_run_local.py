@@ -1,6 +1,7 @@
 """`workbench run` end to end on an embedded local Ray cluster with 2 CPU workers."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -39,11 +40,12 @@ def test_worker_errors_come_back_readable():
             "layout": {"dp": 2}, "train": {"steps": 2}}
     with pytest.raises(WorkerError) as e:
         workbench.run(spec, progress=False)
-    assert "rank 0: RuntimeError: boom: this model always fails in forward" in str(e.value)
+    # both ranks fail the same way; the message names the first to report
+    assert re.search(r"^rank [01]: RuntimeError: boom: this model always fails in forward$", str(e.value)), e.value
 
 
 def test_cancel_stops_every_rank_after_the_same_step():
-    """Stop goes driver -> bus -> each worker's mailbox; ranks agree on the step and the run ends preempted."""
+    """Stop goes driver -> each rank's relay actor -> the rank; ranks agree on the step and the run ends preempted."""
     from workbench.launch import start
 
     spec = {"name": "stop-me", "model": {"preset": "gpt-tiny"}, "layout": {"dp": 2},

@@ -65,8 +65,8 @@ def test_cpu_share_groups_processes_by_role():
     assert group("/venv/bin/python -c import sys; from backends.local_ray import _rank_main; _rank_main(5)") == "ranks"
     assert group("/venv/bin/python -u -m workbench.cloud_entry --spec s.json") == "ranks"
     assert group("/venv/bin/python -m torch.distributed.run --standalone -m workbench.cloud_entry") == "other"
-    assert group("ray::RayTrainWorker") == "Ray actors"
-    assert group("ray::TrainController.run") == "Ray actors"
+    assert group("ray::RankRelay") == "Ray actors"
+    assert group("ray::RankRelay.run") == "Ray actors"
     assert group("ray::DashboardAgent") == "Ray daemons"
     assert group("/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --raylet_socket_name=x") == "Ray daemons"
 
