@@ -75,7 +75,6 @@ class RunPanel:
         self.progress_text.value = "starting Ray…"
         self.note.value = note_html(f"Starting {st.spec.world_size} worker(s) on local Ray…", "info")
         self.progress.max, self.progress.value = st.spec.train.steps, 0
-        _preimport_pandas()
         st.start_events()
         self.run_button.disabled, self.stop_button.disabled = True, False
         self._stop_requested = False
@@ -170,15 +169,3 @@ def _device_bytes(gpu: str) -> int | None:
 
     device = DEVICES.get(gpu)
     return device.memory_bytes if device else None
-
-
-def _preimport_pandas() -> None:
-    """Import pandas here, on the kernel's thread, before Ray Train imports it on the job's thread.
-
-    plotly's validators look pandas up in sys.modules; half-imported by another thread, it raises
-    "partially initialized module 'pandas' has no attribute 'Series'" in the middle of a redraw.
-    """
-    try:
-        import pandas  # noqa: F401
-    except ImportError:
-        pass
