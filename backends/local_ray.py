@@ -369,9 +369,12 @@ class LocalRayJob:
                 return False
             if warn_at is not None and time.monotonic() > warn_at:
                 warn_at = None
+                free, total = ray.available_resources(), ray.cluster_resources()
+                need = ", ".join(f"{k} {v:g}" for k, v in bundle.items())
+                has = ", ".join(f"{k} {free.get(k, 0):g} free of {total.get(k, 0):g}" for k in bundle)
                 self._inbox.append({"event": "warning", "message": (
-                    f"waiting for resources: the ranks need {self.spec.world_size} x {bundle}; the cluster has "
-                    f"{ray.available_resources()} free of {ray.cluster_resources()}")})
+                    f"waiting for resources: {self.spec.world_size} ranks need {need} each; the cluster has {has} "
+                    "(another job holds them, or an autoscaler is still adding nodes); cancel to give up")})
         return True
 
     @staticmethod

@@ -69,3 +69,28 @@ def test_cancel_stops_every_rank_after_the_same_step():
     assert handle.status().state.value == "stopped"
     steps = [e["step"] for e in events if e["event"] == "step"]
     assert steps == list(range(1, end["step"] + 1))
+
+
+def test_a_group_the_cluster_cannot_hold_waits_says_why_and_can_be_cancelled(monkeypatch):
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from backends import local_ray
+    from workbench.launch import start
+
+    monkeypatch.setattr(local_ray, "_PLACEMENT_WARN_S", 1.0)
+    local_ray.ensure_ray()
+    cpus = ray.cluster_resources()["CPU"]
+    other_job = placement_group([{"CPU": cpus}])  # holds every CPU
+    ray.get(other_job.ready())
+    try:
+        handle = start({"name": "no-room", "model": {"preset": "gpt-tiny"}, "layout": {"dp": 2},
+                        "train": {"steps": 5, "global_batch": 4, "micro_batch": 2}})
+        warning = next(e for e in handle.follow(timeout_s=120) if e["event"] == "warning")
+        assert warning["message"].startswith(
+            f"waiting for resources: 2 ranks need CPU {min(1.0, cpus / 2):g} each; the cluster has CPU 0 free of {cpus:g}")
+        handle.cancel()
+        assert handle.wait(timeout_s=60).state.value == "stopped"
+        assert [e["event"] for e in handle.events] == ["warning"]  # no rank ever started
+    finally:
+        remove_placement_group(other_job)
