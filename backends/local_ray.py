@@ -16,6 +16,7 @@ section a), and ~20 s of start-up.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import os
 import sys
@@ -154,6 +155,7 @@ def _send_quietly(conn, message) -> None:
         pass
 
 
+@functools.cache  # one class per driver process, not one per restart of the group
 def _relay_class():
     import ray
 
