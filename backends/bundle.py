@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import gzip
 import io
 import json
 import os
@@ -58,7 +59,9 @@ class Bundle:
     def tar_gz(self) -> bytes:
         """The bundle as a reproducible gzip'd tarball (sorted names, fixed mtimes)."""
         buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
+        # gzip's header holds a timestamp too: 0, or two tarballs a second apart differ
+        with gzip.GzipFile(fileobj=buf, mode="wb", compresslevel=6, mtime=0) as gz, \
+                tarfile.open(fileobj=gz, mode="w") as tar:
             for name in sorted(set(self.files) | set(self.generated)):
                 data = self.generated[name] if name in self.generated else self.files[name].read_bytes()
                 info = tarfile.TarInfo(name)
