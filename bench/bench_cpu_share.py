@@ -49,9 +49,10 @@ def group(cmdline: str) -> str:
 
 
 def label(cmdline: str) -> str:
-    """A command line short enough for a table: no interpreter or site-packages paths."""
+    """A command line short enough for a table: no interpreter or site-packages paths, and an
+    actor named by its class (Ray retitles it `ray::Class.method` while a call runs)."""
     short = re.sub(r"\S*site-packages/", "", cmdline.replace(sys.executable, "python"))
-    return short[:64]
+    return re.sub(r"^(ray::\w+)\.\w+", r"\1", short)[:64]
 
 
 def snapshot() -> dict[int, tuple]:

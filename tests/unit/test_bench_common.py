@@ -78,3 +78,11 @@ def test_cpu_share_labels_drop_the_paths():
 
     assert label(f"{sys.executable} -u /v/lib/python3.11/site-packages/ray/_private/log_monitor.py --x") == \
         "python -u ray/_private/log_monitor.py --x"
+
+
+def test_cpu_share_labels_name_an_actor_by_its_class_during_a_call():
+    from bench.bench_cpu_share import label
+
+    # Ray retitles an actor's process while a method runs; the suite once failed on exactly this
+    assert label("ray::RankRelay.exchange") == label("ray::RankRelay") == "ray::RankRelay"
+    assert label("ray::IDLE") == "ray::IDLE"
