@@ -1,0 +1,190 @@
+"""Accelerate's default_config.yaml <-> JobSpec: processes, machines, FSDP or DeepSpeed plugin, mixed precision.
+
+Key names follow accelerate/commands/config/config_args.py (ClusterConfig) and the fsdp_config,
+deepspeed_config and parallelism_config keys `accelerate launch` reads (Accelerate 1.15). Batch
+sizes, the optimizer and clipping (outside the DeepSpeed plugin) live in the training script.
+"""
+from __future__ import annotations
+
+import yaml
+
+from workbench.errors import ConfigError
+from workbench.interop.common import Notes, batch_split, flatten, set_path, unexpressed_fields
+
+# Launcher details of one machine that change nothing about the job at these values.
+_NEUTRAL = {"compute_environment": "LOCAL_MACHINE", "machine_rank": 0, "main_training_function": "main",
+            "rdzv_backend": "static", "same_network": True, "downcast_bf16": "no", "gpu_ids": "all",
+            "fsdp_config.fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_config.fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}  # ours shards block by block
+_DTYPES = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
+_FSDP1 = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0}
+_SCRIPT = "the training script sets it (Accelerate's config has no field for it)"
+
+
+def parse(text: str) -> dict:
+    try:
+        cfg = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"not an Accelerate config: invalid YAML: {e}") from None
+    if not isinstance(cfg, dict) or "distributed_type" not in cfg:
+        raise ConfigError("not an Accelerate config: expected a YAML mapping with distributed_type "
+                          "(as `accelerate config` writes it).")
+    return cfg
+
+
+def dump(cfg: dict) -> str:
+    return yaml.safe_dump(cfg, sort_keys=False)
+
+
+def to_spec(cfg: dict) -> tuple[dict, list[str]]:
+    """An Accelerate config dict -> (raw spec dict, warnings)."""
+    notes, flat, raw = Notes("accelerate"), flatten(cfg), {}
+    used = {k for k, v in _NEUTRAL.items() if flat.get(k) == v}
+
+    def get(key, default=None):
+        used.add(key)
+        return flat.get(key, default)
+
+    kind = get("distributed_type", "NO")
+    dtype = _DTYPES.get(str(get("mixed_precision", "no")).lower())
+    if dtype is None:
+        notes.unmapped("mixed_precision", flat["mixed_precision"], "the spec's precisions are fp32, fp16 and bf16")
+    elif dtype != "fp32":
+        set_path(raw, "precision.dtype", dtype)
+    if get("use_cpu"):
+        set_path(raw, "resources.gpu", "cpu")
+    dp = _world(get, raw, notes, flat)
+    if kind == "FSDP":
+        _fsdp(get, raw, notes)
+    elif kind == "DEEPSPEED":
+        _deepspeed(get, raw, notes, dp)
+    elif kind not in ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA",
+                      "MULTI_MUSA", "MULTI_HPU"):
+        notes.unmapped("distributed_type", kind, "the spec runs DDP, ZeRO 1-3/FSDP, tp and pp")
+    notes.unmapped_rest(flat, used)
+    return raw, notes.lines
+
+
+def _world(get, raw: dict, notes: Notes, flat: dict) -> int:
+    """Machines, processes and the tp/dp split of them; returns dp."""
+    machines, procs = int(get("num_machines", 1)), int(get("num_processes", 1))
+    tp = int(get("parallelism_config.parallelism_config_tp_size", 1))
+    replicate = int(get("parallelism_config.parallelism_config_dp_replicate_size", 1))
+    shard = int(get("parallelism_config.parallelism_config_dp_shard_size", 1))
+    if procs < 1:
+        notes.note(f"num_processes={procs} leaves the world size to the launcher; dp=1 assumed: "
+                   "give it with --set layout.dp=N")
+        return 1
+    if procs % (tp * machines):
+        raise ConfigError(f"Accelerate config: num_processes({procs}) must be a multiple of num_machines({machines}) "
+                          f"x parallelism_config_tp_size({tp}). Fix num_processes.")
+    dp = procs // tp
+    if replicate * shard not in (1, dp):
+        raise ConfigError(f"Accelerate config: dp_replicate_size({replicate}) x dp_shard_size({shard}) must be "
+                          f"num_processes({procs}) / tp_size({tp}) = {dp}. Fix the parallelism_config sizes.")
+    if replicate > 1 and shard > 1:
+        notes.note(f"hybrid sharding (replicate {replicate} x shard {shard}) becomes plain sharding over dp={dp}")
+    set_path(raw, "layout.dp", dp)
+    set_path(raw, "layout.tp", tp)
+    if machines > 1:
+        set_path(raw, "resources.nodes", machines)
+        set_path(raw, "resources.gpus_per_node", procs // machines)
+    return dp
+
+
+def _fsdp(get, raw: dict, notes: Notes) -> None:
+    version = int(get("fsdp_config.fsdp_version", 1))
+    reshard = get("fsdp_config.fsdp_reshard_after_forward", get("fsdp_config.fsdp_sharding_strategy",
+                                                                  True if version == 2 else "FULL_SHARD"))
+    if isinstance(reshard, bool):
+        zero = 3 if reshard else 2
+    else:
+        name = str(reshard).upper().split(".")[-1]
+        zero = _FSDP1.get(name, 3)
+        if name not in _FSDP1:
+            notes.unmapped("fsdp_config.fsdp_reshard_after_forward", reshard,
+                           "hybrid sharding has no counterpart; mapped to full sharding (zero=3) over all dp ranks")
+    set_path(raw, "layout.zero", zero)
+    if get("fsdp_config.fsdp_offload_params"):
+        set_path(raw, "layout.offload", "cpu")
+    if get("fsdp_config.fsdp_activation_checkpointing"):
+        set_path(raw, "layout.activation_checkpointing", "full")
+
+
+def _deepspeed(get, raw: dict, notes: Notes, dp: int) -> None:
+    if get("deepspeed_config.deepspeed_config_file"):
+        notes.unmapped("deepspeed_config.deepspeed_config_file", get("deepspeed_config.deepspeed_config_file"),
+                       "import that file itself: workbench import FILE --format deepspeed")
+    set_path(raw, "layout.zero", int(get("deepspeed_config.zero_stage", 2)))
+    opt_dev = get("deepspeed_config.offload_optimizer_device", "none") or "none"
+    param_dev = get("deepspeed_config.offload_param_device", "none") or "none"
+    device = opt_dev if opt_dev != "none" else param_dev
+    if device != "none":
+        set_path(raw, "layout.offload", device)
+        path = get("deepspeed_config.offload_optimizer_nvme_path") or get("deepspeed_config.offload_param_nvme_path")
+        if device == "nvme" and path:
+            set_path(raw, "layout.nvme_path", path)
+    accum = get("deepspeed_config.gradient_accumulation_steps")
+    if accum:
+        from workbench.spec import TrainSpec
+
+        micro = TrainSpec().micro_batch
+        set_path(raw, "train.global_batch", micro * int(accum) * dp)
+        notes.note(f"gradient_accumulation_steps={accum}: the micro-batch size is the script's DataLoader's; "
+                   f"micro_batch={micro} assumed, so global_batch={micro * int(accum) * dp} "
+                   "(change both with --set)")
+    if get("deepspeed_config.gradient_clipping"):
+        set_path(raw, "train.grad_clip", float(get("deepspeed_config.gradient_clipping")))
+
+
+def from_spec(spec) -> tuple[dict, list[str]]:
+    """A validated JobSpec -> (Accelerate config dict, warnings)."""
+    notes, lay, res = Notes("accelerate"), spec.layout, spec.resources
+    cfg: dict = {"compute_environment": "LOCAL_MACHINE", "debug": False, "distributed_type": "NO",
+                 "downcast_bf16": "no", "machine_rank": 0, "main_training_function": "main",
+                 "mixed_precision": {"fp32": "no"}.get(spec.precision.dtype, spec.precision.dtype),
+                 "num_machines": res.nodes, "num_processes": lay.dp * lay.tp, "rdzv_backend": "static",
+                 "same_network": True, "use_cpu": res.gpu == "cpu"}
+    expressed = ["precision.dtype", "layout.dp", "layout.zero", "resources.nodes", "resources.gpus_per_node"]
+    if lay.zero == 1 or lay.offload == "nvme":
+        cfg["distributed_type"] = "DEEPSPEED"
+        cfg["deepspeed_config"] = _deepspeed_out(spec, notes)
+        expressed += ["train.global_batch", "train.grad_clip"]
+    elif lay.zero >= 2:
+        cfg["distributed_type"] = "FSDP"
+        cfg["fsdp_config"] = {"fsdp_version": 2, "fsdp_reshard_after_forward": lay.zero == 3,
+                              "fsdp_offload_params": lay.offload == "cpu",
+                              "fsdp_activation_checkpointing": lay.activation_checkpointing == "full",
+                              "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                              "fsdp_state_dict_type": "SHARDED_STATE_DICT"}
+        expressed += ["layout.offload"] + (["layout.activation_checkpointing"] if lay.activation_checkpointing == "full" else [])
+    elif cfg["num_processes"] > 1:
+        cfg["distributed_type"] = "MULTI_CPU" if res.gpu == "cpu" else "MULTI_GPU"
+    if lay.tp > 1:
+        cfg["parallelism_config"] = {"parallelism_config_dp_replicate_size": 1 if lay.zero >= 2 else lay.dp,
+                                     "parallelism_config_dp_shard_size": lay.dp if lay.zero >= 2 else 1,
+                                     "parallelism_config_tp_size": lay.tp}
+        expressed.append("layout.tp")
+    if spec.precision.initial_loss_scale == 2.0**16:  # torch's GradScaler default, which Accelerate uses
+        expressed.append("precision.initial_loss_scale")
+    unexpressed_fields(spec, expressed, notes, {
+        "layout.pp": "Accelerate's config has no pipeline stages",
+        "layout.activation_checkpointing": "Accelerate checkpoints activations only through its FSDP plugin (full)",
+        "layout.sequence_parallel": "Accelerate's sp_size is context (Ulysses) parallelism, not tp's sequence parallel",
+        "train": _SCRIPT, "model": "an Accelerate config does not describe the model", "data": _SCRIPT,
+        "checkpoint": _SCRIPT, "precision.initial_loss_scale": "Accelerate's fp16 GradScaler starts at 2**16"})
+    return cfg, notes.lines
+
+
+def _deepspeed_out(spec, notes: Notes) -> dict:
+    lay = spec.layout
+    micro, accum = batch_split(spec)
+    if micro != 4:
+        notes.unexpressed("train.micro_batch", micro, "the script's DataLoader sets it")
+    out = {"zero_stage": lay.zero, "gradient_accumulation_steps": accum, "gradient_clipping": spec.train.grad_clip,
+           "offload_optimizer_device": "none", "offload_param_device": "none", "zero3_init_flag": False}
+    if lay.offload == "nvme":
+        notes.unexpressed("layout.offload", "nvme", "DeepSpeed streams optimizer state to NVMe only under ZeRO-3")
+    if spec.precision.dtype == "fp16":
+        notes.note("fp16 under the DeepSpeed plugin uses DeepSpeed's loss scaler (window 1000, hysteresis 2)")
+    return out
