@@ -14,6 +14,7 @@ from typing import Any, Iterable
 ADAM_BETAS, ADAM_EPS, SGD_MOMENTUM = (0.9, 0.999), 1e-8, 0.9
 LOSS_SCALE_WINDOW = 2000  # steps without overflow before the fp16 loss scale doubles; halves on any overflow
 
+SCHEDULE_WHY = "the spec's learning rate is constant (no train.schedule in this spec)"
 ENGINES = ("deepspeed", "accelerate", "megatron", "torchtitan")
 
 

@@ -10,11 +10,8 @@ import json
 import math
 
 from workbench.errors import ConfigError
-from workbench.interop.common import (ADAM_BETAS, ADAM_EPS, LOSS_SCALE_WINDOW, SGD_MOMENTUM, Notes, batch_split,
-                                      flatten, set_path, unexpressed_fields)
-
-_SCHEDULE_WHY = "the spec's learning rate is constant (no train.schedule in this spec)"
-
+from workbench.interop.common import (ADAM_BETAS, ADAM_EPS, LOSS_SCALE_WINDOW, SCHEDULE_WHY, SGD_MOMENTUM, Notes,
+                                      batch_split, flatten, set_path, unexpressed_fields)
 
 def parse(text: str) -> dict:
     try:
@@ -48,7 +45,7 @@ def to_spec(cfg: dict) -> tuple[dict, list[str]]:
     _optimizer(get, raw, notes, flat)
     if get("gradient_clipping"):
         set_path(raw, "train.grad_clip", float(flat["gradient_clipping"]))
-    notes.unmapped_rest(flat, used, {"scheduler": _SCHEDULE_WHY})
+    notes.unmapped_rest(flat, used, {"scheduler": SCHEDULE_WHY})
     return raw, notes.lines
 
 
