@@ -64,7 +64,10 @@ def import_text(text: str, format: str | None = None, *, name: str = "job",
     from workbench.spec import apply_overrides, load_spec
 
     engine = _engine(format or detect_format(text))
-    raw, warnings = engine.to_spec(engine.parse(text))
+    # The world size is often the launcher's, not the file's: a --set layout.dp=N fills it in
+    # before batch sizes that scale with dp are derived.
+    dp = apply_overrides({}, overrides or []).get("layout", {}).get("dp")
+    raw, warnings = engine.to_spec(engine.parse(text), dp=int(dp) if dp else None)
     raw = {"name": name, **raw}
     try:
         spec = load_spec(apply_overrides(raw, overrides or []))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import yaml
 
 from workbench.errors import ConfigError
+from workbench.spec import TrainSpec
 from workbench.interop.common import Notes, batch_split, flatten, set_path, unexpressed_fields
 
 # Launcher details of one machine that change nothing about the job at these values.
@@ -36,8 +37,8 @@ def dump(cfg: dict) -> str:
     return yaml.safe_dump(cfg, sort_keys=False)
 
 
-def to_spec(cfg: dict) -> tuple[dict, list[str]]:
-    """An Accelerate config dict -> (raw spec dict, warnings)."""
+def to_spec(cfg: dict, dp: int | None = None) -> tuple[dict, list[str]]:
+    """An Accelerate config dict -> (raw spec dict, warnings); `dp` is the launcher's if the file leaves it."""
     notes, flat, raw = Notes("accelerate"), flatten(cfg), {}
     used = {k for k, v in _NEUTRAL.items() if flat.get(k) == v}
 
@@ -53,7 +54,10 @@ def to_spec(cfg: dict) -> tuple[dict, list[str]]:
         set_path(raw, "precision.dtype", dtype)
     if get("use_cpu"):
         set_path(raw, "resources.gpu", "cpu")
-    dp = _world(get, raw, notes, flat)
+    elif "use_cpu" in flat:
+        notes.note("use_cpu: false runs on GPUs of a type the file does not name; the spec keeps resources.gpu=cpu: "
+                   "set it with --set resources.gpu=NAME (e.g. h100-80gb)")
+    dp = _world(get, raw, notes, dp)
     if kind == "FSDP":
         _fsdp(get, raw, notes)
     elif kind == "DEEPSPEED":
@@ -61,20 +65,32 @@ def to_spec(cfg: dict) -> tuple[dict, list[str]]:
     elif kind not in ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA",
                       "MULTI_MUSA", "MULTI_HPU"):
         notes.unmapped("distributed_type", kind, "the spec runs DDP, ZeRO 1-3/FSDP, tp and pp")
+    if "global_batch" not in raw.get("train", {}):
+        _fit_batch(raw, dp, notes)
     notes.unmapped_rest(flat, used)
     return raw, notes.lines
 
 
-def _world(get, raw: dict, notes: Notes, flat: dict) -> int:
+def _fit_batch(raw: dict, dp: int, notes: Notes) -> None:
+    """The batch sizes are the script's: keep the spec's defaults when they fit dp, else one micro-batch per rank."""
+    micro, global_batch = TrainSpec().micro_batch, TrainSpec().global_batch
+    if global_batch % (micro * dp):
+        set_path(raw, "train.global_batch", micro * dp)
+        notes.note(f"the batch sizes are the training script's; global_batch = micro_batch({micro}) x dp({dp}) "
+                   f"= {micro * dp} assumed (change with --set train.global_batch=N)")
+
+
+def _world(get, raw: dict, notes: Notes, launcher_dp: int | None) -> int:
     """Machines, processes and the tp/dp split of them; returns dp."""
     machines, procs = int(get("num_machines", 1)), int(get("num_processes", 1))
     tp = int(get("parallelism_config.parallelism_config_tp_size", 1))
     replicate = int(get("parallelism_config.parallelism_config_dp_replicate_size", 1))
     shard = int(get("parallelism_config.parallelism_config_dp_shard_size", 1))
     if procs < 1:
-        notes.note(f"num_processes={procs} leaves the world size to the launcher; dp=1 assumed: "
-                   "give it with --set layout.dp=N")
-        return 1
+        if not launcher_dp:
+            notes.note(f"num_processes={procs} leaves the world size to the launcher; dp=1 assumed: "
+                       "give it with --set layout.dp=N")
+        return launcher_dp or 1
     if procs % (tp * machines):
         raise ConfigError(f"Accelerate config: num_processes({procs}) must be a multiple of num_machines({machines}) "
                           f"x parallelism_config_tp_size({tp}). Fix num_processes.")
@@ -126,8 +142,6 @@ def _deepspeed(get, raw: dict, notes: Notes, dp: int) -> None:
             set_path(raw, "layout.nvme_path", path)
     accum = get("deepspeed_config.gradient_accumulation_steps")
     if accum:
-        from workbench.spec import TrainSpec
-
         micro = TrainSpec().micro_batch
         set_path(raw, "train.global_batch", micro * int(accum) * dp)
         notes.note(f"gradient_accumulation_steps={accum}: the micro-batch size is the script's DataLoader's; "
@@ -143,13 +157,17 @@ def from_spec(spec) -> tuple[dict, list[str]]:
     cfg: dict = {"compute_environment": "LOCAL_MACHINE", "debug": False, "distributed_type": "NO",
                  "downcast_bf16": "no", "machine_rank": 0, "main_training_function": "main",
                  "mixed_precision": {"fp32": "no"}.get(spec.precision.dtype, spec.precision.dtype),
-                 "num_machines": res.nodes, "num_processes": lay.dp * lay.tp, "rdzv_backend": "static",
+                 "num_machines": res.nodes, "num_processes": lay.world_size, "rdzv_backend": "static",
                  "same_network": True, "use_cpu": res.gpu == "cpu"}
     expressed = ["precision.dtype", "layout.dp", "layout.zero", "resources.nodes", "resources.gpus_per_node"]
-    if lay.zero == 1 or lay.offload == "nvme":
+    # ZeRO 2/3 go through the plugin that says more of the spec: FSDP2 holds activation checkpointing
+    # and tp, DeepSpeed's holds gradient clipping and accumulation.
+    deepspeed = lay.zero == 1 or lay.offload == "nvme" or (
+        lay.zero >= 2 and spec.train.grad_clip > 0 and lay.activation_checkpointing == "none" and lay.tp == 1)
+    if deepspeed:
         cfg["distributed_type"] = "DEEPSPEED"
         cfg["deepspeed_config"] = _deepspeed_out(spec, notes)
-        expressed += ["train.global_batch", "train.grad_clip"]
+        expressed += ["train.global_batch", "train.grad_clip"] + (["layout.offload"] if lay.offload == "cpu" else [])
     elif lay.zero >= 2:
         cfg["distributed_type"] = "FSDP"
         cfg["fsdp_config"] = {"fsdp_version": 2, "fsdp_reshard_after_forward": lay.zero == 3,
@@ -160,15 +178,15 @@ def from_spec(spec) -> tuple[dict, list[str]]:
         expressed += ["layout.offload"] + (["layout.activation_checkpointing"] if lay.activation_checkpointing == "full" else [])
     elif cfg["num_processes"] > 1:
         cfg["distributed_type"] = "MULTI_CPU" if res.gpu == "cpu" else "MULTI_GPU"
-    if lay.tp > 1:
-        cfg["parallelism_config"] = {"parallelism_config_dp_replicate_size": 1 if lay.zero >= 2 else lay.dp,
-                                     "parallelism_config_dp_shard_size": lay.dp if lay.zero >= 2 else 1,
+    if lay.tp > 1 and cfg["distributed_type"] == "FSDP":  # Accelerate composes tp with FSDP only
+        cfg["parallelism_config"] = {"parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": lay.dp,
                                      "parallelism_config_tp_size": lay.tp}
         expressed.append("layout.tp")
     if spec.precision.initial_loss_scale == 2.0**16:  # torch's GradScaler default, which Accelerate uses
         expressed.append("precision.initial_loss_scale")
     unexpressed_fields(spec, expressed, notes, {
         "layout.pp": "Accelerate's config has no pipeline stages",
+        "layout.tp": "Accelerate composes tensor parallelism with FSDP only (zero 2/3)",
         "layout.activation_checkpointing": "Accelerate checkpoints activations only through its FSDP plugin (full)",
         "layout.sequence_parallel": "Accelerate's sp_size is context (Ulysses) parallelism, not tp's sequence parallel",
         "train": _SCRIPT, "model": "an Accelerate config does not describe the model", "data": _SCRIPT,
@@ -182,7 +200,11 @@ def _deepspeed_out(spec, notes: Notes) -> dict:
     if micro != 4:
         notes.unexpressed("train.micro_batch", micro, "the script's DataLoader sets it")
     out = {"zero_stage": lay.zero, "gradient_accumulation_steps": accum, "gradient_clipping": spec.train.grad_clip,
-           "offload_optimizer_device": "none", "offload_param_device": "none", "zero3_init_flag": False}
+           "offload_optimizer_device": "cpu" if lay.offload == "cpu" else "none",
+           "offload_param_device": "cpu" if lay.offload == "cpu" and lay.zero == 3 else "none", "zero3_init_flag": False}
+    if lay.offload == "cpu" and lay.zero == 2:
+        notes.note("layout.offload=cpu also keeps parameters on the host; DeepSpeed offloads parameters only with "
+                   "ZeRO-3, so under ZeRO-2 only the optimizer state goes to the CPU")
     if lay.offload == "nvme":
         notes.unexpressed("layout.offload", "nvme", "DeepSpeed streams optimizer state to NVMe only under ZeRO-3")
     if spec.precision.dtype == "fp16":

@@ -27,8 +27,8 @@ def dump(cfg: dict) -> str:
     return json.dumps(cfg, indent=2) + "\n"
 
 
-def to_spec(cfg: dict) -> tuple[dict, list[str]]:
-    """A ds_config dict -> (raw spec dict, warnings)."""
+def to_spec(cfg: dict, dp: int | None = None) -> tuple[dict, list[str]]:
+    """A ds_config dict -> (raw spec dict, warnings); `dp` is the launcher's data-parallel size if known."""
     notes, flat, raw, used = Notes("deepspeed"), flatten(cfg), {}, set()
 
     def get(key, default=None):
@@ -39,7 +39,7 @@ def to_spec(cfg: dict) -> tuple[dict, list[str]]:
             return default
         return value
 
-    _batch(get, raw, notes)
+    _batch(get, raw, notes, dp)
     _zero(get, raw, notes)
     _precision(get, raw, notes)
     _optimizer(get, raw, notes, flat)
@@ -49,7 +49,7 @@ def to_spec(cfg: dict) -> tuple[dict, list[str]]:
     return raw, notes.lines
 
 
-def _batch(get, raw: dict, notes: Notes) -> None:
+def _batch(get, raw: dict, notes: Notes, launcher_dp: int | None) -> None:
     tb, mb, gas = get("train_batch_size"), get("train_micro_batch_size_per_gpu"), get("gradient_accumulation_steps")
     if mb:
         set_path(raw, "train.micro_batch", mb)
@@ -64,7 +64,10 @@ def _batch(get, raw: dict, notes: Notes) -> None:
         set_path(raw, "train.global_batch", tb)
         return
     if tb or (mb and gas):
-        set_path(raw, "train.global_batch", tb or mb * gas)
+        set_path(raw, "train.global_batch", tb or mb * gas * (launcher_dp or 1))
+    if launcher_dp:
+        set_path(raw, "layout.dp", launcher_dp)
+        return
     notes.note("the data-parallel size is the launcher's world size and this config does not fix it "
                "(it needs train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps); "
                "dp=1 assumed: give it with --set layout.dp=N (and train.global_batch)")

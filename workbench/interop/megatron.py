@@ -32,7 +32,7 @@ _GPT2_VOCAB = 50257  # --vocab-file/--merge-file name the GPT-2 BPE tokenizer
 
 
 def parse(text: str) -> dict:
-    """A shell command line (or a script of them) -> {"--flag": value or True} with simple $VARs resolved."""
+    """A shell command line (or a script of them) -> {flag: value, or True for a switch}, simple $VARs resolved."""
     vars_ = dict(re.findall(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=([^\s$()`]+)\s*(?:#.*)?$", text, re.M))
     try:
         tokens = shlex.split(text.replace("\\\n", " "), comments=True)
@@ -89,11 +89,11 @@ class _Args:
             raise ConfigError(f"Megatron-LM flag {flag} {value!r}: expected a {kind.__name__}.") from None
 
 
-def to_spec(args: dict) -> tuple[dict, list[str]]:
-    """Parsed Megatron-LM flags -> (raw spec dict, warnings)."""
+def to_spec(args: dict, dp: int | None = None) -> tuple[dict, list[str]]:
+    """Parsed Megatron-LM flags -> (raw spec dict, warnings); `dp` is used if torchrun's line does not fix it."""
     notes = Notes("megatron")
     a, raw = _Args(args, notes), {}
-    _layout(a, raw, notes)
+    _layout(a, raw, notes, dp)
     _precision(a, raw, notes)
     _train(a, raw, notes)
     _recompute(a, raw, notes)
@@ -109,17 +109,17 @@ def to_spec(args: dict) -> tuple[dict, list[str]]:
     return raw, notes.lines
 
 
-def _layout(a: _Args, raw: dict, notes: Notes) -> None:
+def _layout(a: _Args, raw: dict, notes: Notes, launcher_dp: int | None) -> None:
     tp, pp = a.get("--tensor-model-parallel-size", 1, int), a.get("--pipeline-model-parallel-size", 1, int)
     nodes = a.get("--nnodes", 1, int)
     procs = a.get("--nproc_per_node", None, int) or a.get("--nproc-per-node", None, int)
-    dp = 1
+    dp = launcher_dp or 1
     if procs and (nodes * procs) % (tp * pp) == 0:
         dp = nodes * procs // (tp * pp)
         if nodes > 1:
             set_path(raw, "resources.nodes", nodes)
             set_path(raw, "resources.gpus_per_node", procs)
-    else:
+    elif not launcher_dp:
         started = f"torchrun starts {nodes} x {procs} ranks, not a multiple of" if procs else "no torchrun rank count;"
         notes.note(f"{started} tp({tp}) x pp({pp}); dp=1 assumed: give it with --set layout.dp=N "
                    "(and resources.nodes / gpus_per_node)")

@@ -35,6 +35,13 @@ FLAVORS = {
 _SCHEDULES = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved1F1B": "interleaved-1f1b",
               "InterleavedZeroBubble": "zero-bubble"}
 _DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
+# Values that switch a feature off: saying them sets nothing.
+_NEUTRAL = {"parallelism.context_parallel_degree": 1, "parallelism.expert_parallel_degree": 1,
+            "parallelism.expert_tensor_parallel_degree": 1, "training.mixed_precision_reduce": "float32"}
+# Sections whose every key is inert while their switch (default off) is off.
+_SWITCHED = {"checkpoint": "checkpoint.enable", "compile": "compile.enable", "validation": "validation.enable",
+             "profiling": "profiling.enable_profiling", "memory_estimation": "memory_estimation.enable",
+             "fault_tolerance": "fault_tolerance.enable", "quantize": "model.converters"}
 
 
 def parse(text: str) -> dict:
@@ -68,15 +75,19 @@ def _toml_value(value) -> str:
     raise TypeError(f"no TOML form for {type(value).__name__}")
 
 
-def to_spec(cfg: dict) -> tuple[dict, list[str]]:
-    """A torchtitan job config dict -> (raw spec dict, warnings)."""
-    notes, flat, raw, used = Notes("torchtitan"), flatten(cfg), {}, set()
+def to_spec(cfg: dict, dp: int | None = None) -> tuple[dict, list[str]]:
+    """A torchtitan job config dict -> (raw spec dict, warnings); `dp` fills data_parallel_shard_degree=-1."""
+    notes, flat, raw = Notes("torchtitan"), flatten(cfg), {}
+    used = {k for k, v in _NEUTRAL.items() if flat.get(k) == v}
+    for section, switch in _SWITCHED.items():
+        if not flat.get(switch):
+            used |= {k for k in flat if k.startswith(section + ".")}
 
     def get(key, default=None):
         used.add(key)
         return flat.get(key, default)
 
-    pp = _parallelism(get, raw, notes)
+    pp = _parallelism(get, raw, notes, dp)
     _training(get, raw, notes, pp)
     _optimizer(get, raw, notes)
     _activation_checkpoint(get, raw, notes)
@@ -90,11 +101,13 @@ def to_spec(cfg: dict) -> tuple[dict, list[str]]:
     return raw, notes.lines
 
 
-def _parallelism(get, raw: dict, notes: Notes) -> int:
+def _parallelism(get, raw: dict, notes: Notes, launcher_dp: int | None) -> int:
     replicate = int(get("parallelism.data_parallel_replicate_degree", 1))
     shard = int(get("parallelism.data_parallel_shard_degree", -1))
     tp, pp = int(get("parallelism.tensor_parallel_degree", 1)), int(get("parallelism.pipeline_parallel_degree", 1))
-    if shard == -1:
+    if shard == -1 and launcher_dp:
+        shard = max(launcher_dp // replicate, 1)
+    elif shard == -1:
         notes.note("data_parallel_shard_degree=-1 takes the ranks the launcher (NGPU) leaves; the file does not "
                    "say how many: dp=1 assumed, give it with --set layout.dp=N")
     dp = replicate * max(shard, 1)
