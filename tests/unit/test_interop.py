@@ -318,6 +318,13 @@ def test_megatron_parser_reads_bash_arrays_and_simple_variables():
                     "--seq-length": "128", "--swiglu": True}
 
 
+def test_warnings_never_show_secret_values():
+    _, warnings = import_text("torchrun pretrain_gpt.py --micro-batch-size 2 --wandb-api-key s3cr3t "
+                              "--hf-token hf_abc", "megatron")
+    assert any("'--wandb-api-key' = '<redacted>'" in w for w in warnings)
+    assert not any("s3cr3t" in w or "hf_abc" in w for w in warnings)
+
+
 def test_batch_sizes_that_disagree_are_a_config_error():
     with pytest.raises(ConfigError, match="train_batch_size\\(30\\)"):
         import_text('{"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}')

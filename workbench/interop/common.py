@@ -6,6 +6,7 @@ Torch-free on purpose: importing a config must not need the training stack.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Iterable
 
 # The optimizer and loss-scaler constants our runtime uses (workbench/parallel/step.py and
@@ -16,6 +17,7 @@ LOSS_SCALE_WINDOW = 2000  # steps without overflow before the fp16 loss scale do
 
 SCHEDULE_WHY = "the spec's learning rate is constant (no train.schedule in this spec)"
 ENGINES = ("deepspeed", "accelerate", "megatron", "torchtitan")
+_SECRET = re.compile(r"token|secret|password|passwd|api.?key|credential|auth", re.I)
 
 
 class Notes:
@@ -28,6 +30,8 @@ class Notes:
     def unmapped(self, key: str, value: Any, why: str = "") -> None:
         """A key of the engine's config that has no meaning in a workbench spec."""
         reason = f": {why}" if why else ": no counterpart in the workbench spec"
+        if _SECRET.search(key):
+            value = "<redacted>"  # warnings reach terminals and logs; secrets never do
         self.lines.append(f"{self.engine} key {key!r} = {value!r} not mapped{reason}")
 
     def unexpressed(self, key: str, value: Any, why: str = "") -> None:
