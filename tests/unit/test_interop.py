@@ -389,6 +389,18 @@ def test_cli_import_refuses_ill_formed_input_with_exit_2(tmp_path, content, mess
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("engine,content", [
+    ("deepspeed", '{"train_batch_size": "many", "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}'),
+    ("accelerate", "distributed_type: FSDP\nnum_processes: eight\n"),
+    ("megatron", "torchrun pretrain_gpt.py --tensor-model-parallel-size two"),
+    ("torchtitan", "[parallelism]\ntensor_parallel_degree = \"two\"\n"),
+    ("deepspeed", '{"zero_optimization": {"stage": "three"}}'),
+])
+def test_values_of_the_wrong_type_are_a_config_error(engine, content):
+    with pytest.raises(ConfigError, match="(wrong type|expected a int|refuses)"):
+        import_text(content, engine)
+
+
 def test_cli_import_of_a_missing_file_exits_2(tmp_path):
     proc = cli("import", tmp_path / "nope.json")
     assert proc.returncode == 2 and "cannot read config" in proc.stderr

@@ -67,13 +67,19 @@ def import_text(text: str, format: str | None = None, *, name: str = "job",
     # The world size is often the launcher's, not the file's: a --set layout.dp=N fills it in
     # before batch sizes that scale with dp are derived.
     dp = apply_overrides({}, overrides or []).get("layout", {}).get("dp")
-    raw, warnings = engine.to_spec(engine.parse(text), dp=int(dp) if dp else None)
+    label = engine.__name__.rsplit(".", 1)[-1]
+    try:
+        raw, warnings = engine.to_spec(engine.parse(text), dp=int(dp) if dp else None)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, AttributeError) as e:  # a number that is text, a section that is a value, ...
+        raise ConfigError(f"the {label} config has a value of the wrong type ({e}). Fix that value; "
+                          "docs/interop.md lists the keys read and what they must hold.") from None
     raw = {"name": name, **raw}
     try:
         spec = load_spec(apply_overrides(raw, overrides or []))
     except ConfigError as e:
-        raise ConfigError(f"the {engine.__name__.rsplit('.', 1)[-1]} config maps to a spec the workbench refuses: "
-                          f"{e}") from None
+        raise ConfigError(f"the {label} config maps to a spec the workbench refuses: {e}") from None
     return spec, warnings
 
 

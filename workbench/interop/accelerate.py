@@ -91,9 +91,9 @@ def _world(get, raw: dict, notes: Notes, launcher_dp: int | None) -> int:
             notes.note(f"num_processes={procs} leaves the world size to the launcher; dp=1 assumed: "
                        "give it with --set layout.dp=N")
         return launcher_dp or 1
-    if procs % (tp * machines):
+    if procs % tp or procs % machines:
         raise ConfigError(f"Accelerate config: num_processes({procs}) must be a multiple of num_machines({machines}) "
-                          f"x parallelism_config_tp_size({tp}). Fix num_processes.")
+                          f"and of parallelism_config_tp_size({tp}). Fix num_processes.")
     dp = procs // tp
     if replicate * shard not in (1, dp):
         raise ConfigError(f"Accelerate config: dp_replicate_size({replicate}) x dp_shard_size({shard}) must be "

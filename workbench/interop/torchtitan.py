@@ -226,9 +226,10 @@ def from_spec(spec) -> tuple[dict, list[str]]:
         notes.unexpressed("layout.sequence_parallel", False, "torchtitan's tensor parallel always shards the "
                           "norms along the sequence")
     training = {"local_batch_size": micro if lay.pp == 1 else tr.global_batch // lay.dp,
-                "global_batch_size": tr.global_batch, "seq_len": spec.model.shape().seq_len if not spec.model.params else 2048,
-                "max_norm": tr.grad_clip, "steps": tr.steps, "enable_cpu_offload": lay.offload == "cpu",
+                "global_batch_size": tr.global_batch, "max_norm": tr.grad_clip, "steps": tr.steps, "enable_cpu_offload": lay.offload == "cpu",
                 "mixed_precision_param": "float32" if spec.precision.dtype == "fp32" else "bfloat16"}
+    if not (spec.model.params or spec.model.factory):
+        training["seq_len"] = spec.model.shape().seq_len
     if spec.precision.dtype == "fp16":
         notes.unexpressed("precision.dtype", "fp16", "torchtitan's mixed precision is bf16 only; exported as bfloat16")
     if lay.offload == "cpu":
