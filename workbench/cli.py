@@ -146,7 +146,8 @@ def _emit(text: str, warnings: list[str], output: str | None) -> int:
     return 0
 
 
-_COMMANDS = {"import": _import, "export-config": _export_config, "run": _run, "validate": _validate, "memory": _memory, "plan": _plan, "dispatch": _dispatch}
+_COMMANDS = {"run": _run, "validate": _validate, "memory": _memory, "plan": _plan, "dispatch": _dispatch}
+_COMMANDS.update({"import": _import, "export-config": _export_config})
 
 if __name__ == "__main__":
     sys.exit(main())

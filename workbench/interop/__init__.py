@@ -30,8 +30,8 @@ def detect_format(text: str, filename: str = "") -> str:
         ConfigError: nothing in the text says which engine it is for.
     """
     head = text.lstrip()
-    if head.startswith("{"):
-        return "deepspeed"
+    if head.startswith("{"):  # Accelerate also writes its config as JSON
+        return "accelerate" if '"distributed_type"' in text else "deepspeed"
     if "--tensor-model-parallel-size" in text or "pretrain_gpt" in text or "--micro-batch-size" in text:
         return "megatron"
     if "distributed_type" in text or "compute_environment" in text:
