@@ -6,6 +6,7 @@ Megatron-LM's argument names read from its source, and the CLI's warnings and ex
 """
 import inspect
 import json
+import os
 import re
 import subprocess
 import sys
@@ -223,6 +224,15 @@ def test_torchtitan_llama3_8b_toml_round_trip():
 
 
 # -- the engines' own validation ------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def keep_environ():
+    """Importing Accelerate/DeepSpeed sets a few environment variables; later tests' workers must not inherit them."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
+
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("layout", DS_LAYOUTS, ids=str)
