@@ -184,6 +184,19 @@ def test_accelerate_configs_round_trip(name):
         assert back["deepspeed_config"] == original["deepspeed_config"]
 
 
+@pytest.mark.parametrize("fsdp,zero,warned", [
+    ({"fsdp_version": 1, "fsdp_sharding_strategy": "FULL_SHARD"}, 3, False),
+    ({"fsdp_version": 1, "fsdp_reshard_after_forward": "SHARD_GRAD_OP"}, 2, False),
+    ({"fsdp_version": 1, "fsdp_sharding_strategy": "HYBRID_SHARD"}, 3, True),
+    ({"fsdp_version": 2, "fsdp_reshard_after_forward": False}, 2, False),
+])
+def test_accelerate_fsdp1_and_fsdp2_sharding_names(fsdp, zero, warned):
+    cfg = {"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": fsdp}
+    s, warnings = import_text(yaml.safe_dump(cfg), "accelerate")
+    assert s.layout.zero == zero
+    assert any("hybrid sharding" in w for w in warnings) == warned
+
+
 def test_megatron_gpt3_command_line_is_refused_clearly_then_maps_with_overrides():
     path = FIXTURES / "megatron_gpt3_175b.sh"  # NVIDIA/Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh
     with pytest.raises(ConfigError, match="tie_embeddings"):  # pp=16 cannot share the embedding with the head
