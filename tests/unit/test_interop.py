@@ -218,6 +218,15 @@ def test_megatron_gpt3_command_line_is_refused_clearly_then_maps_with_overrides(
     assert float(back["--lr"]) == 6e-5 and float(back["--weight-decay"]) == 0.1 and float(back["--clip-grad"]) == 1.0
 
 
+def test_megatron_llama3_8b_script_with_quoted_flags():
+    path = FIXTURES / "megatron_llama3_8b.sh"  # NVIDIA/Megatron-LM examples/llama/train_llama3_8b_h100_fp8.sh
+    s, warnings = import_config(path)
+    shape = s.model.shape()
+    assert (shape.family, shape.layers, shape.kv_heads, shape.ffn_hidden, shape.vocab) == ("llama", 32, 8, 14336, 128256)
+    assert (s.layout.dp, s.layout.zero, s.layout.sequence_parallel, s.precision.dtype) == (8, 1, False, "bf16")
+    assert any("'--fp8-format' = 'hybrid'" in w for w in warnings)
+
+
 def test_torchtitan_llama3_8b_toml_round_trip():
     path = FIXTURES / "torchtitan_llama3_8b.toml"  # pytorch/torchtitan e347b1e, models/llama3/train_configs
     s, warnings = import_config(path, overrides=["layout.dp=64"])
@@ -339,6 +348,10 @@ def test_megatron_parser_reads_bash_arrays_and_simple_variables():
                          "torchrun --nproc_per_node $GPUS pretrain_gpt.py ${A[@]} --lr=1e-4 --seq-length 128 \\\n --swiglu")
     assert args == {"--micro-batch-size": "2", "--bf16": True, "--nproc_per_node": "4", "--lr": "1e-4",
                     "--seq-length": "128", "--swiglu": True}
+    # Megatron-LM's llama examples quote each flag with its value, and arrays may end on a switch.
+    args = meg_mod.parse('ARGS=(\n  "--num-layers 32"\n  "--tokenizer-type NullTokenizer"\n  --no-rope-fusion\n)\n'
+                         "torchrun pretrain_gpt.py ${ARGS[@]}")
+    assert args == {"--num-layers": "32", "--tokenizer-type": "NullTokenizer", "--no-rope-fusion": True}
 
 
 def test_warnings_never_show_secret_values():

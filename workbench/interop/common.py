@@ -17,7 +17,7 @@ LOSS_SCALE_WINDOW = 2000  # steps without overflow before the fp16 loss scale do
 
 SCHEDULE_WHY = "the spec's learning rate is constant (no train.schedule in this spec)"
 ENGINES = ("deepspeed", "accelerate", "megatron", "torchtitan")
-_SECRET = re.compile(r"token|secret|password|passwd|api.?key|credential|auth", re.I)
+_SECRET = re.compile(r"(token|key|secret|password|passwd|credentials?)$|secret|password", re.I)
 
 
 class Notes:

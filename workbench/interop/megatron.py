@@ -42,10 +42,11 @@ def parse(text: str) -> dict:
     for i, tok in enumerate(tokens):
         if not tok.startswith("--"):
             continue
-        flag, eq, value = tok.partition("=")
-        if not eq:
+        flag, sep, value = tok.partition(" ") if " " in tok else tok.partition("=")  # "--flag value" quoted as one
+        if not sep:
             nxt = tokens[i + 1] if i + 1 < len(tokens) else None
-            takes = flag not in _SWITCHES and nxt is not None and not nxt.startswith("--") and not nxt.endswith(".py")
+            takes = (flag not in _SWITCHES and nxt is not None and not nxt.startswith("--")
+                     and not nxt.endswith((".py", "(", ")")))
             value = nxt if takes else True
         if isinstance(value, str):
             value = re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: vars_.get(m.group(1), m.group(0)), value)
@@ -131,7 +132,7 @@ def _layout(a: _Args, raw: dict, notes: Notes, launcher_dp: int | None) -> None:
         virtual = layers // (pp * per_stage)
     if virtual and virtual > 1:
         raw["layout"].update(pp_schedule="interleaved-1f1b", virtual_stages=virtual)
-    if a.get("--sequence-parallel"):
+    if a.get("--sequence-parallel") and tp > 1:  # Megatron turns it off itself when tp is 1
         raw["layout"]["sequence_parallel"] = True
     if a.get("--use-torch-fsdp2"):
         raw["layout"]["zero"] = 3
