@@ -361,6 +361,20 @@ def test_warnings_never_show_secret_values():
     assert not any("s3cr3t" in w or "hf_abc" in w for w in warnings)
 
 
+def test_a_refusal_carries_the_assumptions_that_led_to_it():
+    # No world size on the command line: dp=1 is assumed, and the batch sizes then disagree.
+    with pytest.raises(ConfigError, match="(?s)refuses: .*global_batch.*note: .*--set layout.dp=N"):
+        import_text("pretrain_gpt.py --micro-batch-size 4 --global-batch-size 6", "megatron")
+
+
+def test_a_job_that_cannot_run_as_imported_says_why():
+    # No world size in the file: dp=1 is assumed, and ZeRO-3 on one rank can be planned, not run.
+    s, warnings = import_text("[parallelism]\ndata_parallel_shard_degree = -1\n", "torchtitan")
+    assert s.layout.zero == 3
+    assert any(w.startswith("torchtitan: the imported job can be planned but not run") and "single rank" in w
+               for w in warnings)
+
+
 def test_batch_sizes_that_disagree_are_a_config_error():
     with pytest.raises(ConfigError, match="train_batch_size\\(30\\)"):
         import_text('{"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}')

@@ -62,6 +62,7 @@ def import_text(text: str, format: str | None = None, *, name: str = "job",
         ConfigError: ill-formed input, or a mapped job the workbench cannot run (with the rule and a fix).
     """
     from workbench.spec import apply_overrides, load_spec
+    from workbench.validate import check_runnable
 
     engine = _engine(format or detect_format(text))
     # The world size is often the launcher's, not the file's: a --set layout.dp=N fills it in
@@ -79,7 +80,13 @@ def import_text(text: str, format: str | None = None, *, name: str = "job",
     try:
         spec = load_spec(apply_overrides(raw, overrides or []))
     except ConfigError as e:
-        raise ConfigError(f"the {label} config maps to a spec the workbench refuses: {e}") from None
+        notes = [w for w in warnings if w.startswith(f"{label}:")]  # the assumptions may be the cause
+        raise ConfigError(f"the {label} config maps to a spec the workbench refuses: {e}"
+                          + "".join(f"\n  note: {n}" for n in notes)) from None
+    try:  # a spec that only plans is still worth having (workbench memory/plan); say why it would not run
+        check_runnable(spec)
+    except ConfigError as e:
+        warnings = warnings + [f"{label}: the imported job can be planned but not run as it is: {e}"]
     return spec, warnings
 
 
