@@ -1,4 +1,4 @@
-"""The `workbench` command: run, validate, memory, plan, dispatch (see DESIGN.md, Contracts)."""
+"""The `workbench` command: run, validate, memory, plan, dispatch, import, export-config (see DESIGN.md, Contracts)."""
 from __future__ import annotations
 
 import argparse
@@ -34,7 +34,24 @@ def _parser() -> argparse.ArgumentParser:
     dispatch = command("dispatch", "Submit the job to a backend, or print the request with --dry-run.")
     dispatch.add_argument("--backend", help="local | ray | sagemaker | vertex | azureml (default: the spec's)")
     dispatch.add_argument("--dry-run", action="store_true", help="print the exact request; needs no credentials or network")
+    _interop_commands(sub, command)
     return p
+
+
+def _interop_commands(sub, command) -> None:
+    from workbench.interop.common import ENGINES
+
+    imp = sub.add_parser("import", help="Translate a DeepSpeed, Accelerate, Megatron-LM or torchtitan config into a spec.",
+                         description="Translate an engine's config into a job spec (YAML); every key with no "
+                         "counterpart is named in a warning on stderr (docs/interop.md).")
+    imp.add_argument("file", help="ds_config.json, Accelerate YAML, Megatron-LM command line, or torchtitan TOML")
+    imp.add_argument("--format", choices=ENGINES, help="the config's engine (default: detected from the content)")
+    imp.add_argument("-o", "--output", help="write the spec here instead of stdout")
+    imp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="set what the file leaves to the launcher, e.g. --set layout.dp=8 (repeatable)")
+    exp = command("export-config", "Write the spec as a DeepSpeed, Accelerate, Megatron-LM or torchtitan config.")
+    exp.add_argument("--to", required=True, choices=ENGINES, help="the engine")
+    exp.add_argument("-o", "--output", help="write the config here instead of stdout")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,7 +118,36 @@ def _dispatch(args) -> int:
     return 0
 
 
+def _import(args) -> int:
+    from workbench.interop import import_config
+
+    spec, warnings = import_config(args.file, args.format, args.overrides)
+    return _emit(spec.to_yaml(), warnings, args.output)
+
+
+def _export_config(args) -> int:
+    from workbench.interop import export_config
+
+    text, warnings = export_config(_load(args), args.to)
+    return _emit(text, warnings, args.output)
+
+
+def _emit(text: str, warnings: list[str], output: str | None) -> int:
+    for line in warnings:
+        print(f"warning: {line}", file=sys.stderr)
+    if output:
+        try:
+            with open(output, "w") as f:
+                f.write(text)
+        except OSError as e:
+            raise ConfigError(f"cannot write {output!r}: {e}.") from None
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 _COMMANDS = {"run": _run, "validate": _validate, "memory": _memory, "plan": _plan, "dispatch": _dispatch}
+_COMMANDS.update({"import": _import, "export-config": _export_config})
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,6 +13,7 @@ import ipywidgets as w
 from workbench.errors import ConfigError
 from workbench.spec import JobSpec, load_spec
 from workbench.ui.dispatch_panel import DispatchPanel
+from workbench.ui.import_config import ImportConfig
 from workbench.ui.layout_panel import LayoutPanel
 from workbench.ui.live import note_html
 from workbench.ui.memory_panel import MemoryPanel
@@ -52,6 +53,7 @@ class Workbench:
         self.load_button = w.Button(description="Load", icon="folder-open", layout=w.Layout(width="90px"))
         self.save_button = w.Button(description="Save", icon="save", layout=w.Layout(width="90px"))
         self.message = w.HTML()
+        self.import_config = ImportConfig(self.state, self.message, on_loaded=lambda s: setattr(self.name, "value", s.name))
         self.load_button.on_click(lambda _: self._load_clicked())
         self.save_button.on_click(lambda _: self._save_clicked())
         self.name.observe(lambda ch: self.state.update({"name": ch["new"] or "job"}), names="value")
@@ -62,7 +64,8 @@ class Workbench:
         self.dispatch_box = w.VBox([])
         self.dispatch_toggle.observe(lambda ch: self._show_dispatch(ch["new"]), names="value")
         header = w.HBox([w.HTML("<b style='font-size:16px'>workbench</b>", layout=w.Layout(width="110px")),
-                         w.Label("name"), self.name, w.Label("YAML"), self.path, self.load_button, self.save_button],
+                         w.Label("name"), self.name, w.Label("YAML"), self.path, self.load_button,
+                         self.import_config.widget, self.save_button],
                         layout=w.Layout(align_items="center", grid_gap="6px"))
         right = w.VBox([_title("Memory"), self.memory_panel.widget, _title("Run"), self.run_panel.widget,
                         _title("Dispatch"), self.dispatch_toggle, self.dispatch_box],

@@ -1,0 +1,456 @@
+"""Configs of DeepSpeed, Accelerate, Megatron-LM and torchtitan in and out (workbench/interop, docs/interop.md).
+
+Round trips both ways, the exports checked by the engines' own config code where it installs on a
+CPU machine (DeepSpeed's DeepSpeedConfig, Accelerate's launcher and plugin dataclasses) and by
+Megatron-LM's argument names read from its source, and the CLI's warnings and exit codes.
+"""
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from workbench.errors import ConfigError
+from workbench.interop import detect_format, export_config, import_config, import_text
+from workbench.interop import accelerate as acc_mod, common, megatron as meg_mod, torchtitan as tt_mod
+from workbench.spec import load_spec
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "interop"
+DEBUG_LLAMA = dict(tt_mod.FLAVORS["debugmodel"], family="llama", seq_len=64, tie_embeddings=False)
+
+
+def spec(layout: dict, dtype: str = "fp32", **sections):
+    raw = {"layout": layout, "precision": {"dtype": dtype}, **sections}
+    if dtype == "fp16":
+        raw["precision"]["initial_loss_scale"] = 4096.0
+    return load_spec(raw)
+
+
+def assert_same_job(a, b):
+    """Equal specs; a preset and the explicit shape it resolves to are the same model."""
+    da, db = a.to_dict(), b.to_dict()
+    ma, mb = da.pop("model"), db.pop("model")
+    assert da == db
+    if ma != mb:
+        assert a.model.shape() == b.model.shape()
+
+
+def round_trip(original, engine: str):
+    text, out_warnings = export_config(original, engine)
+    back, in_warnings = import_text(text, engine)
+    assert_same_job(original, back)
+    return text, out_warnings, in_warnings
+
+
+# -- ours -> theirs -> ours, for every layout each engine can say ---------------------------------
+
+TRAIN = [{"optimizer": "adamw", "weight_decay": 0.1, "grad_clip": 1.0, "global_batch": 32, "micro_batch": 2},
+         {"optimizer": "adam", "lr": 1e-3}, {"optimizer": "sgd", "lr": 0.05, "grad_clip": 0.5}]
+DS_LAYOUTS = [{"dp": 1}, {"dp": 2}, {"dp": 2, "zero": 1}, {"dp": 2, "zero": 2}, {"dp": 4, "zero": 3},
+              {"dp": 2, "zero": 2, "offload": "cpu"}, {"dp": 2, "zero": 3, "offload": "cpu"}]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("layout", DS_LAYOUTS, ids=str)
+def test_deepspeed_round_trip(layout, dtype):
+    train = TRAIN[DS_LAYOUTS.index(layout) % len(TRAIN)]
+    _, out_w, in_w = round_trip(spec(layout, dtype, train=train), "deepspeed")
+    assert not [w for w in in_w if "not mapped" in w]
+
+
+ACC_LAYOUTS = [{"dp": 1}, {"dp": 2}, {"dp": 2, "zero": 1}, {"dp": 2, "zero": 2}, {"dp": 4, "zero": 3},
+               {"dp": 2, "zero": 3, "offload": "cpu", "activation_checkpointing": "full"},
+               {"dp": 2, "zero": 2, "offload": "cpu"}, {"dp": 2, "zero": 2, "tp": 2}]
+
+
+# Clipping is said only by the DeepSpeed plugin (ZeRO >= 1, no activation checkpointing, no tp).
+ACC_CASES = [(lay, clip) for lay in ACC_LAYOUTS for clip in (0.0, 1.0)
+             if not clip or (lay.get("zero", 0) >= 1 and "activation_checkpointing" not in lay and "tp" not in lay)]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("layout,clip", ACC_CASES, ids=str)
+def test_accelerate_round_trip(layout, dtype, clip):
+    # Accelerate's fp16 scaler starts at torch's 2**16, so the spec keeps that default here.
+    raw = {"layout": layout, "precision": {"dtype": dtype}, "train": {"grad_clip": clip}}
+    round_trip(load_spec(raw), "accelerate")
+
+
+def test_accelerate_round_trip_over_machines():
+    round_trip(spec({"dp": 4}, resources={"nodes": 2}), "accelerate")
+
+
+MEG_LAYOUTS = [{"dp": 2}, {"dp": 2, "zero": 1}, {"dp": 2, "zero": 2}, {"dp": 2, "zero": 3},
+               {"tp": 2, "sequence_parallel": True}, {"pp": 2}, {"pp": 2, "pp_schedule": "interleaved-1f1b"},
+               {"dp": 2, "tp": 2, "pp": 2}, {"dp": 2, "activation_checkpointing": "full"}]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("layout", MEG_LAYOUTS, ids=str)
+def test_megatron_round_trip(layout, dtype):
+    train = {**TRAIN[MEG_LAYOUTS.index(layout) % 3], "seed": 7}
+    if train["optimizer"] == "adam":
+        train["optimizer"] = "adamw"  # Megatron's adam is AdamW (checked below)
+    model = {"preset": "llama-7b"} if layout.get("activation_checkpointing") else {"preset": "gpt-tiny"}
+    _, out_w, in_w = round_trip(spec(layout, dtype, train=train, model=model,
+                                     checkpoint={"every_steps": 5, "uri": "/ckpt/run"}), "megatron")
+    assert not out_w and not [w for w in in_w if "not mapped" in w]
+
+
+def test_megatron_round_trip_over_nodes():
+    round_trip(spec({"dp": 2, "tp": 2, "pp": 2}, resources={"nodes": 2}), "megatron")
+
+
+TT_LAYOUTS = [{"dp": 1}, {"dp": 2}, {"dp": 2, "zero": 2}, {"dp": 2, "zero": 3, "offload": "cpu"},
+              {"tp": 2, "sequence_parallel": True}, {"pp": 2}, {"pp": 2, "pp_schedule": "gpipe"},
+              {"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 3},
+              {"pp": 2, "pp_schedule": "zero-bubble", "virtual_stages": 3},
+              {"dp": 2, "activation_checkpointing": "full"},
+              {"dp": 2, "zero": 3, "activation_checkpointing": "selective", "checkpoint_every": 3}]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("layout", TT_LAYOUTS, ids=str)
+def test_torchtitan_round_trip(layout, dtype):
+    train = {**TRAIN[TT_LAYOUTS.index(layout) % 2], "seed": 3}
+    text, out_w, in_w = round_trip(spec(layout, dtype, train=train, model=DEBUG_LLAMA,
+                                        checkpoint={"every_steps": 5, "uri": "./ckpt/x", "keep": 2}), "torchtitan")
+    assert not out_w and not [w for w in in_w if "not mapped" in w]
+    assert tomllib.loads(text)["model"] == {"name": "llama3", "flavor": "debugmodel"}
+
+
+def test_llama3_flavor_widths_match_torchtitans_formula():
+    assert [tt_mod.FLAVORS[f]["ffn_hidden"] for f in ("debugmodel", "8B", "70B", "405B")] == [768, 14336, 28672, 53248]
+
+
+# -- what cannot be said is named, never dropped ------------------------------------------------
+
+def test_exports_name_what_the_engine_cannot_express():
+    s = spec({"dp": 2, "pp": 2, "zero": 1, "offload": "nvme"}, train={"optimizer": "sgd"})
+    _, w = export_config(s, "deepspeed")
+    assert any(x.startswith("spec layout.pp = 2 not exported") for x in w)
+    assert any(x.startswith("spec layout.offload = 'nvme' not exported") for x in w)
+    _, w = export_config(s, "torchtitan")
+    assert any(x.startswith("spec layout.zero = 1 not exported") for x in w)
+    assert any(x.startswith("spec train.optimizer = 'sgd' not exported") for x in w)
+    assert any(x.startswith("spec model = 'gpt-tiny' not exported") for x in w)
+    _, w = export_config(spec({"dp": 2, "tp": 2}), "accelerate")  # Accelerate's ParallelismConfig refuses DDP + tp
+    assert any(x.startswith("spec layout.tp = 2 not exported") for x in w)
+    _, w = export_config(spec({"dp": 2, "activation_checkpointing": "selective"}), "megatron")
+    assert any(x.startswith("spec layout.activation_checkpointing = 'selective' not exported") for x in w)
+
+
+# -- theirs -> ours -> theirs keeps every mapped key ----------------------------------------------
+
+def test_deepspeed_zero3_offload_bf16_config_round_trip():
+    original = json.loads((FIXTURES / "ds_zero3_offload_bf16.json").read_text())
+    s, warnings = import_config(FIXTURES / "ds_zero3_offload_bf16.json")
+    assert (s.layout.dp, s.layout.zero, s.layout.offload, s.precision.dtype) == (8, 3, "cpu", "bf16")
+    assert (s.train.global_batch, s.train.micro_batch, s.train.lr, s.train.weight_decay) == (256, 4, 2e-4, 0.1)
+    for key in ("scheduler.type", "steps_per_print", "zero_optimization.overlap_comm",
+                "zero_optimization.offload_param.pin_memory"):
+        assert sum(f"'{key}'" in w for w in warnings) == 1, key
+    back = json.loads(export_config(s, "deepspeed")[0])
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                "gradient_clipping", "bf16", "optimizer"):
+        assert back[key] == original[key], key
+    zero = original["zero_optimization"]
+    assert back["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": zero["offload_optimizer"]["device"]},
+                                         "offload_param": {"device": zero["offload_param"]["device"]}}
+
+
+@pytest.mark.parametrize("name", ["accelerate_fsdp.yaml", "accelerate_deepspeed.yaml"])
+def test_accelerate_configs_round_trip(name):
+    original = yaml.safe_load((FIXTURES / name).read_text())
+    s, warnings = import_config(FIXTURES / name, overrides=["resources.gpu=a100-80gb"])  # use_cpu: false
+    back = yaml.safe_load(export_config(s, "accelerate")[0])
+    for key in ("distributed_type", "mixed_precision", "num_machines", "num_processes", "use_cpu"):
+        assert back[key] == original[key], key
+    if name == "accelerate_fsdp.yaml":
+        assert (s.layout.dp, s.layout.zero, s.layout.activation_checkpointing, s.resources.nodes) == (16, 3, "full", 2)
+        for key in ("fsdp_version", "fsdp_reshard_after_forward", "fsdp_offload_params", "fsdp_activation_checkpointing",
+                    "fsdp_auto_wrap_policy", "fsdp_state_dict_type"):
+            assert back["fsdp_config"][key] == original["fsdp_config"][key], key
+        assert any("'fsdp_config.fsdp_transformer_layer_cls_to_wrap'" in w for w in warnings)
+        assert any("'main_process_ip'" in w for w in warnings)
+    else:  # ZeRO-2 with the optimizer offloaded to the CPU is FSDP2's offload here
+        assert (s.layout.zero, s.layout.offload, s.train.grad_clip, s.precision.dtype) == (2, "cpu", 1.0, "fp16")
+        assert back["deepspeed_config"] == original["deepspeed_config"]
+
+
+@pytest.mark.parametrize("fsdp,zero,warned", [
+    ({"fsdp_version": 1, "fsdp_sharding_strategy": "FULL_SHARD"}, 3, False),
+    ({"fsdp_version": 1, "fsdp_reshard_after_forward": "SHARD_GRAD_OP"}, 2, False),
+    ({"fsdp_version": 1, "fsdp_sharding_strategy": "HYBRID_SHARD"}, 3, True),
+    ({"fsdp_version": 2, "fsdp_reshard_after_forward": False}, 2, False),
+])
+def test_accelerate_fsdp1_and_fsdp2_sharding_names(fsdp, zero, warned):
+    cfg = {"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": fsdp}
+    s, warnings = import_text(yaml.safe_dump(cfg), "accelerate")
+    assert s.layout.zero == zero
+    assert any("hybrid sharding" in w for w in warnings) == warned
+
+
+def test_megatron_gpt3_command_line_is_refused_clearly_then_maps_with_overrides():
+    path = FIXTURES / "megatron_gpt3_175b.sh"  # NVIDIA/Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh
+    with pytest.raises(ConfigError, match="tie_embeddings"):  # pp=16 cannot share the embedding with the head
+        import_config(path)
+    s, warnings = import_config(path, overrides=["model.tie_embeddings=false", "resources.nodes=16",
+                                                 "resources.gpus_per_node=8"])
+    assert (s.layout.tp, s.layout.pp, s.train.micro_batch, s.train.global_batch) == (8, 16, 1, 1536)
+    assert (s.precision.dtype, s.precision.initial_loss_scale, s.train.weight_decay) == ("fp16", 2.0**32, 0.1)
+    shape = s.model.shape()
+    assert (shape.layers, shape.hidden, shape.heads, shape.seq_len, shape.vocab) == (96, 12288, 96, 2048, 51200)
+    for flag in ("--lr-decay-style", "--adam-beta2", "--loss-scale-window", "--data-path", "--attention-backend"):
+        assert sum(f"'{flag}'" in w for w in warnings) == 1, flag
+    back = meg_mod.parse(export_config(s, "megatron")[0])
+    original = meg_mod.parse(path.read_text())
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--micro-batch-size",
+                 "--global-batch-size", "--train-iters", "--num-layers", "--hidden-size", "--num-attention-heads",
+                 "--seq-length", "--max-position-embeddings", "--fp16", "--save-interval"):
+        assert float(back[flag]) == float(original[flag]), flag
+    assert float(back["--lr"]) == 6e-5 and float(back["--weight-decay"]) == 0.1 and float(back["--clip-grad"]) == 1.0
+
+
+def test_megatron_llama3_8b_script_with_quoted_flags():
+    path = FIXTURES / "megatron_llama3_8b.sh"  # NVIDIA/Megatron-LM examples/llama/train_llama3_8b_h100_fp8.sh
+    s, warnings = import_config(path)
+    shape = s.model.shape()
+    assert (shape.family, shape.layers, shape.kv_heads, shape.ffn_hidden, shape.vocab) == ("llama", 32, 8, 14336, 128256)
+    assert (s.layout.dp, s.layout.zero, s.layout.sequence_parallel, s.precision.dtype) == (8, 1, False, "bf16")
+    assert any("'--fp8-format' = 'hybrid'" in w for w in warnings)
+
+
+def test_torchtitan_llama3_8b_toml_round_trip():
+    path = FIXTURES / "torchtitan_llama3_8b.toml"  # pytorch/torchtitan e347b1e, models/llama3/train_configs
+    s, warnings = import_config(path, overrides=["layout.dp=64"])
+    assert (s.layout.dp, s.layout.zero, s.precision.dtype, s.train.micro_batch, s.train.global_batch) == (64, 3, "bf16", 1, 64)
+    assert s.model.shape().ffn_hidden == 14336 and s.model.shape().seq_len == 8192
+    assert any("'activation_checkpoint.selective_ac_option' = 'op'" in w for w in warnings)
+    assert any("'optimizer.beta2' = 0.95" in w for w in warnings)  # torchtitan's default, ours is 0.999
+    assert not any("'checkpoint." in w for w in warnings)  # checkpointing is off: its keys are inert
+    back = tomllib.loads(export_config(s, "torchtitan")[0])
+    original = tomllib.loads(path.read_text())
+    for section, key in (("model", "name"), ("model", "flavor"), ("optimizer", "lr"), ("optimizer", "eps"),
+                         ("training", "local_batch_size"), ("training", "seq_len"), ("training", "max_norm"),
+                         ("training", "steps"), ("parallelism", "tensor_parallel_degree"),
+                         ("parallelism", "pipeline_parallel_degree"), ("parallelism", "data_parallel_replicate_degree")):
+        assert back[section][key] == original[section][key], (section, key)
+    assert back["parallelism"]["data_parallel_shard_degree"] == 64
+
+
+# -- the engines' own validation ------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def keep_environ():
+    """Importing Accelerate/DeepSpeed sets a few environment variables; later tests' workers must not inherit them."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("layout", DS_LAYOUTS, ids=str)
+def test_deepspeed_parses_the_export(layout, dtype, monkeypatch):
+    from deepspeed.runtime import config as ds_config
+
+    s = spec(layout, dtype, train={"global_batch": 32, "micro_batch": 2, "grad_clip": 1.0})
+    cfg = json.loads(export_config(s, "deepspeed")[0])
+    # DeepSpeed reads the data-parallel world size from its launcher's process group.
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
+    monkeypatch.setattr(ds_config.dist, "get_world_size", lambda *a, **k: s.layout.dp)
+    ds = ds_config.DeepSpeedConfig(cfg)
+    assert (ds.train_batch_size, ds.gradient_accumulation_steps, ds.zero_optimization_stage) == (32, 32 // (2 * s.layout.dp), s.layout.zero)
+    assert ds.gradient_clipping == 1.0 and ds.optimizer_name == "adamw"
+    offload = ds.zero_config.offload_optimizer
+    assert (offload.device if offload else "none") == s.layout.offload
+    if dtype == "fp16":
+        assert ds.float16_config.enabled and ds.float16_config.initial_scale_power == 12
+
+
+@pytest.mark.parametrize("layout", ACC_LAYOUTS, ids=str)
+def test_accelerate_launcher_reads_the_export(layout, tmp_path, monkeypatch):
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    s = spec(layout, "bf16", train={"grad_clip": 1.0})
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(export_config(s, "accelerate")[0])
+    cluster = ClusterConfig.from_yaml_file(str(path))  # unknown top-level keys raise here
+    assert cluster.num_processes == s.layout.dp * s.layout.tp
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "train.py"]))
+    if s.layout.tp > 1:
+        from accelerate.parallelism_config import ParallelismConfig
+
+        sizes = {k.removeprefix("parallelism_config_"): v for k, v in cluster.parallelism_config.items()}
+        assert ParallelismConfig(**sizes).tp_size == s.layout.tp
+    if cluster.distributed_type.value == "FSDP":
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        for key, value in prepare_multi_gpu_env(args).items():
+            monkeypatch.setenv(key, value)
+        plugin = FullyShardedDataParallelPlugin()
+        assert plugin.fsdp_version == 2 and plugin.reshard_after_forward == (s.layout.zero == 3)
+        assert bool(plugin.cpu_offload.__class__.__name__ == "CPUOffloadPolicy") == (s.layout.offload == "cpu")
+    if cluster.distributed_type.value == "DEEPSPEED":
+        from accelerate.utils import DeepSpeedPlugin
+
+        ds = cluster.deepspeed_config
+        plugin = DeepSpeedPlugin(zero_stage=ds["zero_stage"], gradient_accumulation_steps=ds["gradient_accumulation_steps"],
+                                 gradient_clipping=ds["gradient_clipping"], offload_optimizer_device=ds["offload_optimizer_device"],
+                                 offload_param_device=ds["offload_param_device"], zero3_init_flag=ds["zero3_init_flag"])
+        assert plugin.deepspeed_config["zero_optimization"]["stage"] == s.layout.zero
+
+
+def test_megatron_flags_are_megatrons():
+    """Every flag written or read is in Megatron-LM's parser (names read from its source, cited in the file)."""
+    names = {line.strip() for line in (FIXTURES / "megatron_arg_names.txt").read_text().splitlines()
+             if line.startswith("--")}
+    written = set()
+    for layout in MEG_LAYOUTS:
+        for dtype in ("bf16", "fp16"):
+            args = export_config(spec(layout, dtype, checkpoint={"every_steps": 5, "uri": "/c"}), "megatron")[0]
+            written |= {k for k in meg_mod.parse(args) if k not in meg_mod._LAUNCHER}
+    written |= {k for k in meg_mod.parse(export_config(spec({"dp": 2}, train={"optimizer": "sgd"}), "megatron")[0])}
+    assert written - meg_mod._LAUNCHER <= names, sorted(written - names)
+    read = set(re.findall(r'"(--[a-z0-9]+(?:-[a-z0-9]+)*)"', inspect.getsource(meg_mod))) - meg_mod._LAUNCHER - meg_mod._SWITCHES
+    assert read <= names, sorted(read - names)
+
+
+# -- formats, parsing, constants ------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,engine", [("ds_zero3_offload_bf16.json", "deepspeed"), ("accelerate_fsdp.yaml", "accelerate"),
+                                         ("megatron_gpt3_175b.sh", "megatron"), ("torchtitan_llama3_8b.toml", "torchtitan")])
+def test_format_is_detected_from_the_content(name, engine):
+    assert detect_format((FIXTURES / name).read_text()) == engine
+
+
+def test_unknown_format_asks_for_format():
+    with pytest.raises(ConfigError, match="--format"):
+        detect_format("just words")
+
+
+def test_toml_writer_round_trips_through_tomllib():
+    cfg = {"a": {"s": 'quote " and \\ slash', "i": 3, "f": 1e-8, "b": True, "l": ["x", "y"], "neg": -2.5}}
+    assert tomllib.loads(tt_mod.dump(cfg)) == cfg
+
+
+def test_megatron_parser_reads_bash_arrays_and_simple_variables():
+    args = meg_mod.parse("GPUS=4\nA=(\n  --micro-batch-size 2 # two\n  --bf16\n)\n"
+                         "torchrun --nproc_per_node $GPUS pretrain_gpt.py ${A[@]} --lr=1e-4 --seq-length 128 \\\n --swiglu")
+    assert args == {"--micro-batch-size": "2", "--bf16": True, "--nproc_per_node": "4", "--lr": "1e-4",
+                    "--seq-length": "128", "--swiglu": True}
+    # Megatron-LM's llama examples quote each flag with its value, and arrays may end on a switch.
+    args = meg_mod.parse('ARGS=(\n  "--num-layers 32"\n  "--tokenizer-type NullTokenizer"\n  --no-rope-fusion\n)\n'
+                         "torchrun pretrain_gpt.py ${ARGS[@]}")
+    assert args == {"--num-layers": "32", "--tokenizer-type": "NullTokenizer", "--no-rope-fusion": True}
+
+
+def test_warnings_never_show_secret_values():
+    _, warnings = import_text("torchrun pretrain_gpt.py --micro-batch-size 2 --wandb-api-key s3cr3t "
+                              "--hf-token hf_abc", "megatron")
+    assert any("'--wandb-api-key' = '<redacted>'" in w for w in warnings)
+    assert not any("s3cr3t" in w or "hf_abc" in w for w in warnings)
+
+
+def test_a_refusal_carries_the_assumptions_that_led_to_it():
+    # No world size on the command line: dp=1 is assumed, and the batch sizes then disagree.
+    with pytest.raises(ConfigError, match="(?s)refuses: .*global_batch.*note: .*--set layout.dp=N"):
+        import_text("pretrain_gpt.py --micro-batch-size 4 --global-batch-size 6", "megatron")
+
+
+def test_a_job_that_cannot_run_as_imported_says_why():
+    # No world size in the file: dp=1 is assumed, and ZeRO-3 on one rank can be planned, not run.
+    s, warnings = import_text("[parallelism]\ndata_parallel_shard_degree = -1\n", "torchtitan")
+    assert s.layout.zero == 3
+    assert any(w.startswith("torchtitan: the imported job can be planned but not run") and "single rank" in w
+               for w in warnings)
+
+
+def test_batch_sizes_that_disagree_are_a_config_error():
+    with pytest.raises(ConfigError, match="train_batch_size\\(30\\)"):
+        import_text('{"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}')
+
+
+def test_constants_match_the_runtime():
+    from workbench.parallel import step
+    from workbench.parallel.precision import DynamicLossScaler
+
+    assert (common.ADAM_BETAS, common.ADAM_EPS, common.SGD_MOMENTUM) == (step.BETAS, step.EPS, step.SGD_MOMENTUM)
+    params = inspect.signature(DynamicLossScaler).parameters
+    assert params["growth_interval"].default == common.LOSS_SCALE_WINDOW
+    assert (params["growth_factor"].default, params["backoff_factor"].default) == (2.0, 0.5)
+
+
+def test_interop_imports_no_torch():
+    code = ("import sys, workbench.interop as i, workbench.interop.deepspeed, workbench.interop.accelerate, "
+            "workbench.interop.megatron, workbench.interop.torchtitan; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+# -- the CLI --------------------------------------------------------------------------------------
+
+CLI = [sys.executable, "-m", "workbench.cli"]
+
+
+def cli(*args):
+    return subprocess.run(CLI + [str(a) for a in args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_import_writes_a_spec_and_names_each_unmapped_key(tmp_path):
+    out = tmp_path / "job.yaml"
+    proc = cli("import", FIXTURES / "ds_zero3_offload_bf16.json", "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    s = load_spec(out)
+    assert (s.name, s.layout.zero, s.layout.dp) == ("ds-zero3-offload-bf16", 3, 8)
+    lines = proc.stderr.splitlines()
+    assert all(line.startswith("warning: ") for line in lines)
+    assert sum("'zero_optimization.stage3_max_live_parameters'" in line for line in lines) == 1
+
+
+def test_cli_export_config_prints_the_engines_config():
+    proc = cli("export-config", "examples/quickstart.yaml", "--to", "torchtitan", "--set", "layout.zero=3")
+    assert proc.returncode == 0, proc.stderr
+    cfg = tomllib.loads(proc.stdout)
+    assert cfg["parallelism"]["data_parallel_shard_degree"] == 2
+    assert "warning: spec model = 'gpt-tiny' not exported" in proc.stderr
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"train_batch_size": ', "invalid JSON"),
+    ("[parallelism\nx=", "invalid TOML"),
+    ("distributed_type: [FSDP", "invalid YAML"),
+    ('torchrun pretrain_gpt.py --lr "1e-4', "unbalanced quotes"),
+])
+def test_cli_import_refuses_ill_formed_input_with_exit_2(tmp_path, content, message):
+    path = tmp_path / "bad.cfg"
+    path.write_text(content)
+    fmt = {"{": "deepspeed", "[": "torchtitan", "d": "accelerate", "t": "megatron"}[content[0]]
+    proc = cli("import", path, "--format", fmt)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("engine,content", [
+    ("deepspeed", '{"train_batch_size": "many", "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}'),
+    ("accelerate", "distributed_type: FSDP\nnum_processes: eight\n"),
+    ("megatron", "torchrun pretrain_gpt.py --tensor-model-parallel-size two"),
+    ("torchtitan", "[parallelism]\ntensor_parallel_degree = \"two\"\n"),
+    ("deepspeed", '{"zero_optimization": {"stage": "three"}}'),
+])
+def test_values_of_the_wrong_type_are_a_config_error(engine, content):
+    with pytest.raises(ConfigError, match="(wrong type|expected a int|refuses)"):
+        import_text(content, engine)
+
+
+def test_cli_import_of_a_missing_file_exits_2(tmp_path):
+    proc = cli("import", tmp_path / "nope.json")
+    assert proc.returncode == 2 and "cannot read config" in proc.stderr

@@ -1,0 +1,191 @@
+"""DeepSpeed's ds_config.json <-> JobSpec: batch sizes, ZeRO stage and offload, fp16/bf16, clipping, optimizer.
+
+Field names and defaults follow deepspeed/runtime/config.py and zero/config.py (DeepSpeed 0.19).
+The data-parallel size is the launcher's world size: a config states it only through
+train_batch_size = micro x accumulation x dp.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+from workbench.errors import ConfigError
+from workbench.interop.common import (ADAM_BETAS, ADAM_EPS, LOSS_SCALE_WINDOW, SCHEDULE_WHY, SGD_MOMENTUM, Notes,
+                                      batch_split, flatten, set_path, unexpressed_fields)
+
+def parse(text: str) -> dict:
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"not a DeepSpeed config: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}.") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"a DeepSpeed config is a JSON object, got {type(cfg).__name__}.")
+    return cfg
+
+
+def dump(cfg: dict) -> str:
+    return json.dumps(cfg, indent=2) + "\n"
+
+
+def to_spec(cfg: dict, dp: int | None = None) -> tuple[dict, list[str]]:
+    """A ds_config dict -> (raw spec dict, warnings); `dp` is the launcher's data-parallel size if known."""
+    notes, flat, raw, used = Notes("deepspeed"), flatten(cfg), {}, set()
+
+    def get(key, default=None):
+        used.add(key)
+        value = flat.get(key, default)
+        if value == "auto":
+            notes.unmapped(key, value, "'auto' is filled in by the Hugging Face Trainer at launch")
+            return default
+        return value
+
+    _batch(get, raw, notes, dp)
+    _zero(get, raw, notes)
+    _precision(get, raw, notes)
+    _optimizer(get, raw, notes, flat)
+    if get("gradient_clipping"):
+        set_path(raw, "train.grad_clip", float(flat["gradient_clipping"]))
+    notes.unmapped_rest(flat, used, {"scheduler": SCHEDULE_WHY})
+    return raw, notes.lines
+
+
+def _batch(get, raw: dict, notes: Notes, launcher_dp: int | None) -> None:
+    tb, mb, gas = get("train_batch_size"), get("train_micro_batch_size_per_gpu"), get("gradient_accumulation_steps")
+    if mb:
+        set_path(raw, "train.micro_batch", mb)
+    if tb and mb and gas:
+        dp, rest = divmod(tb, mb * gas)
+        if rest or not dp:
+            raise ConfigError(
+                f"DeepSpeed batch sizes disagree: train_batch_size({tb}) must be train_micro_batch_size_per_gpu({mb}) "
+                f"x gradient_accumulation_steps({gas}) x the data-parallel size, and {tb} / {mb * gas} is not a whole "
+                "number. Fix one of the three.")
+        set_path(raw, "layout.dp", dp)
+        set_path(raw, "train.global_batch", tb)
+        return
+    if tb or (mb and gas):
+        set_path(raw, "train.global_batch", tb or mb * gas * (launcher_dp or 1))
+    if launcher_dp:
+        set_path(raw, "layout.dp", launcher_dp)
+        return
+    notes.note("the data-parallel size is the launcher's world size and this config does not fix it "
+               "(it needs train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps); "
+               "dp=1 assumed: give it with --set layout.dp=N (and train.global_batch)")
+
+
+def _zero(get, raw: dict, notes: Notes) -> None:
+    set_path(raw, "layout.zero", get("zero_optimization.stage", 0))
+    opt_dev = get("zero_optimization.offload_optimizer.device", "none") or "none"
+    param_dev = get("zero_optimization.offload_param.device", "none") or "none"
+    device = opt_dev if opt_dev != "none" else param_dev
+    if device != "none":
+        set_path(raw, "layout.offload", device)
+        if param_dev not in ("none", device) or opt_dev not in ("none", device):
+            notes.note(f"offload_optimizer.device={opt_dev!r} and offload_param.device={param_dev!r} differ; "
+                       f"layout.offload={device!r} puts both where the optimizer state goes")
+    paths = {get("zero_optimization.offload_optimizer.nvme_path"), get("zero_optimization.offload_param.nvme_path")} - {None}
+    if device == "nvme" and paths:
+        set_path(raw, "layout.nvme_path", sorted(paths)[0])
+        if len(paths) > 1:
+            notes.note(f"two nvme paths {sorted(paths)}; layout.nvme_path={sorted(paths)[0]!r} holds both")
+
+
+def _precision(get, raw: dict, notes: Notes) -> None:
+    fp16, bf16 = get("fp16.enabled", False), get("bf16.enabled", False) or get("bfloat16.enabled", False)
+    if fp16 and bf16:
+        raise ConfigError("DeepSpeed config enables both fp16 and bf16; keep one (set the other's \"enabled\": false).")
+    if bf16:
+        set_path(raw, "precision.dtype", "bf16")
+    if not fp16:
+        return
+    set_path(raw, "precision.dtype", "fp16")
+    if get("fp16.loss_scale", 0):
+        notes.unmapped("fp16.loss_scale", get("fp16.loss_scale"), "a static loss scale; the spec's fp16 scale is dynamic")
+    set_path(raw, "precision.initial_loss_scale", float(2 ** get("fp16.initial_scale_power", 16)))
+    for key, default, ours in (("loss_scale_window", 1000, LOSS_SCALE_WINDOW), ("hysteresis", 2, 1)):
+        value = get(f"fp16.{key}", default)
+        if value != ours:
+            notes.unmapped(f"fp16.{key}", value, f"the spec's dynamic loss scaler uses {key}={ours}")
+
+
+def _optimizer(get, raw: dict, notes: Notes, flat: dict) -> None:
+    kind = get("optimizer.type")
+    if kind is None:
+        return
+    name = {"adam": "adamw" if get("optimizer.params.adam_w_mode", True) else "adam",
+            "adamw": "adamw", "sgd": "sgd"}.get(str(kind).lower())
+    if name is None:
+        notes.unmapped("optimizer.type", kind, "the spec's optimizers are adamw, adam and sgd")
+        return
+    set_path(raw, "train.optimizer", name)
+    for key in ("lr", "weight_decay"):
+        if get(f"optimizer.params.{key}") is not None:
+            set_path(raw, f"train.{key}", float(flat[f"optimizer.params.{key}"]))
+    if name == "sgd":
+        checks = (("momentum", 0.0, SGD_MOMENTUM),)  # torch.optim.SGD's default momentum is 0
+    else:
+        checks = (("betas", list(ADAM_BETAS), list(ADAM_BETAS)), ("eps", ADAM_EPS, ADAM_EPS))
+    for key, default, ours in checks:
+        value = get(f"optimizer.params.{key}", default)
+        if value != ours:
+            notes.unmapped(f"optimizer.params.{key}", value, f"the spec's {name} uses {key}={ours}")
+
+
+def from_spec(spec) -> tuple[dict, list[str]]:
+    """A validated JobSpec -> (ds_config dict, warnings)."""
+    notes, lay, tr = Notes("deepspeed"), spec.layout, spec.train
+    micro, accum = batch_split(spec)
+    zero: dict = {"stage": lay.zero}
+    if lay.offload == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu"}
+        if lay.zero == 3:
+            zero["offload_param"] = {"device": "cpu"}
+        else:
+            notes.note("layout.offload=cpu also keeps parameters on the host; DeepSpeed offloads parameters "
+                       "only with ZeRO-3, so under ZeRO-2 only the optimizer state goes to the CPU")
+    cfg = {
+        "train_batch_size": tr.global_batch,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": tr.grad_clip,
+        "optimizer": _optimizer_out(tr),
+        "zero_optimization": zero,
+    }
+    if spec.precision.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif spec.precision.dtype == "fp16":
+        cfg["fp16"] = _fp16_out(spec.precision.initial_loss_scale, notes)
+    expressed = ["train.global_batch", "train.micro_batch", "layout.dp", "train.grad_clip", "train.optimizer",
+                 "train.lr", "train.weight_decay", "layout.zero", "precision"]
+    if lay.offload == "cpu":
+        expressed.append("layout.offload")
+    unexpressed_fields(spec, expressed, notes, {
+        "layout.offload": "DeepSpeed streams optimizer state to NVMe only under ZeRO-3 (ZeRO-Infinity); "
+                          "offload=nvme here is ZeRO 0/1",
+        "layout.nvme_path": "DeepSpeed streams optimizer state to NVMe only under ZeRO-3",
+        "layout.tp": "tensor parallelism comes from Megatron-DeepSpeed's mpu, not from ds_config",
+        "layout.pp": "pipelines are a PipelineModule in the training script, not ds_config",
+        "layout.activation_checkpointing": "DeepSpeed checkpoints activations where the model code calls it",
+        "model": "a DeepSpeed config does not describe the model",
+        "resources": "the hosts come from the launcher's hostfile",
+    })
+    return cfg, notes.lines
+
+
+def _optimizer_out(tr) -> dict:
+    params: dict = {"lr": tr.lr, "weight_decay": tr.weight_decay}
+    if tr.optimizer == "sgd":
+        return {"type": "SGD", "params": {**params, "momentum": SGD_MOMENTUM}}
+    params.update(betas=list(ADAM_BETAS), eps=ADAM_EPS)
+    if tr.optimizer == "adam":  # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false
+        return {"type": "Adam", "params": {**params, "adam_w_mode": False}}
+    return {"type": "AdamW", "params": params}
+
+
+def _fp16_out(initial_scale: float, notes: Notes) -> dict:
+    power = math.log2(initial_scale)
+    if power != round(power):
+        notes.unexpressed("precision.initial_loss_scale", initial_scale,
+                          f"DeepSpeed takes a power of two (initial_scale_power); exported as 2**{round(power)}")
+    return {"enabled": True, "loss_scale": 0, "initial_scale_power": int(round(power)),
+            "loss_scale_window": LOSS_SCALE_WINDOW, "hysteresis": 1}

@@ -1,0 +1,317 @@
+"""Megatron-LM command lines <-> JobSpec: tp/pp/dp, virtual stages, sequence parallel, distributed optimizer
+or FSDP, fp16/bf16, batch sizes, optimizer, recompute and the GPT/Llama shape.
+
+Flag names and defaults follow megatron/training/arguments.py and the config dataclasses it turns
+into flags (NVIDIA/Megatron-LM; the names relied on are listed in
+tests/fixtures/interop/megatron_arg_names.txt with the commit they were read from). The data-parallel
+size is what torchrun starts divided by tp x pp, so the launcher line is read and written too.
+"""
+from __future__ import annotations
+
+import math
+import re
+import shlex
+
+from workbench.errors import ConfigError
+from workbench.interop.common import (ADAM_BETAS, ADAM_EPS, LOSS_SCALE_WINDOW, SCHEDULE_WHY, SGD_MOMENTUM, Notes,
+                                      batch_split, set_path, unexpressed_fields)
+
+# Flags that take no value (store_true in Megatron's parser, or torchrun's).
+_SWITCHES = {"--bf16", "--fp16", "--sequence-parallel", "--use-distributed-optimizer", "--use-torch-fsdp2",
+             "--use-megatron-fsdp", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+             "--group-query-attention", "--optimizer-cpu-offload", "--recompute-activations", "--mock-data",
+             "--overlap-grad-reduce", "--overlap-param-gather", "--use-flash-attn", "--standalone",
+             "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+             "--use-mcore-models", "--no-gradient-accumulation-fusion"}
+# torchrun's own flags; only the rank count matters to the job.
+_LAUNCHER = {"--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_rank", "--node-rank", "--master_addr",
+             "--master-addr", "--master_port", "--master-port", "--rdzv_backend", "--rdzv-backend", "--rdzv_endpoint",
+             "--rdzv-endpoint", "--rdzv_id", "--rdzv-id", "--standalone"}
+_SHARDING = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+_GPT2_VOCAB = 50257  # --vocab-file/--merge-file name the GPT-2 BPE tokenizer
+
+
+def parse(text: str) -> dict:
+    """A shell command line (or a script of them) -> {flag: value, or True for a switch}, simple $VARs resolved."""
+    vars_ = dict(re.findall(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=([^\s$()`]+)\s*(?:#.*)?$", text, re.M))
+    try:
+        tokens = shlex.split(text.replace("\\\n", " "), comments=True)
+    except ValueError as e:
+        raise ConfigError(f"not a Megatron-LM command line: {e} (unbalanced quotes?).") from None
+    args: dict = {}
+    for i, tok in enumerate(tokens):
+        if not tok.startswith("--"):
+            continue
+        flag, sep, value = tok.partition(" ") if " " in tok else tok.partition("=")  # "--flag value" quoted as one
+        if not sep:
+            nxt = tokens[i + 1] if i + 1 < len(tokens) else None
+            takes = (flag not in _SWITCHES and nxt is not None and not nxt.startswith("--")
+                     and not nxt.endswith((".py", "(", ")")))
+            value = nxt if takes else True
+        if isinstance(value, str):
+            value = re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: vars_.get(m.group(1), m.group(0)), value)
+        args[flag] = value
+    if not any(k not in _LAUNCHER for k in args):
+        raise ConfigError("not a Megatron-LM command line: no --flags found (e.g. --tensor-model-parallel-size).")
+    return args
+
+
+def dump(args: list[str]) -> str:
+    lines, line = [], []
+    for tok in args:
+        if tok.startswith("--") and line and line[0].startswith("--"):
+            lines.append(" ".join(line))
+            line = []
+        line.append(shlex.quote(tok))
+        if tok.endswith(".py"):
+            lines.append(" ".join(line))
+            line = []
+    lines.append(" ".join(line))
+    return " \\\n    ".join(lines) + "\n"
+
+
+class _Args:
+    """Typed reads of parsed flags that remember what was read and warn on unresolved $VARs."""
+
+    def __init__(self, args: dict, notes: Notes):
+        self.args, self.notes, self.used = args, notes, set()
+
+    def get(self, flag: str, default=None, kind=str):
+        self.used.add(flag)
+        value = self.args.get(flag, default)
+        if isinstance(value, str) and "$" in value:
+            self.notes.unmapped(flag, value, "a shell expression this import cannot evaluate; Megatron's default used")
+            return default
+        if value is None or value is True or kind is str:
+            return value
+        try:
+            return kind(float(value)) if kind is int else kind(value)
+        except ValueError:
+            raise ConfigError(f"Megatron-LM flag {flag} {value!r}: expected a {kind.__name__}.") from None
+
+
+def to_spec(args: dict, dp: int | None = None) -> tuple[dict, list[str]]:
+    """Parsed Megatron-LM flags -> (raw spec dict, warnings); `dp` is used if torchrun's line does not fix it."""
+    notes = Notes("megatron")
+    a, raw = _Args(args, notes), {}
+    _layout(a, raw, notes, dp)
+    _precision(a, raw, notes)
+    _train(a, raw, notes)
+    _recompute(a, raw, notes)
+    _model(a, raw, notes)
+    if a.get("--save-interval"):
+        set_path(raw, "checkpoint.every_steps", a.get("--save-interval", kind=int))
+    if a.get("--save"):
+        set_path(raw, "checkpoint.uri", a.get("--save"))
+    used = a.used | {k for k in args if k in _LAUNCHER}
+    for flag, value in args.items():
+        if flag not in used and value is not False:
+            notes.unmapped(flag, value, SCHEDULE_WHY if flag.startswith(("--lr-", "--min-lr")) else "")
+    return raw, notes.lines
+
+
+def _layout(a: _Args, raw: dict, notes: Notes, launcher_dp: int | None) -> None:
+    tp, pp = a.get("--tensor-model-parallel-size", 1, int), a.get("--pipeline-model-parallel-size", 1, int)
+    nodes = a.get("--nnodes", 1, int)
+    procs = a.get("--nproc_per_node", None, int) or a.get("--nproc-per-node", None, int)
+    dp = launcher_dp or 1
+    if procs and (nodes * procs) % (tp * pp) == 0:
+        dp = nodes * procs // (tp * pp)
+        if nodes > 1:
+            set_path(raw, "resources.nodes", nodes)
+            set_path(raw, "resources.gpus_per_node", procs)
+    elif not launcher_dp:
+        started = f"torchrun starts {nodes} x {procs} ranks, not a multiple of" if procs else "no torchrun rank count;"
+        notes.note(f"{started} tp({tp}) x pp({pp}); dp=1 assumed: give it with --set layout.dp=N "
+                   "(and resources.nodes / gpus_per_node)")
+    set_path(raw, "layout", {"dp": dp, "tp": tp, "pp": pp})
+    virtual = a.get("--virtual-pipeline-model-parallel-size", None, int)
+    per_stage = a.get("--num-layers-per-virtual-pipeline-stage", None, int)
+    layers = a.get("--num-layers", None, int)
+    if per_stage and layers:
+        virtual = layers // (pp * per_stage)
+    if virtual and virtual > 1:
+        raw["layout"].update(pp_schedule="interleaved-1f1b", virtual_stages=virtual)
+    if a.get("--sequence-parallel") and tp > 1:  # Megatron turns it off itself when tp is 1
+        raw["layout"]["sequence_parallel"] = True
+    if a.get("--use-torch-fsdp2"):
+        raw["layout"]["zero"] = 3
+    elif a.get("--use-megatron-fsdp"):
+        strategy = a.get("--data-parallel-sharding-strategy", "optim_grads_params")
+        raw["layout"]["zero"] = _SHARDING.get(strategy, 3)
+    elif a.get("--use-distributed-optimizer"):
+        raw["layout"]["zero"] = 1
+    if a.get("--optimizer-cpu-offload"):
+        notes.unmapped("--optimizer-cpu-offload", True, "Megatron keeps the optimizer step on the CPU beside a "
+                       "distributed optimizer (zero=1); offload here is FSDP2's (zero 2/3) or nvme files (zero 0/1)")
+
+
+def _precision(a: _Args, raw: dict, notes: Notes) -> None:
+    if a.get("--bf16") and a.get("--fp16"):
+        raise ConfigError("Megatron-LM command line has both --bf16 and --fp16; keep one.")
+    if a.get("--bf16"):
+        set_path(raw, "precision.dtype", "bf16")
+    if not a.get("--fp16"):
+        return
+    set_path(raw, "precision.dtype", "fp16")
+    set_path(raw, "precision.initial_loss_scale", a.get("--initial-loss-scale", 2.0**32, float))
+    if a.get("--loss-scale"):
+        notes.unmapped("--loss-scale", a.get("--loss-scale"), "a static loss scale; the spec's fp16 scale is dynamic")
+    for flag, default, ours in (("--loss-scale-window", 1000, LOSS_SCALE_WINDOW), ("--hysteresis", 2, 1)):
+        value = a.get(flag, default, int)
+        if value != ours:
+            notes.unmapped(flag, value, f"the spec's dynamic loss scaler uses {flag[2:]}={ours} (Megatron's default "
+                           f"applies when the flag is absent)")
+
+
+def _train(a: _Args, raw: dict, notes: Notes) -> None:
+    micro = a.get("--micro-batch-size", None, int)
+    if micro:
+        set_path(raw, "train.micro_batch", micro)
+        set_path(raw, "train.global_batch", a.get("--global-batch-size", micro * raw["layout"]["dp"], int))
+    if a.get("--train-iters"):
+        set_path(raw, "train.steps", a.get("--train-iters", kind=int))
+    optimizer = a.get("--optimizer", "adam")
+    name = {"adam": "adamw", "sgd": "sgd"}.get(optimizer)  # Megatron's adam decouples weight decay (AdamW)
+    if name is None:
+        notes.unmapped("--optimizer", optimizer, "the spec's optimizers are adamw, adam and sgd")
+    else:
+        set_path(raw, "train.optimizer", name)
+    if a.get("--lr") is not None:
+        set_path(raw, "train.lr", a.get("--lr", kind=float))
+    set_path(raw, "train.weight_decay", a.get("--weight-decay", 0.01, float))
+    set_path(raw, "train.grad_clip", a.get("--clip-grad", 1.0, float))
+    set_path(raw, "train.seed", a.get("--seed", 1234, int))
+    checks = ((("--sgd-momentum", SGD_MOMENTUM, SGD_MOMENTUM),) if name == "sgd" else
+              (("--adam-beta1", 0.9, ADAM_BETAS[0]), ("--adam-beta2", 0.999, ADAM_BETAS[1]), ("--adam-eps", 1e-8, ADAM_EPS)))
+    for flag, default, ours in checks:
+        value = a.get(flag, default, float)
+        if value != ours:
+            notes.unmapped(flag, value, f"the spec's {name} uses {ours}")
+
+
+def _recompute(a: _Args, raw: dict, notes: Notes) -> None:
+    granularity = a.get("--recompute-granularity")
+    if a.get("--recompute-activations") or granularity == "selective":
+        notes.unmapped("--recompute-granularity", "selective", "Megatron's selective recompute (attention core "
+                       "only) has no counterpart; the spec's selective recomputes every k-th whole block")
+    if granularity != "full":
+        return
+    set_path(raw, "layout.activation_checkpointing", "full")
+    method, count = a.get("--recompute-method", "uniform"), a.get("--recompute-num-layers", 1, int)
+    if (method, count) != ("uniform", 1):
+        notes.unmapped("--recompute-method", f"{method} x {count}", "the spec's full recompute checkpoints every "
+                       "block on its own (uniform, 1 layer); mapped to that")
+
+
+def _model(a: _Args, raw: dict, notes: Notes) -> None:
+    layers, hidden, heads = (a.get(f, None, int) for f in ("--num-layers", "--hidden-size", "--num-attention-heads"))
+    if not (layers and hidden and heads):
+        notes.note("--num-layers, --hidden-size and --num-attention-heads are not all given; the spec keeps its "
+                   "default model (set model.* with --set)")
+        return
+    llama_flags = {"--swiglu": a.get("--swiglu"), "--normalization": a.get("--normalization") == "RMSNorm",
+                   "--position-embedding-type": a.get("--position-embedding-type") == "rope",
+                   "--disable-bias-linear": a.get("--disable-bias-linear")}
+    llama = any(llama_flags.values())
+    if llama and not all(llama_flags.values()):
+        missing = [f for f, on in llama_flags.items() if not on]
+        notes.note(f"a Llama-style model without {', '.join(missing)}: the spec's llama family has SwiGLU, "
+                   "RMSNorm, rotary positions and no biases")
+    seq = a.get("--seq-length", None, int)
+    model = {"family": "llama" if llama else "gpt", "layers": layers, "hidden": hidden, "heads": heads,
+             "vocab": _vocab(a, raw["layout"]["tp"], notes),
+             "tie_embeddings": not a.get("--untie-embeddings-and-output-weights")}
+    if a.get("--group-query-attention"):
+        model["kv_heads"] = a.get("--num-query-groups", 1, int)
+    if a.get("--ffn-hidden-size"):
+        model["ffn_hidden"] = a.get("--ffn-hidden-size", kind=int)
+    if seq:
+        model["seq_len"] = seq
+        positions = a.get("--max-position-embeddings", seq, int)
+        if positions != seq and not llama:
+            notes.unmapped("--max-position-embeddings", positions, f"the spec's gpt learns seq_len({seq}) positions")
+    raw["model"] = model
+
+
+def _vocab(a: _Args, tp: int, notes: Notes) -> int:
+    """The padded vocabulary Megatron builds (vocab_size_with_padding in megatron/core/tokenizers)."""
+    vocab = a.get("--vocab-size", None, int)
+    if vocab is None:
+        vocab = _GPT2_VOCAB
+        notes.note(f"no --vocab-size: the tokenizer's vocabulary is not in the command line; GPT-2 BPE "
+                   f"({_GPT2_VOCAB} ids) assumed")
+    multiple = a.get("--make-vocab-size-divisible-by", 128, int) * tp
+    return int(math.ceil(vocab / multiple) * multiple)
+
+
+def from_spec(spec) -> tuple[list[str], list[str]]:
+    """A validated JobSpec -> (torchrun command line as a list of tokens, warnings)."""
+    notes, lay, tr, res = Notes("megatron"), spec.layout, spec.train, spec.resources
+    micro, _ = batch_split(spec)
+    out = ["torchrun", "--nnodes", str(res.nodes), "--nproc-per-node", str(lay.world_size // res.nodes), "pretrain_gpt.py",
+           "--tensor-model-parallel-size", str(lay.tp), "--pipeline-model-parallel-size", str(lay.pp)]
+    expressed = ["layout.dp", "layout.tp", "layout.pp", "layout.zero", "layout.sequence_parallel", "resources",
+                 "train", "precision", "checkpoint.every_steps", "checkpoint.uri"]
+    if lay.pp > 1 and lay.pp_schedule == "interleaved-1f1b":
+        out += ["--virtual-pipeline-model-parallel-size", str(lay.virtual_stages)]
+        expressed += ["layout.pp_schedule", "layout.virtual_stages"]
+    elif lay.pp_schedule == "1f1b":
+        expressed.append("layout.pp_schedule")
+    if lay.sequence_parallel:
+        out.append("--sequence-parallel")
+    out += {0: [], 1: ["--use-distributed-optimizer"], 3: ["--use-torch-fsdp2"],
+            2: ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"]}[lay.zero]
+    out += ["--micro-batch-size", str(micro), "--global-batch-size", str(tr.global_batch),
+            "--train-iters", str(tr.steps), "--lr", repr(tr.lr), "--weight-decay", repr(tr.weight_decay),
+            "--clip-grad", repr(tr.grad_clip), "--seed", str(tr.seed)]
+    if tr.optimizer == "sgd":
+        out += ["--optimizer", "sgd", "--sgd-momentum", repr(SGD_MOMENTUM)]
+    else:
+        if tr.optimizer == "adam" and tr.weight_decay:
+            notes.unexpressed("train.optimizer", "adam", "Megatron's adam decouples weight decay (AdamW); "
+                              "exported as that")
+        out += ["--optimizer", "adam", "--adam-beta1", repr(ADAM_BETAS[0]), "--adam-beta2", repr(ADAM_BETAS[1]),
+                "--adam-eps", repr(ADAM_EPS)]
+    if spec.precision.dtype == "bf16":
+        out.append("--bf16")
+    elif spec.precision.dtype == "fp16":
+        out += ["--fp16", "--initial-loss-scale", repr(spec.precision.initial_loss_scale),
+                "--loss-scale-window", str(LOSS_SCALE_WINDOW), "--hysteresis", "1"]
+    if lay.activation_checkpointing == "full":
+        out += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+        expressed.append("layout.activation_checkpointing")
+    out += _model_out(spec, notes, expressed)
+    if spec.checkpoint.every_steps:
+        out += ["--save-interval", str(spec.checkpoint.every_steps)]
+    if spec.checkpoint.uri:
+        out += ["--save", spec.checkpoint.uri]
+    unexpressed_fields(spec, expressed, notes, {
+        "layout.offload": "Megatron's --optimizer-cpu-offload is a CPU optimizer beside a distributed optimizer, "
+                          "not FSDP2 offload or nvme files",
+        "layout.pp_schedule": "Megatron runs 1F1B, or interleaved 1F1B with virtual stages",
+        "layout.activation_checkpointing": "Megatron's selective recompute is attention-only, not every k-th block",
+        "data": "Megatron reads --data-path; the spec's synthetic/text sources have no counterpart"})
+    return out, notes.lines
+
+
+def _model_out(spec, notes: Notes, expressed: list[str]) -> list[str]:
+    if spec.model.factory or spec.model.params:
+        notes.unexpressed("model", spec.model.factory or spec.model.params, "Megatron builds GPT/Llama shapes only")
+        return []
+    shape, tp = spec.model.shape(), spec.layout.tp
+    expressed.append("model")
+    out = ["--num-layers", str(shape.layers), "--hidden-size", str(shape.hidden),
+           "--num-attention-heads", str(shape.heads), "--ffn-hidden-size", str(shape.ffn_hidden),
+           "--seq-length", str(shape.seq_len), "--max-position-embeddings", str(shape.seq_len),
+           "--vocab-size", str(shape.vocab), "--make-vocab-size-divisible-by", "1"]
+    if shape.vocab % tp:
+        notes.note(f"model.vocab({shape.vocab}) is not a multiple of tp({tp}); Megatron pads it to "
+                   f"{-(-shape.vocab // tp) * tp}")
+    if shape.kv_heads != shape.heads:
+        out += ["--group-query-attention", "--num-query-groups", str(shape.kv_heads)]
+    if shape.family == "llama":
+        out += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear"]
+    if not shape.tie_embeddings:
+        out.append("--untie-embeddings-and-output-weights")
+    return out

@@ -1,0 +1,294 @@
+"""torchtitan job TOML <-> JobSpec: parallelism degrees, FSDP/DDP, CPU offload, mixed precision, batch sizes,
+optimizer, activation checkpointing, llama3 flavors and checkpointing.
+
+Section and field names and their defaults follow torchtitan/config/job_config.py at the last
+release that read TOML files (pytorch/torchtitan e347b1e, February 2026; later versions build the
+same JobConfig fields from Python). The world size is the launcher's (NGPU), so
+data_parallel_shard_degree = -1 ("the rest") leaves dp to --set.
+"""
+from __future__ import annotations
+
+import math
+import tomllib
+
+from workbench.errors import ConfigError
+from workbench.interop.common import ADAM_BETAS, SCHEDULE_WHY, Notes, batch_split, flatten, set_path, unexpressed_fields
+
+_ROPE_THETA = 500000  # every llama3 flavor; the spec's llama uses 10000
+
+
+def _ffn(dim: int, multiplier: float | None = None, multiple_of: int = 256) -> int:
+    """torchtitan's llama3 FeedForward width (model.py)."""
+    hidden = int(2 * 4 * dim / 3)
+    if multiplier is not None:
+        hidden = int(multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+# torchtitan/models/llama3/__init__.py: llama3_args (vocab_size defaults to 128256).
+FLAVORS = {
+    "debugmodel": dict(layers=6, hidden=256, heads=16, kv_heads=16, ffn_hidden=_ffn(256), vocab=2048),
+    "8B": dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=_ffn(4096, 1.3, 1024), vocab=128256),
+    "70B": dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=_ffn(8192, 1.3, 4096), vocab=128256),
+    "405B": dict(layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=_ffn(16384, 1.2, 4096), vocab=128256),
+}
+_SCHEDULES = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved1F1B": "interleaved-1f1b",
+              "InterleavedZeroBubble": "zero-bubble"}
+_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
+# Values that switch a feature off: saying them sets nothing.
+_NEUTRAL = {"parallelism.context_parallel_degree": 1, "parallelism.expert_parallel_degree": 1,
+            "parallelism.expert_tensor_parallel_degree": 1, "training.mixed_precision_reduce": "float32"}
+# Sections whose every key is inert while their switch (default off) is off.
+_SWITCHED = {"checkpoint": "checkpoint.enable", "compile": "compile.enable", "validation": "validation.enable",
+             "profiling": "profiling.enable_profiling", "memory_estimation": "memory_estimation.enable",
+             "fault_tolerance": "fault_tolerance.enable", "quantize": "model.converters"}
+
+
+def parse(text: str) -> dict:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"not a torchtitan config: invalid TOML: {e}.") from None
+
+
+def dump(cfg: dict) -> str:
+    """A TOML document of sections of scalars and lists (all a torchtitan job config needs)."""
+    out = []
+    for section, fields in cfg.items():
+        out.append(f"[{section}]")
+        out += [f"{key} = {_toml_value(value)}" for key, value in fields.items()]
+        out.append("")
+    return "\n".join(out)
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"TOML has no {value}")
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {type(value).__name__}")
+
+
+def to_spec(cfg: dict, dp: int | None = None) -> tuple[dict, list[str]]:
+    """A torchtitan job config dict -> (raw spec dict, warnings); `dp` fills data_parallel_shard_degree=-1."""
+    notes, flat, raw = Notes("torchtitan"), flatten(cfg), {}
+    used = {k for k, v in _NEUTRAL.items() if flat.get(k) == v}
+    for section, switch in _SWITCHED.items():
+        if not flat.get(switch):
+            used |= {k for k in flat if k.startswith(section + ".")}
+
+    def get(key, default=None):
+        used.add(key)
+        return flat.get(key, default)
+
+    pp = _parallelism(get, raw, notes, dp)
+    _training(get, raw, notes, pp)
+    _optimizer(get, raw, notes)
+    _activation_checkpoint(get, raw, notes)
+    _model(get, raw, notes)
+    _checkpoint(get, raw)
+    schedule = (get("lr_scheduler.warmup_steps", 200), get("lr_scheduler.decay_ratio"))
+    if schedule != (0, 0.0):
+        notes.unmapped("lr_scheduler", {"warmup_steps": schedule[0], "decay_ratio": schedule[1]},
+                       SCHEDULE_WHY + "; torchtitan's default warms up 200 steps, then decays linearly")
+    notes.unmapped_rest(flat, used, {"lr_scheduler": SCHEDULE_WHY})
+    return raw, notes.lines
+
+
+def _parallelism(get, raw: dict, notes: Notes, launcher_dp: int | None) -> int:
+    replicate = int(get("parallelism.data_parallel_replicate_degree", 1))
+    shard = int(get("parallelism.data_parallel_shard_degree", -1))
+    tp, pp = int(get("parallelism.tensor_parallel_degree", 1)), int(get("parallelism.pipeline_parallel_degree", 1))
+    if shard == -1 and launcher_dp:
+        shard = max(launcher_dp // replicate, 1)
+    elif shard == -1:
+        notes.note("data_parallel_shard_degree=-1 takes the ranks the launcher (NGPU) leaves; the file does not "
+                   "say how many: dp=1 assumed, give it with --set layout.dp=N")
+    dp = replicate * max(shard, 1)
+    sharded = shard != 1
+    if replicate > 1 and shard > 1:
+        notes.note(f"HSDP (replicate {replicate} x shard {shard}) becomes plain sharding over dp={dp}")
+    lay = {"dp": dp, "tp": tp, "pp": pp, "zero": 0}
+    reshard = get("parallelism.fsdp_reshard_after_forward", "default")
+    if sharded:
+        lay["zero"] = 2 if reshard == "never" else 3
+    if tp > 1:
+        lay["sequence_parallel"] = bool(get("parallelism.enable_sequence_parallel", True))  # torchtitan's TP always is
+    if pp > 1:
+        name = get("parallelism.pipeline_parallel_schedule", "1F1B")
+        if name not in _SCHEDULES:
+            notes.unmapped("parallelism.pipeline_parallel_schedule", name,
+                           f"the spec's schedules are {', '.join(_SCHEDULES)}; 1F1B used")
+        lay["pp_schedule"] = _SCHEDULES.get(name, "1f1b")
+        per_stage = get("parallelism.pipeline_parallel_layers_per_stage")
+        if lay["pp_schedule"] in ("interleaved-1f1b", "zero-bubble"):
+            layers = FLAVORS.get(get("model.flavor", "debugmodel"), {}).get("layers")
+            lay["virtual_stages"] = layers // (pp * per_stage) if per_stage and layers else 2
+    if get("training.enable_cpu_offload"):
+        lay["offload"] = "cpu"
+    raw["layout"] = lay
+    return pp
+
+
+def _training(get, raw: dict, notes: Notes, pp: int) -> None:
+    dp = raw["layout"]["dp"]
+    local = int(get("training.local_batch_size", get("training.batch_size", 8)))  # batch_size: the older name
+    micro = int(get("parallelism.pipeline_parallel_microbatch_size", 1)) if pp > 1 else local
+    global_batch = int(get("training.global_batch_size", -1))
+    set_path(raw, "train.micro_batch", micro)
+    set_path(raw, "train.global_batch", global_batch if global_batch > 0 else local * dp)
+    set_path(raw, "train.steps", int(get("training.steps", 10000)))
+    set_path(raw, "train.grad_clip", float(get("training.max_norm", 1.0)))
+    seed = get("debug.seed", get("training.seed"))
+    if seed is not None:
+        set_path(raw, "train.seed", int(seed))
+    if get("training.dtype", "float32") != "float32":
+        notes.unmapped("training.dtype", get("training.dtype"),
+                       "training in that dtype keeps no fp32 master; the spec's bf16 keeps fp32 master weights")
+    dtype = get("training.mixed_precision_param", "bfloat16")
+    if dtype not in _DTYPES:
+        notes.unmapped("training.mixed_precision_param", dtype, "the spec's precisions are fp32, fp16 and bf16")
+    set_path(raw, "precision.dtype", _DTYPES.get(dtype, "bf16"))
+
+
+def _optimizer(get, raw: dict, notes: Notes) -> None:
+    name = get("optimizer.name", "AdamW")
+    if name not in ("AdamW", "Adam"):
+        notes.unmapped("optimizer.name", name, "the spec's optimizers are adamw, adam and sgd")
+    set_path(raw, "train.optimizer", "adam" if name == "Adam" else "adamw")
+    set_path(raw, "train.lr", float(get("optimizer.lr", 8e-4)))
+    set_path(raw, "train.weight_decay", float(get("optimizer.weight_decay", 0.1)))
+    for key, default, ours in (("beta1", 0.9, ADAM_BETAS[0]), ("beta2", 0.95, ADAM_BETAS[1]), ("eps", 1e-8, 1e-8)):
+        value = get(f"optimizer.{key}", default)
+        if value != ours:
+            notes.unmapped(f"optimizer.{key}", value, f"the spec's {name} uses {key}={ours} "
+                           "(torchtitan's default applies when the key is absent)")
+
+
+def _activation_checkpoint(get, raw: dict, notes: Notes) -> None:
+    mode = get("activation_checkpoint.mode", "selective")
+    option = str(get("activation_checkpoint.selective_ac_option", "2"))
+    if mode == "full":
+        raw["layout"]["activation_checkpointing"] = "full"
+    elif mode == "selective" and option.isdigit():
+        raw["layout"].update(activation_checkpointing="selective", checkpoint_every=int(option))
+    elif mode != "none":
+        notes.unmapped(f"activation_checkpoint.{'mode' if mode != 'selective' else 'selective_ac_option'}",
+                       mode if mode != "selective" else option,
+                       "op-level and memory-budget checkpointing have no counterpart; the spec's selective "
+                       "recomputes every k-th block; none used")
+
+
+def _model(get, raw: dict, notes: Notes) -> None:
+    name, flavor = get("model.name", "llama3"), get("model.flavor", "debugmodel")
+    seq = int(get("training.seq_len", 2048))
+    if name != "llama3" or flavor not in FLAVORS:
+        notes.unmapped("model.flavor", f"{name}/{flavor}", f"the shapes known here are llama3 {', '.join(FLAVORS)}; "
+                       "the spec keeps its default model (set model.* with --set)")
+        return
+    raw["model"] = {"family": "llama", **FLAVORS[flavor], "seq_len": seq, "tie_embeddings": False}
+    notes.note(f"llama3 uses rope_theta={_ROPE_THETA}; the spec's llama family uses 10000")
+
+
+def _checkpoint(get, raw: dict) -> None:
+    dump_folder = get("job.dump_folder", "./outputs")
+    if not get("checkpoint.enable", False):
+        return
+    folder = get("checkpoint.folder", "checkpoint")
+    uri = folder if dump_folder in ("", ".", "./") or folder.startswith("/") else f"{dump_folder.rstrip('/')}/{folder}"
+    raw["checkpoint"] = {"every_steps": int(get("checkpoint.interval", 500)), "uri": uri,
+                         "keep": int(get("checkpoint.keep_latest_k", 10)),
+                         "async_save": get("checkpoint.async_mode", "disabled") != "disabled"}
+
+
+def from_spec(spec) -> tuple[dict, list[str]]:
+    """A validated JobSpec -> (torchtitan job config as sections of fields, warnings)."""
+    notes, lay, tr = Notes("torchtitan"), spec.layout, spec.train
+    micro, _ = batch_split(spec)
+    expressed = ["layout.dp", "layout.tp", "layout.pp", "layout.zero", "train.global_batch", "train.micro_batch",
+                 "train.steps", "train.grad_clip", "train.seed", "train.lr", "train.weight_decay", "precision.dtype"]
+    parallelism = {"data_parallel_replicate_degree": lay.dp if lay.zero < 2 else 1,
+                   "data_parallel_shard_degree": lay.dp if lay.zero >= 2 else 1,
+                   "fsdp_reshard_after_forward": "never" if lay.zero == 2 else "default",
+                   "tensor_parallel_degree": lay.tp, "pipeline_parallel_degree": lay.pp}
+    if lay.zero == 1:
+        notes.unexpressed("layout.zero", 1, "torchtitan shards all of parameters, gradients and optimizer state "
+                          "(FSDP) or none (DDP); exported as DDP")
+    if lay.tp > 1 and lay.sequence_parallel:
+        expressed.append("layout.sequence_parallel")
+    elif lay.tp > 1:
+        notes.unexpressed("layout.sequence_parallel", False, "torchtitan's tensor parallel always shards the "
+                          "norms along the sequence")
+    training = {"local_batch_size": micro if lay.pp == 1 else tr.global_batch // lay.dp,
+                "global_batch_size": tr.global_batch, "max_norm": tr.grad_clip, "steps": tr.steps, "enable_cpu_offload": lay.offload == "cpu",
+                "mixed_precision_param": "float32" if spec.precision.dtype == "fp32" else "bfloat16"}
+    if not (spec.model.params or spec.model.factory):
+        training["seq_len"] = spec.model.shape().seq_len
+    if spec.precision.dtype == "fp16":
+        notes.unexpressed("precision.dtype", "fp16", "torchtitan's mixed precision is bf16 only; exported as bfloat16")
+    if lay.offload == "cpu":
+        expressed.append("layout.offload")
+    if lay.pp > 1:
+        _pipeline_out(spec, parallelism, expressed, micro)
+    cfg = {"job": {"dump_folder": "."}, "model": _model_out(spec, notes, expressed),
+           "optimizer": {"name": "Adam" if tr.optimizer == "adam" else "AdamW", "lr": tr.lr, "beta1": ADAM_BETAS[0],
+                         "beta2": ADAM_BETAS[1], "eps": 1e-8, "weight_decay": tr.weight_decay},
+           "lr_scheduler": {"warmup_steps": 0, "decay_ratio": 0.0},  # a constant learning rate, as the spec's
+           "training": training, "parallelism": parallelism,
+           "activation_checkpoint": _ac_out(lay, expressed), "debug": {"seed": tr.seed}}
+    if tr.optimizer == "sgd":
+        notes.unexpressed("train.optimizer", "sgd", "torchtitan builds Adam and AdamW only; exported as AdamW")
+    else:
+        expressed.append("train.optimizer")
+    if spec.checkpoint.every_steps:
+        cfg["checkpoint"] = {"enable": True, "folder": spec.checkpoint.uri or "checkpoint",
+                             "interval": spec.checkpoint.every_steps, "keep_latest_k": spec.checkpoint.keep,
+                             "async_mode": "async" if spec.checkpoint.async_save else "disabled"}
+        expressed += ["checkpoint.every_steps", "checkpoint.uri", "checkpoint.keep", "checkpoint.async_save"]
+    unexpressed_fields(spec, expressed, notes, {
+        "layout.offload": "torchtitan offloads to the CPU (FSDP2), not to files",
+        "layout.pp_schedule": "torchtitan's schedules here are GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble",
+        "data": "torchtitan reads training.dataset; the spec's synthetic/text sources have no counterpart",
+        "resources": "the world size is the launcher's (NGPU)"})
+    return cfg, notes.lines
+
+
+def _pipeline_out(spec, parallelism: dict, expressed: list[str], micro: int) -> None:
+    lay = spec.layout
+    name = {v: k for k, v in _SCHEDULES.items()}[lay.pp_schedule]
+    parallelism.update(pipeline_parallel_schedule=name, pipeline_parallel_microbatch_size=micro)
+    expressed.append("layout.pp_schedule")
+    if lay.pp_schedule in ("interleaved-1f1b", "zero-bubble") and not spec.model.params:
+        layers = spec.model.shape().layers
+        if layers % (lay.pp * lay.virtual_stages) == 0:
+            parallelism["pipeline_parallel_layers_per_stage"] = layers // (lay.pp * lay.virtual_stages)
+            expressed.append("layout.virtual_stages")
+
+
+def _ac_out(lay, expressed: list[str]) -> dict:
+    expressed.append("layout.activation_checkpointing")
+    if lay.activation_checkpointing == "selective":
+        expressed.append("layout.checkpoint_every")
+        return {"mode": "selective", "selective_ac_option": str(lay.checkpoint_every)}
+    return {"mode": lay.activation_checkpointing}
+
+
+def _model_out(spec, notes: Notes, expressed: list[str]) -> dict:
+    if spec.model.params or spec.model.factory:
+        return {}
+    shape = spec.model.shape()
+    mine = dict(layers=shape.layers, hidden=shape.hidden, heads=shape.heads, kv_heads=shape.kv_heads,
+                ffn_hidden=shape.ffn_hidden, vocab=shape.vocab)
+    flavor = next((name for name, dims in FLAVORS.items() if dims == mine), None)
+    if shape.family != "llama" or flavor is None or shape.tie_embeddings:
+        notes.unexpressed("model", spec.model.preset or shape.family, "torchtitan selects a model by name and "
+                          f"flavor; no llama3 flavor ({', '.join(FLAVORS)}) has this shape")
+        return {}
+    expressed.append("model")
+    return {"name": "llama3", "flavor": flavor}
