@@ -53,7 +53,7 @@ class ModelSpec(_Section):
 
     def shape(self) -> "ModelShape":
         """The resolved architecture (preset + overrides). Raises ConfigError if incomplete."""
-        from workbench.models import resolve_shape
+        from workbench.shapes import resolve_shape
 
         return resolve_shape(self)
 
