@@ -225,12 +225,15 @@ class JobSpec(_Section):
 
 # -- loading --------------------------------------------------------------------------------
 
-def load_spec(source: "str | Path | dict | JobSpec", overrides: list[str] | None = None) -> JobSpec:
+def load_spec(source: "str | Path | dict | JobSpec", overrides: list[str] | None = None, *,
+              layout: bool = True) -> JobSpec:
     """Load, override and validate a spec.
 
     Args:
         source: a YAML/JSON path, a dict, or a JobSpec.
         overrides: ``["layout.dp=4", ...]`` applied before validation.
+        layout: False skips the layout's rules (degrees vs resources, batch split): `plan`
+            searches layouts, so it needs only the model, resources and batch to be valid.
     Returns:
         A validated JobSpec.
     Raises:
@@ -259,7 +262,7 @@ def load_spec(source: "str | Path | dict | JobSpec", overrides: list[str] | None
         raise ConfigError(_explain(e)) from None
     from workbench.validate import validate_spec
 
-    validate_spec(spec)
+    validate_spec(spec, layout=layout)
     return spec
 
 
