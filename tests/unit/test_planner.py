@@ -156,3 +156,13 @@ def test_plan_searches_when_the_spec_layout_breaks_a_rule(capsys):
     assert out["given"] is None and "24 ranks, but resources give 64 GPUs" in out["given_error"]
     assert out["candidates"][0]["fits"]
     assert main(["validate", str(EXAMPLE), "--set", "layout.dp=3"]) == 2  # validate keeps the layout's rules
+
+
+def test_notebook_memory_panel_shows_the_given_numbers(result):
+    pytest.importorskip("ipywidgets")
+    from workbench.ui.memory_panel import given_html
+
+    d = result.to_dict(top=3)
+    text = given_html(d)
+    assert f"{d['given']['tokens_per_s']:,.0f} tokens/s" in text and f"{d['given']['peak_bytes'] / 2**30:.1f} GiB" in text
+    assert "24 ranks" in given_html({"given": None, "given_error": "dp(3) x tp(8) x pp(1) = 24 ranks"})
