@@ -1,7 +1,8 @@
 """`workbench plan`: every valid layout for the spec's GPUs, the ones that fit, fastest first, priced.
 
 Searches dp x tp x pp (tp inside a node and dividing the heads, pp <= layers), ZeRO 0-3,
-CPU offload, activation checkpointing, micro-batch sizes and pipeline schedules, with the
+CPU offload, activation checkpointing, micro-batch sizes, pipeline schedules and their virtual
+stages, with the
 memory model (workbench.memory) and the step-time model (workbench.steptime).
 """
 from __future__ import annotations
@@ -102,6 +103,18 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+# Virtual stages per pipeline rank searched for interleaved 1F1B: more shrink the bubble and add
+# stage boundaries (sends); each stage keeps at least one block. Zero-bubble's bubble does not
+# shrink with more (steptime._bubble), so it is searched at 2, its smallest.
+VIRTUAL_STAGES = (2, 3, 4, 6, 8)
+
+
+def _schedules(pp: int, layers: int) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) pairs a pipeline of `pp` ranks over `layers` blocks can run."""
+    multi = [("interleaved-1f1b", v) for v in VIRTUAL_STAGES if pp * v <= layers]
+    return [("1f1b", 1), *multi, *([("zero-bubble", 2)] if 2 * pp <= layers else []), ("gpipe", 1)]
+
+
 def _layouts(spec, shape, world: int, gpn: int):
     """Every (dp, tp, pp, zero, offload, schedule, micro_batch), each with its checkpointing options."""
     gb = spec.train.global_batch
@@ -113,12 +126,11 @@ def _layouts(spec, shape, world: int, gpn: int):
             dp = world // (tp * pp)
             if pp > shape.layers or gb % dp:
                 continue
-            schedules = ["1f1b"] if pp == 1 else ["1f1b", "interleaved-1f1b", "zero-bubble", "gpipe"]
+            schedules = [("1f1b", 1)] if pp == 1 else _schedules(pp, shape.layers)
             for mb in _divisors(gb // dp):
                 m = gb // (dp * mb)
-                for sched in schedules:
-                    v = spec.layout.virtual_stages if sched in ("interleaved-1f1b", "zero-bubble") else 1
-                    if pp > 1 and (sched != "gpipe" and m < pp or pp * v > shape.layers):
+                for sched, v in schedules:
+                    if pp > 1 and sched != "gpipe" and m < pp:
                         continue
                     for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
                         # CPU offload is FSDP2's CPUOffloadPolicy: zero 2/3 only (docs/strategies.md).
@@ -127,7 +139,7 @@ def _layouts(spec, shape, world: int, gpn: int):
                             # the first that fits (the others are slower and add nothing).
                             yield [Layout(dp=dp, tp=tp, pp=pp, zero=zero, offload=off, activation_checkpointing=ckpt,
                                           checkpoint_every=spec.layout.checkpoint_every, pp_schedule=sched,
-                                          virtual_stages=spec.layout.virtual_stages,
+                                          virtual_stages=v,
                                           sequence_parallel=tp > 1, micro_batch=mb, num_micro=m,
                                           dtype=spec.precision.dtype, optimizer=spec.train.optimizer,
                                           bucket_mb=spec.layout.bucket_mb, device=device)
