@@ -83,10 +83,19 @@ PRESETS: dict[str, dict] = {
     "gpt2-1.5b": _gpt(48, 1600, 25),
     # A ~1.3B GPT for single-GPU benchmarks (vocab padded to a multiple of 64).
     "gpt-1.3b": _gpt(24, 2048, 16, vocab=50304, seq_len=2048),
-    # Llama 2 shapes (Touvron et al., 2023).
+    # Llama 2 shapes (Touvron et al., 2023); llama-* are the earlier names of llama2-*.
     "llama-7b": _llama(32, 4096, 32, 11008),
     "llama-13b": _llama(40, 5120, 40, 13824),
     "llama-70b": _llama(80, 8192, 64, 28672, kv_heads=8),
+    "llama2-7b": _llama(32, 4096, 32, 11008),
+    "llama2-13b": _llama(40, 5120, 40, 13824),
+    "llama2-70b": _llama(80, 8192, 64, 28672, kv_heads=8),
+    # Llama 3 / 3.1 (Llama Team 2024, Table 3; the released config.json files): GQA with 8 KV heads,
+    # a 128,256-token vocabulary, 8192-token pre-training context. (Rotary base 500,000 there,
+    # 10,000 in our module; it changes no shape or count.)
+    "llama3-8b": _llama(32, 4096, 32, 14336, kv_heads=8, vocab=128256, seq_len=8192),
+    "llama3-70b": _llama(80, 8192, 64, 28672, kv_heads=8, vocab=128256, seq_len=8192),
+    "llama3-405b": _llama(126, 16384, 128, 53248, kv_heads=8, vocab=128256, seq_len=8192),
 }
 
 SHAPE_FIELDS = ("family", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len", "tie_embeddings")

@@ -17,6 +17,9 @@ from functools import lru_cache
 # memory-bound elementwise work folded in), per device generation.
 GEMM_EFFICIENCY = {"a100": 0.69, "h100": 0.669}
 GEMM_EFFICIENCY_DEFAULT = 0.68  # devices with no published run in the calibration set: their mean
+# Devices that share a fitted generation's compute die (the rest of the catalog uses the default).
+GENERATION = {"h100-80gb": "h100", "h100-pcie": "h100", "h100-nvl": "h100", "h200": "h100",
+              "a100-40gb": "a100", "a100-80gb": "a100"}
 # A GEMM whose narrowest dimension is w (hidden/tp columns per rank; tp shrinks it) reaches
 # w / (w + GEMM_HALF_WIDTH) of that share: narrow GEMMs fill the tensor cores less.
 GEMM_HALF_WIDTH = 34.7
@@ -77,7 +80,7 @@ def gemm_efficiency(dev, width: float, tokens: int) -> float:
     """Share of peak for a GEMM `width` columns wide over `tokens` rows on `dev`."""
     if dev.name == "cpu":
         return 1.0
-    top = GEMM_EFFICIENCY.get(dev.name.split("-")[0], GEMM_EFFICIENCY_DEFAULT)
+    top = GEMM_EFFICIENCY.get(GENERATION.get(dev.name, ""), GEMM_EFFICIENCY_DEFAULT)
     return top * width / (width + GEMM_HALF_WIDTH) * tokens / (tokens + TOKENS_HALF)
 
 
