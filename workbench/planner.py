@@ -106,13 +106,17 @@ def _divisors(n: int) -> list[int]:
 # Virtual stages per pipeline rank searched for interleaved 1F1B: more shrink the bubble and add
 # stage boundaries (sends); each stage keeps at least one block. Zero-bubble's bubble does not
 # shrink with more (steptime._bubble), so it is searched at 2, its smallest.
-VIRTUAL_STAGES = (2, 3, 4, 6, 8)
+VIRTUAL_STAGES = (2, 4, 8)
 
 
-def _schedules(pp: int, layers: int) -> list[tuple[str, int]]:
-    """(schedule, virtual stages) pairs a pipeline of `pp` ranks over `layers` blocks can run."""
+def _schedules(pp: int, layers: int, num_micro: int) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) pairs a pipeline of `pp` ranks over `layers` blocks can run
+    with `num_micro` micro-batches. GPipe has 1F1B's bubble and holds more micro-batches, so it
+    is only offered where 1F1B cannot run (fewer micro-batches than stages)."""
+    if num_micro < pp:
+        return [("gpipe", 1)]
     multi = [("interleaved-1f1b", v) for v in VIRTUAL_STAGES if pp * v <= layers]
-    return [("1f1b", 1), *multi, *([("zero-bubble", 2)] if 2 * pp <= layers else []), ("gpipe", 1)]
+    return [("1f1b", 1), *multi, *([("zero-bubble", 2)] if 2 * pp <= layers else [])]
 
 
 def _layouts(spec, shape, world: int, gpn: int):
@@ -126,12 +130,9 @@ def _layouts(spec, shape, world: int, gpn: int):
             dp = world // (tp * pp)
             if pp > shape.layers or gb % dp:
                 continue
-            schedules = [("1f1b", 1)] if pp == 1 else _schedules(pp, shape.layers)
             for mb in _divisors(gb // dp):
                 m = gb // (dp * mb)
-                for sched, v in schedules:
-                    if pp > 1 and sched != "gpipe" and m < pp:
-                        continue
+                for sched, v in ([("1f1b", 1)] if pp == 1 else _schedules(pp, shape.layers, m)):
                     for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
                         # CPU offload is FSDP2's CPUOffloadPolicy: zero 2/3 only (docs/strategies.md).
                         for off in (("none", "cpu") if zero >= 2 else ("none",)):
