@@ -85,9 +85,12 @@ def gemm_efficiency(dev, width: float, tokens: int) -> float:
 
 
 def recomputed_forward(shape, mode: str, blocks: int, every: int) -> tuple[int, int]:
-    """(blocks whose dense forward is recomputed, blocks whose attention core is recomputed)."""
+    """(blocks whose dense forward is recomputed, blocks whose attention core is recomputed):
+    full recomputes whole blocks (every k-th), selective the attention core of every block."""
     from workbench.memory.activations import checkpointed_blocks
 
+    if mode == "selective":
+        return 0, blocks
     n = checkpointed_blocks(range(blocks), mode, every)
     return n, n
 

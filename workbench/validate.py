@@ -97,6 +97,13 @@ def _check_layout(spec: "JobSpec") -> None:
             + f") but the model has {shape.layers} layers; each stage needs at least one block. "
             f"Use pp <= {shape.layers}."
         )
+    if lay.activation_checkpointing == "selective" and "checkpoint_every" in lay.model_fields_set \
+            and lay.checkpoint_every != 1:
+        raise ConfigError(
+            f"layout.activation_checkpointing=selective with checkpoint_every={lay.checkpoint_every}: selective now "
+            "recomputes the attention core of every block (Korthikanti et al. 2022), and checkpoint_every belongs "
+            f"to full. For whole blocks every {lay.checkpoint_every}th (what selective meant before), use "
+            f"activation_checkpointing: full, checkpoint_every: {lay.checkpoint_every}.")
     if lay.pp > 1 and shape.tie_embeddings:
         raise ConfigError(
             f"layout.pp({lay.pp}) with model.tie_embeddings=true: the embedding lives on the first stage and the "
