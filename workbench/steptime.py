@@ -15,14 +15,14 @@ from functools import lru_cache
 # -- fitted (bench/calibrate.py; docs/planning.md) -----------------------------------------
 # Share of the device's dense peak that large GEMMs reach end to end (kernels, launch gaps,
 # memory-bound elementwise work folded in), per device generation.
-GEMM_EFFICIENCY = {"a100": 0.69, "h100": 0.669}
-GEMM_EFFICIENCY_DEFAULT = 0.68  # devices with no published run in the calibration set: their mean
+GEMM_EFFICIENCY = {"a100": 0.69, "h100": 0.74}
+GEMM_EFFICIENCY_DEFAULT = 0.72  # devices with no published run in the calibration set: their mean
 # Devices that share a fitted generation's compute die (the rest of the catalog uses the default).
 GENERATION = {"h100-80gb": "h100", "h100-pcie": "h100", "h100-nvl": "h100", "h200": "h100",
               "a100-40gb": "a100", "a100-80gb": "a100"}
 # A GEMM whose narrowest dimension is w (hidden/tp columns per rank; tp shrinks it) reaches
 # w / (w + GEMM_HALF_WIDTH) of that share: narrow GEMMs fill the tensor cores less.
-GEMM_HALF_WIDTH = 34.7
+GEMM_HALF_WIDTH = 34.2
 # The attention core unfused (QK^T and AV as head_dim-wide batched matmuls around a softmax that
 # writes the s x s scores to memory, as in Megatron-LM 2021, BLOOM, OPT, MT-NLG) runs at this
 # fraction of the dense GEMM efficiency.
@@ -168,15 +168,17 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
 
     # Tensor parallel: per block 2 all-reduces forward, 2 backward, 2 more per recomputed block,
     # of the micro-batch's activations (with sequence parallelism the same bytes as all-gather +
-    # reduce-scatter); not overlapped by the runtime, so on the critical path.
+    # reduce-scatter, and backward gathers the saved sequence shard again for each column-parallel
+    # linear: wq, wk, wv, w1 (+ w3), parallel/sequence_parallel.py); not overlapped by the runtime.
     tp_link = _link(lay.tp, 1, gpus_per_node)
     act_bytes = tokens * shape.hidden * w
     if lay.sequence_parallel and lay.tp > 1:
-        one = collective_s("all_gather", lay.tp, act_bytes, tp_link, dev) + \
-            collective_s("reduce_scatter", lay.tp, act_bytes, tp_link, dev)
+        gather = collective_s("all_gather", lay.tp, act_bytes, tp_link, dev)
+        one = gather + collective_s("reduce_scatter", lay.tp, act_bytes, tp_link, dev)
+        regather = (4 + (shape.family == "llama")) * gather
     else:
-        one = collective_s("all_reduce", lay.tp, act_bytes, tp_link, dev)
-    tp_micro = (4 * blocks + 2 * re_dense) * one
+        one, regather = collective_s("all_reduce", lay.tp, act_bytes, tp_link, dev), 0.0
+    tp_micro = (4 * blocks + 2 * re_dense) * one + blocks * regather
 
     # ZeRO-3 (FSDP2, reshard after forward): each block's parameters are all-gathered in forward
     # and again in backward, its gradients reduce-scattered, every micro-batch; the runtime

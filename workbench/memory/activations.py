@@ -38,7 +38,9 @@ def _table(family: str, device: str) -> tuple:
     norm = _NORMS[(family, "cuda" if device == "cuda" else "cpu")]
 
     def norm_rows(prefix):
-        return tuple((f"{prefix}.{n}", d, k, "sp") for n, d, k in norm) + ((f"{prefix}.output", "h", "c", "rep"),)
+        # The norm's output is the column-parallel linears' input: with sequence parallelism they keep
+        # its sequence shard and all-gather it again in backward (parallel/sequence_parallel.py).
+        return tuple((f"{prefix}.{n}", d, k, "sp") for n, d, k in norm) + ((f"{prefix}.output", "h", "c", "sp"),)
 
     return norm_rows("norm1") + _ATTN + norm_rows("norm2") + _MLP[family]
 

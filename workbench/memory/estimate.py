@@ -180,9 +180,11 @@ def _runtime_details(shape, lay: Layout, pp_index: int, states, notes: list[str]
         # optimizer (mixed precision, zero=1, nvme) counts steps in Python.
         n_tensors = len(prm.rank_tensors(shape, lay.tp, lay.pp, pp_index, lay.chunks))
         states = replace(states, optimizer=states.optimizer + 4 * n_tensors)
-    if lay.tp > 1 and pp_index == 0 and lay.zero in (0, 1):
+    if lay.tp > 1 and pp_index == 0 and lay.zero in (0, 1) and not lay.sequence_parallel:
         # The vocab-parallel embedding's weight is Shard(0) but its gradient comes back as a
-        # Replicate DTensor of the full (vocab, hidden) (parallel/tp.py, RowwiseParallel).
+        # Replicate DTensor of the full (vocab, hidden) (parallel/tp.py, RowwiseParallel). With
+        # Megatron-style sequence parallelism (parallel/sequence_parallel.py) it comes back
+        # Shard(0) (measured: tests/distributed/test_sequence_parallel.py).
         g = 4 if lay.dtype == "fp32" else 2
         extra = (shape.vocab - shape.vocab // lay.tp) * shape.hidden * g
         states = replace(states, grads=states.grads + extra)
