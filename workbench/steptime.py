@@ -84,7 +84,7 @@ def gemm_efficiency(dev, width: float, tokens: int) -> float:
     return top * width / (width + GEMM_HALF_WIDTH) * tokens / (tokens + TOKENS_HALF)
 
 
-def recomputed_forward(shape, mode: str, blocks: int, every: int) -> tuple[int, int]:
+def recomputed_forward(mode: str, blocks: int, every: int) -> tuple[int, int]:
     """(blocks whose dense forward is recomputed, blocks whose attention core is recomputed):
     full recomputes whole blocks (every k-th), selective the attention core of every block."""
     from workbench.memory.activations import checkpointed_blocks
@@ -160,7 +160,7 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
     eff = gemm_efficiency(dev, shape.hidden / lay.tp, tokens)
     fused = attention == "flash" or dev.name == "cpu"
     eff_attn = eff * (FLASH_ATTENTION_EFFICIENCY if fused else ATTENTION_EFFICIENCY)
-    re_dense, re_attn = recomputed_forward(shape, lay.activation_checkpointing, blocks, lay.checkpoint_every)
+    re_dense, re_attn = recomputed_forward(lay.activation_checkpointing, blocks, lay.checkpoint_every)
     dense_f = (3 * blocks + re_dense) * dense + (3 * head if has_head else 0.0)
     attn_f = (3 * blocks + re_attn) * attn
     per_micro = tokens * (dense_f / eff + attn_f / eff_attn) / (peak * lay.tp)
@@ -180,9 +180,9 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
         one, regather = collective_s("all_reduce", lay.tp, act_bytes, tp_link, dev), 0.0
     tp_micro = (4 * blocks + 2 * re_dense) * one + blocks * regather
 
-    # ZeRO-3 (FSDP2, reshard after forward): each block's parameters are all-gathered in forward
-    # and again in backward, its gradients reduce-scattered, every micro-batch; the runtime
-    # prefetches one block ahead, so each gather hides behind at most one block's compute.
+    # ZeRO-2/3 (FSDP2): each block's parameters are all-gathered in forward (and, zero 3, again in
+    # backward) and its gradients reduce-scattered, every micro-batch; the runtime prefetches one
+    # block ahead, so a block's collectives hide behind at most one block's compute.
     dp_link = _link(lay.dp, lay.tp, gpus_per_node)
     block_params = params_per_rank / max(1, blocks)
     fsdp_micro = 0.0
@@ -190,9 +190,8 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
         gather = collective_s("all_gather", lay.dp, block_params * w, dp_link, dev)
         scatter = collective_s("reduce_scatter", lay.dp, block_params * w, dp_link, dev)
         fwd_block, bwd_block = per_micro / 3 / max(1, blocks), per_micro * 2 / 3 / max(1, blocks)
-        per_block = max(0.0, gather + scatter - OVERLAP * bwd_block)
-        if lay.zero == 3:
-            per_block += max(0.0, gather - OVERLAP * fwd_block)
+        backward = scatter + (gather if lay.zero == 3 else 0.0)
+        per_block = max(0.0, gather - OVERLAP * fwd_block) + max(0.0, backward - OVERLAP * bwd_block)
         fsdp_micro = blocks * per_block + gather  # the first block's gather has nothing to hide behind
 
     # Pipeline: the bubble per schedule, and one activation send per stage boundary per micro-batch
