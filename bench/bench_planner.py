@@ -85,7 +85,8 @@ def commands() -> None:
             spec_for(nodes, gb).save(path)
             for command in ("plan", "memory", "validate"):
                 wall, cpu = timed([py, "-m", "workbench.cli", command, str(path)])
-                print(f"{'workbench ' + command:<34} {nodes * 8:>6} {wall:>7.2f} {cpu:>7.2f} {goal:>7.1f} {cpu / goal:>9.2f}")
+                print(f"{'workbench ' + command:<34} {nodes * 8:>6} {wall:>7.2f} {cpu:>7.2f} {goal:>7.1f} "
+                      f"{cpu / goal:>9.2f}")
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -47,8 +47,8 @@ class Case:
 
         sh = self.shape()
         if self.flops == "megatron":  # Narayanan et al. 2021, eq. 3, per token (includes recompute)
-            l, h, s, v = sh.layers, sh.hidden, sh.seq_len, sh.vocab
-            per_token = 96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+            layers, h, s, v = sh.layers, sh.hidden, sh.seq_len, sh.vocab
+            per_token = 96 * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
         else:
             per_token = flops_per_token(sh)[0]
         return self.tflops_per_gpu * 1e12 / per_token
@@ -64,7 +64,8 @@ def load_cases() -> tuple[Case, ...]:
         out.append(Case(name=c["name"], split=c["split"], source=c["source"], where=c["where"], gpu=c["gpu"],
                         gpus_per_node=c["gpus_per_node"], dtype=c["dtype"], flops=c["flops"], model=c["model"],
                         layout=c["layout"], global_batch=c["global_batch"], micro_batch=c["micro_batch"],
-                        tflops_per_gpu=c["published"]["tflops_per_gpu"], attention=c["attention"], assumed=c.get("assumed", "")))
+                        tflops_per_gpu=c["published"]["tflops_per_gpu"], attention=c["attention"],
+                        assumed=c.get("assumed", "")))
     return tuple(out)
 
 

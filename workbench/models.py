@@ -15,8 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from workbench.errors import ConfigError
-# Re-exported: callers that build modules also read shapes and presets from here.
-from workbench.shapes import PRESETS, SHAPE_FIELDS, ModelShape, resolve_shape  # noqa: F401
+from workbench.shapes import PRESETS, SHAPE_FIELDS, ModelShape, resolve_shape  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from workbench.spec import JobSpec

@@ -64,8 +64,8 @@ class PlanResult:
                 "prices_date": PRICES_DATE, "elapsed_s": round(self.elapsed_s, 4), "notes": self.notes}
 
     def table(self, top: int = 10) -> str:
-        head = (f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'zero':>4} {'offload':>7} {'ckpt':>9} {'schedule':>19} "
-                f"{'mb':>3} {'peak GiB':>9} {'step s':>8} {'tok/s':>10} {'MFU':>5} {'$/h':>8} {'$/h spot':>9} {'$/B tok':>8}")
+        head = (f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'zero':>4} {'offload':>7} {'ckpt':>9} "
+                f"{'schedule':>19} {'mb':>3} {'peak GiB':>9} {'step s':>8} {'tok/s':>10} {'MFU':>5} {'$/h':>8} {'$/h spot':>9} {'$/B tok':>8}")
         lines = [head, "-" * len(head)]
         if self.given:
             lines += [_row("you", self.given), "-" * len(head)]

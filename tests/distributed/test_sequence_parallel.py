@@ -4,7 +4,7 @@ all-gather it again in backward, so a block's activations are divided by tp (Kor
 import pytest
 
 from workbench.memory import activations as act
-from workbench.memory.accuracy import THRESHOLDS, build_spec, compare
+from workbench.memory.accuracy import build_spec, compare
 from workbench.runtime.loop import train
 from workbench.shapes import resolve_shape
 from workbench.spec import ModelSpec

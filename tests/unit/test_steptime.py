@@ -6,7 +6,14 @@ from workbench.memory import Layout
 from workbench.memory.estimate import _stage_params
 from workbench.models import PRESETS, resolve_shape
 from workbench.spec import ModelSpec
-from workbench.steptime import GEMM_EFFICIENCY, LINK_EFFICIENCY, collective_s, flops_per_token, gemm_efficiency, step_time
+from workbench.steptime import (
+    GEMM_EFFICIENCY,
+    LINK_EFFICIENCY,
+    collective_s,
+    flops_per_token,
+    gemm_efficiency,
+    step_time,
+)
 
 H100 = DEVICES["h100-80gb"]
 
