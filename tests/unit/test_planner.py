@@ -167,3 +167,16 @@ def test_notebook_memory_panel_shows_the_given_numbers(result):
     assert f"{d['given']['tokens_per_s']:,.0f} tokens/s" in text
     assert f"{d['given']['peak_bytes'] / 2**30:.1f} GiB" in text
     assert "24 ranks" in given_html({"given": None, "given_error": "dp(3) x tp(8) x pp(1) = 24 ranks"})
+
+
+def test_virtual_stages_are_searched(result):
+    """Interleaved 1F1B is offered with 2, 4 and 8 virtual stages (each stage keeps a block), and
+    GPipe only where 1F1B cannot run."""
+    seen = {c.layout.get("virtual_stages") for c in result.candidates if c.layout["pp_schedule"] == "interleaved-1f1b"
+            and c.layout["pp"] > 1}
+    assert {2, 4, 8} <= seen
+    for c in result.candidates:
+        lay = c.layout
+        assert lay["pp"] * lay.get("virtual_stages", 1) <= 80
+        if lay["pp"] > 1 and lay["pp_schedule"] == "gpipe":
+            assert 256 // (lay["dp"] * c.micro_batch) < lay["pp"]
