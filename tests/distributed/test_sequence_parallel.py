@@ -3,22 +3,10 @@ all-gather it again in backward, so a block's activations are divided by tp (Kor
 2022) and the memory model's prediction is what the runtime measures; losses match one process."""
 import pytest
 
-from workbench.memory import activations as act
 from workbench.memory.accuracy import build_spec, compare
 from workbench.runtime.loop import train
-from workbench.shapes import resolve_shape
-from workbench.spec import ModelSpec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
-
-
-@pytest.mark.parametrize("family", ["gpt", "llama"])
-def test_block_activations_divide_by_tp_with_sequence_parallel(family):
-    shape = resolve_shape(ModelSpec(family=family, layers=2, hidden=64, heads=4, kv_heads=2, vocab=256, seq_len=32))
-    for dtype in ("fp32", "bf16"):
-        whole = act.block_bytes_per_token(shape, dtype)
-        assert act.block_bytes_per_token(shape, dtype, tp=2, sp=True) == pytest.approx(whole / 2)
-        assert act.block_bytes_per_token(shape, dtype, tp=2, sp=False) > whole / 2
 
 
 def test_sequence_parallel_memory_is_predicted_and_losses_match(spawn_pools):

@@ -85,3 +85,18 @@ def test_our_block_table_equals_korthikanti_terms_for_gpt3_shape():
     assert ours_sp == pytest.approx(per_layer / t)
     assert ours_sp == pytest.approx(theirs_sp - 5 * shape.heads * s * s * b / t - 2 * s * b * shape.hidden / t
                                     + 4 * shape.heads * s * b / t + 8 * s * b / t)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_block_activations_divide_by_tp_with_sequence_parallel(family):
+    """Megatron-style sequence parallelism (parallel/sequence_parallel.py) divides every saved
+    tensor of a block by tp (Korthikanti et al. 2022); measured in
+    tests/distributed/test_sequence_parallel.py."""
+    from workbench.shapes import resolve_shape
+    from workbench.spec import ModelSpec
+
+    shape = resolve_shape(ModelSpec(family=family, layers=2, hidden=64, heads=4, kv_heads=2, vocab=256, seq_len=32))
+    for dtype in ("fp32", "bf16"):
+        whole = act.block_bytes_per_token(shape, dtype)
+        assert act.block_bytes_per_token(shape, dtype, tp=2, sp=True) == pytest.approx(whole / 2)
+        assert act.block_bytes_per_token(shape, dtype, tp=2, sp=False) > whole / 2
