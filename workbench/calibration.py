@@ -77,9 +77,8 @@ def predict(case: Case):
     from workbench.steptime import step_time
 
     sh = case.shape()
-    lay = dict(case.layout)
-    dp = lay.get("dp", 1)
-    lay = Layout(**lay, micro_batch=case.micro_batch, num_micro=case.global_batch // (dp * case.micro_batch),
+    dp = case.layout.get("dp", 1)
+    lay = Layout(**case.layout, micro_batch=case.micro_batch, num_micro=case.global_batch // (dp * case.micro_batch),
                  dtype=case.dtype, device="cuda")
     p, shard = _stage_params(sh, lay.tp, lay.pp, 0, lay.chunks, lay.dp)
     return step_time(sh, lay, get_device(case.gpu), case.global_batch, case.gpus_per_node, p, shard,

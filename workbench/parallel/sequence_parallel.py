@@ -98,6 +98,6 @@ def megatron_sp_plan(block: nn.Module) -> dict:
     plan = {"attn": GatherSequenceInput(), "mlp": GatherSequenceInput(),
             "attn.wq": ShardSavingColwiseParallel(), "attn.wk": ShardSavingColwiseParallel(),
             "attn.wv": ShardSavingColwiseParallel(), "mlp.w1": ShardSavingColwiseParallel()}
-    if block.mlp.w3 is not None:
+    if getattr(block.get_submodule("mlp"), "w3", None) is not None:
         plan["mlp.w3"] = ShardSavingColwiseParallel()
     return plan
