@@ -1,7 +1,7 @@
 """(e) Activation checkpointing: activation memory saved against step time added.
 
 In one process, the runtime trains the same spec with activation_checkpointing none, selective
-(every k-th block) and full, alternating. Memory: the activations saved for backward (the
+(the attention core), full every 2nd block (`every-2`) and full, alternating. Memory: the activations saved for backward (the
 runtime's meter, beside `estimate_memory`'s prediction); time: the median step's CPU time (robust
 on a shared machine; recomputation is CPU work), with the wall clock beside it.
 Run: python -m bench.bench_activation_ckpt [--quick]
@@ -14,7 +14,7 @@ import time
 
 from bench.common import NOT_AVAILABLE, interleave, mib, stats, table, tiny_spec, write_result
 
-MODES = ["none", "selective", "full"]
+MODES = ["none", "selective", "every-2", "full"]
 
 
 def config(quick: bool) -> dict:
@@ -26,7 +26,8 @@ def config(quick: bool) -> dict:
 def job_spec(cfg: dict, mode: str) -> dict:
     return tiny_spec(cfg["preset"], train={"steps": cfg["steps"], "global_batch": cfg["global_batch"],
                                            "micro_batch": cfg["micro_batch"]},
-                     layout={"activation_checkpointing": mode, "checkpoint_every": 2})
+                     layout={"activation_checkpointing": "full", "checkpoint_every": 2} if mode == "every-2"
+                     else {"activation_checkpointing": mode})
 
 
 def run(quick: bool = False) -> dict:
@@ -89,7 +90,7 @@ def _predicted(spec: dict) -> int | str:
 
 def summary_rows(result: dict) -> list[list]:
     out = []
-    for mode in ("selective", "full"):
+    for mode in ("selective", "every-2", "full"):
         r = result["modes"][mode]
         if "memory_saved" not in r:
             out.append(["e) act. ckpt", f"{mode}: memory saved / time added", NOT_AVAILABLE, "", ""])

@@ -2,6 +2,10 @@
 
 Prints the time of a cold and a warm plan() and, as a peer, what pricing the same number of
 layouts through the public `estimate_memory(JobSpec)` path would cost (measured on a sample).
+Then the commands as a user runs them (`workbench plan/memory/validate` in a fresh process, virtual
+stages searched included) at 64 and 4096 GPUs: wall and CPU seconds against the goals (1 s at 64,
+3 s at 4096) and, as peers in the same run, a bare interpreter and `import torch` (which the
+commands no longer pay). On a shared machine wall > CPU; the CPU column is the comparable one.
 Run: python bench/bench_planner.py
 """
 from __future__ import annotations
@@ -11,6 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+import os
+import resource
+import subprocess
+import tempfile
 import time
 
 from workbench.memory import estimate_memory
@@ -54,5 +62,35 @@ def main() -> None:
           f"${best.usd_per_hour_spot:,.0f}/h spot ({best.cloud})")
 
 
+def timed(cmd: list[str]) -> tuple[float, float]:
+    """(wall s, CPU s) of a fresh process running `cmd`."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def commands() -> None:
+    py = sys.executable
+    print(f"\n{'command':<34} {'GPUs':>6} {'wall s':>7} {'CPU s':>7} {'goal s':>7} {'CPU/goal':>9}")
+    for label, cmd in (("python -c pass (peer)", [py, "-c", "pass"]),
+                       ("python -c 'import torch' (peer)", [py, "-c", "import torch"])):
+        wall, cpu = timed(cmd)
+        print(f"{label:<34} {'':>6} {wall:>7.2f} {cpu:>7.2f}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for nodes, gb, goal in ((8, 256, 1.0), (512, 16384, 3.0)):
+            path = Path(tmp) / f"plan-{nodes}.yaml"
+            spec_for(nodes, gb).save(path)
+            for command in ("plan", "memory", "validate"):
+                wall, cpu = timed([py, "-m", "workbench.cli", command, str(path)])
+                print(f"{'workbench ' + command:<34} {nodes * 8:>6} {wall:>7.2f} {cpu:>7.2f} {goal:>7.1f} "
+                      f"{cpu / goal:>9.2f}")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
 if __name__ == "__main__":
     main()
+    commands()

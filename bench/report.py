@@ -209,7 +209,7 @@ def sec_overlap(r, doc, img) -> str:
 
 def sec_activation_ckpt(r, doc, img) -> str:
     out = ["## e) Activation checkpointing: memory saved against time added",
-           "One process, the runtime with `activation_checkpointing` none / selective (every 2nd block) / full, "
+           "One process, the runtime with `activation_checkpointing` none / selective (attention core) / full every 2nd block / full, "
            "alternated. Memory: activations saved for backward, measured by the runtime's saved-tensor meter, with "
            "the prediction beside it; time: CPU time per step (recomputation is CPU work; robust to other "
            "processes' load), wall clock beside it."]

@@ -56,6 +56,22 @@ DEVICES: dict[str, Device] = {
         Device("h200", 141 * GB, 989e12, 67e12, 450e9, 50e9, 8,
                "NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: 141 GB HBM3e at 4.8 TB/s, H100's compute",
                host_memory_bytes=2048 * GiB // 8, hbm_bw=4.8e12),
+        # PCIe cards: NVLink bridges join pairs only, so a group of the node's GPUs meets over PCIe
+        # Gen5 x16 (64 GB/s per direction; 50 practical); the usual PCIe servers have no GPUDirect
+        # RDMA fabric: 100 Gb/s Ethernet per 8 GPUs assumed across nodes.
+        Device("h100-pcie", 80 * GB, 756e12, 51e12, 50e9, 12.5e9 / 8, 8,
+               "NVIDIA H100 Tensor Core GPU datasheet (2023), PCIe: 80 GB HBM2e at 2.0 TB/s, 756 TF bf16 dense "
+               "(1,513 with sparsity), 51 TF fp32, NVLink bridge 600 GB/s bidirectional per pair, PCIe Gen5",
+               hbm_bw=2.0e12),
+        Device("h100-nvl", 94 * GB, 835e12, 60e12, 50e9, 12.5e9 / 8, 8,
+               "NVIDIA H100 Tensor Core GPU datasheet (2023), H100 NVL: 94 GB HBM3 at 3.9 TB/s, 835 TF bf16 dense "
+               "(1,671 with sparsity), 60 TF fp32, NVLink bridge 600 GB/s bidirectional per pair, PCIe Gen5",
+               hbm_bw=3.9e12),
+        Device("b200", 180 * GB, 2.25e15, 80e12, 900e9, 50e9, 8,
+               "NVIDIA HGX B200 datasheet (2024): 180 GB HBM3e at 7.7 TB/s per GPU, 2.25 PF bf16 dense (4.5 with "
+               "sparsity), NVLink5 1.8 TB/s bidirectional; DGX B200: 8 x 400 Gb/s ConnectX-7 per 8 GPUs. fp32 "
+               "(non-tensor) is not on the sheet: 80 TF assumed (it only prices fp32 jobs)",
+               host_memory_bytes=2048 * GiB // 8, hbm_bw=7.7e12),
         Device("l4", 24 * GB, 121e12, 30.3e12, 32e9, 12.5e9 / 8, 8,
                "NVIDIA L4 datasheet (2023): 242 TF fp16 with sparsity -> 121 dense, 300 GB/s GDDR6; PCIe Gen4 "
                "x16 (no NVLink); AWS g6.48xlarge 100 Gb/s per 8 GPUs",

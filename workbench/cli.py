@@ -101,7 +101,9 @@ def _memory(args) -> int:
 def _plan(args) -> int:
     from workbench.planner import plan
 
-    result = plan(_load(args))
+    from workbench.spec import load_spec
+
+    result = plan(load_spec(args.spec, args.overrides, layout=False))  # plan searches layouts
     print(json.dumps(result.to_dict(top=args.top), indent=2) if args.json else result.table(top=args.top))
     return 0
 

@@ -1,7 +1,8 @@
 """`workbench plan`: every valid layout for the spec's GPUs, the ones that fit, fastest first, priced.
 
 Searches dp x tp x pp (tp inside a node and dividing the heads, pp <= layers), ZeRO 0-3,
-CPU offload, activation checkpointing, micro-batch sizes and pipeline schedules, with the
+CPU offload, activation checkpointing, micro-batch sizes, pipeline schedules and their virtual
+stages, with the
 memory model (workbench.memory) and the step-time model (workbench.steptime).
 """
 from __future__ import annotations
@@ -51,26 +52,26 @@ class PlanResult:
     searched: int
     elapsed_s: float
     notes: list[str] = field(default_factory=list)
+    given: Candidate | None = None  # the spec's own layout, scored like a candidate
+    given_error: str | None = None  # why the spec's layout could not be scored (it breaks a rule)
 
     def to_dict(self, top: int | None = None) -> dict:
         cands = self.candidates[:top] if top else self.candidates
-        return {"candidates": [asdict(c) for c in cands], "world_size": self.world_size, "device": self.device,
+        given = asdict(self.given) if self.given else None
+        return {"given": given, **({"given_error": self.given_error} if self.given_error else {}),
+                "candidates": [asdict(c) for c in cands], "world_size": self.world_size, "device": self.device,
                 "searched": self.searched, "fitting": sum(c.fits for c in self.candidates),
                 "prices_date": PRICES_DATE, "elapsed_s": round(self.elapsed_s, 4), "notes": self.notes}
 
     def table(self, top: int = 10) -> str:
-        head = (f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'zero':>4} {'offload':>7} {'ckpt':>9} {'schedule':>16} "
-                f"{'mb':>3} {'peak GiB':>9} {'step s':>8} {'tok/s':>10} {'MFU':>5} {'$/h':>8} {'$/h spot':>9} {'$/B tok':>8}")
+        head = (f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'zero':>4} {'offload':>7} {'ckpt':>9} "
+                f"{'schedule':>19} {'mb':>3} {'peak GiB':>9} {'step s':>8} {'tok/s':>10} {'MFU':>5} {'$/h':>8} {'$/h spot':>9} {'$/B tok':>8}")
         lines = [head, "-" * len(head)]
-        for i, c in enumerate(self.candidates[:top], 1):
-            lay = c.layout
-            sched = lay["pp_schedule"] if lay["pp"] > 1 else "-"
-            lines.append(
-                f"{i:>3} {lay['dp']:>4} {lay['tp']:>3} {lay['pp']:>3} {lay['zero']:>4} {lay['offload']:>7} "
-                f"{lay['activation_checkpointing']:>9} {sched:>16} {c.micro_batch:>3} {c.peak_bytes / 2**30:>9.1f} "
-                f"{c.step_time_s:>8.2f} {c.tokens_per_s:>10,.0f} {c.mfu:>5.0%} {c.usd_per_hour:>8.2f} "
-                f"{c.usd_per_hour_spot:>9.2f} {c.usd_per_billion_tokens_spot:>8.0f}" + ("" if c.fits else "  DOES NOT FIT")
-                + ("  *" if c.runnable is False else ""))
+        if self.given:
+            lines += [_row("you", self.given), "-" * len(head)]
+        elif self.given_error:
+            lines += [f"you: the spec's layout is not valid here: {self.given_error.splitlines()[0]}", "-" * len(head)]
+        lines += [_row(str(i), c) for i, c in enumerate(self.candidates[:top], 1)]
         fitting = sum(c.fits for c in self.candidates)
         lines.append(f"{fitting} layouts fit on {self.world_size} x {self.device} ({self.searched} searched in "
                      f"{self.elapsed_s:.2f} s); prices {PRICES_DATE}, cheapest cloud; $/B tok = USD per billion "
@@ -85,8 +86,37 @@ class PlanResult:
         return "<pre>" + self.table().replace("&", "&amp;").replace("<", "&lt;") + "</pre>"
 
 
+def _row(label: str, c: Candidate) -> str:
+    """One line of the plan table."""
+    lay = c.layout
+    sched = lay["pp_schedule"] if lay["pp"] > 1 else "-"
+    if lay.get("virtual_stages", 1) > 1:
+        sched += f" v{lay['virtual_stages']}"
+    return (f"{label:>3} {lay['dp']:>4} {lay['tp']:>3} {lay['pp']:>3} {lay['zero']:>4} {lay['offload']:>7} "
+            f"{lay['activation_checkpointing']:>9} {sched:>19} {c.micro_batch:>3} {c.peak_bytes / 2**30:>9.1f} "
+            f"{c.step_time_s:>8.2f} {c.tokens_per_s:>10,.0f} {c.mfu:>5.0%} {c.usd_per_hour:>8.2f} "
+            f"{c.usd_per_hour_spot:>9.2f} {c.usd_per_billion_tokens_spot:>8.0f}" + ("" if c.fits else "  DOES NOT FIT")
+            + ("  *" if c.runnable is False else ""))
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# Virtual stages per pipeline rank searched for interleaved 1F1B: more shrink the bubble and add
+# stage boundaries (sends); each stage keeps at least one block. Zero-bubble's bubble does not
+# shrink with more (steptime._bubble), so it is searched at 2, its smallest.
+VIRTUAL_STAGES = (2, 4, 8)
+
+
+def _schedules(pp: int, layers: int, num_micro: int) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) pairs a pipeline of `pp` ranks over `layers` blocks can run
+    with `num_micro` micro-batches. GPipe has 1F1B's bubble and holds more micro-batches, so it
+    is only offered where 1F1B cannot run (fewer micro-batches than stages)."""
+    if num_micro < pp:
+        return [("gpipe", 1)]
+    multi = [("interleaved-1f1b", v) for v in VIRTUAL_STAGES if pp * v <= layers]
+    return [("1f1b", 1), *multi, *([("zero-bubble", 2)] if 2 * pp <= layers else [])]
 
 
 def _layouts(spec, shape, world: int, gpn: int):
@@ -100,13 +130,9 @@ def _layouts(spec, shape, world: int, gpn: int):
             dp = world // (tp * pp)
             if pp > shape.layers or gb % dp:
                 continue
-            schedules = ["1f1b"] if pp == 1 else ["1f1b", "interleaved-1f1b", "zero-bubble", "gpipe"]
             for mb in _divisors(gb // dp):
                 m = gb // (dp * mb)
-                for sched in schedules:
-                    v = spec.layout.virtual_stages if sched in ("interleaved-1f1b", "zero-bubble") else 1
-                    if pp > 1 and (sched != "gpipe" and m < pp or pp * v > shape.layers):
-                        continue
+                for sched, v in ([("1f1b", 1)] if pp == 1 else _schedules(pp, shape.layers, m)):
                     for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
                         # CPU offload is FSDP2's CPUOffloadPolicy: zero 2/3 only (docs/strategies.md).
                         for off in (("none", "cpu") if zero >= 2 else ("none",)):
@@ -114,7 +140,7 @@ def _layouts(spec, shape, world: int, gpn: int):
                             # the first that fits (the others are slower and add nothing).
                             yield [Layout(dp=dp, tp=tp, pp=pp, zero=zero, offload=off, activation_checkpointing=ckpt,
                                           checkpoint_every=spec.layout.checkpoint_every, pp_schedule=sched,
-                                          virtual_stages=spec.layout.virtual_stages,
+                                          virtual_stages=v,
                                           sequence_parallel=tp > 1, micro_batch=mb, num_micro=m,
                                           dtype=spec.precision.dtype, optimizer=spec.train.optimizer,
                                           bucket_mb=spec.layout.bucket_mb, device=device)
@@ -148,7 +174,7 @@ def plan(spec, prices=None, top: int | None = None) -> PlanResult:
     from workbench.spec import load_spec
 
     t0 = time.perf_counter()
-    spec = load_spec(spec)
+    spec = load_spec(spec, layout=False)
     if spec.model.params is not None or spec.model.factory is not None:
         raise ConfigError("plan needs the model's shape to price compute and activations: give a preset or "
                           "{family, layers, hidden, heads, vocab, seq_len}. For a bare size, `workbench memory` "
@@ -184,7 +210,26 @@ def plan(spec, prices=None, top: int | None = None) -> PlanResult:
     result = fitting[:top] if top else fitting
     for c in result[:max(top or 0, 20)]:
         _check_runnable(spec, c)
-    return PlanResult(result, world, dev.name, searched, time.perf_counter() - t0, notes)
+    given, given_error = _given(spec, shape, dev, gpn, usable, host_usable, dev_prices)
+    return PlanResult(result, world, dev.name, searched, time.perf_counter() - t0, notes, given, given_error)
+
+
+def _given(spec, shape, dev, gpn: int, usable: float, host_usable: float, dev_prices: dict):
+    """(the spec's own layout scored like a candidate, None) or (None, why it breaks a rule)."""
+    from workbench.errors import ConfigError
+    from workbench.memory import layout_from_spec
+    from workbench.validate import validate_spec
+
+    try:
+        validate_spec(spec)
+    except ConfigError as e:
+        return None, str(e)
+    lay = layout_from_spec(spec)
+    peak, offloaded = _peak(shape, lay)
+    host_ok = lay.offload != "cpu" or not dev.host_memory_bytes or offloaded <= host_usable
+    c = _candidate(shape, lay, dev, spec, gpn, peak, peak <= usable and host_ok, dev_prices)
+    _check_runnable(spec, c)
+    return c, None
 
 
 def _check_runnable(spec, c: Candidate) -> None:

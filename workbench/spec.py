@@ -53,7 +53,7 @@ class ModelSpec(_Section):
 
     def shape(self) -> "ModelShape":
         """The resolved architecture (preset + overrides). Raises ConfigError if incomplete."""
-        from workbench.models import resolve_shape
+        from workbench.shapes import resolve_shape
 
         return resolve_shape(self)
 
@@ -88,8 +88,8 @@ class LayoutSpec(_Section):
     zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage: 0 DDP, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP).")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = Field("1f1b", description="Pipeline schedule when pp > 1.")
     virtual_stages: int = Field(2, gt=0, description="Stages per pipeline rank for interleaved schedules.")
-    activation_checkpointing: Literal["none", "full", "selective"] = Field("none", description="Recompute activations in backward: none, every block (full) or every k-th block (selective).")
-    checkpoint_every: int = Field(2, gt=0, description="k for selective activation checkpointing.")
+    activation_checkpointing: Literal["none", "full", "selective"] = Field("none", description="Recompute activations in backward: none; full: whole blocks (every checkpoint_every-th block); selective: the attention core only (Korthikanti et al. 2022).")
+    checkpoint_every: int = Field(1, gt=0, description="k for full activation checkpointing: recompute every k-th block of each stage (1 = every block).")
     offload: Literal["none", "cpu", "nvme"] = Field("none", description="Where optimizer state (and master weights) live: on the device, in CPU memory or in files.")
     nvme_path: str = Field("/tmp/workbench-offload", description="Directory for offload=nvme.")
     sequence_parallel: bool = Field(False, description="Shard LayerNorm/dropout activations along the sequence in TP regions.")
@@ -225,12 +225,15 @@ class JobSpec(_Section):
 
 # -- loading --------------------------------------------------------------------------------
 
-def load_spec(source: "str | Path | dict | JobSpec", overrides: list[str] | None = None) -> JobSpec:
+def load_spec(source: "str | Path | dict | JobSpec", overrides: list[str] | None = None, *,
+              layout: bool = True) -> JobSpec:
     """Load, override and validate a spec.
 
     Args:
         source: a YAML/JSON path, a dict, or a JobSpec.
         overrides: ``["layout.dp=4", ...]`` applied before validation.
+        layout: False skips the layout's rules (degrees vs resources, batch split): `plan`
+            searches layouts, so it needs only the model, resources and batch to be valid.
     Returns:
         A validated JobSpec.
     Raises:
@@ -259,7 +262,7 @@ def load_spec(source: "str | Path | dict | JobSpec", overrides: list[str] | None
         raise ConfigError(_explain(e)) from None
     from workbench.validate import validate_spec
 
-    validate_spec(spec)
+    validate_spec(spec, layout=layout)
     return spec
 
 

@@ -24,12 +24,16 @@ def _factorizations(n: int) -> str:
     return "; ".join(out[:3])
 
 
-def validate_spec(spec: "JobSpec") -> None:
-    """Raise ConfigError for the first rule the spec breaks (structure is checked by pydantic)."""
+def validate_spec(spec: "JobSpec", layout: bool = True) -> None:
+    """Raise ConfigError for the first rule the spec breaks (structure is checked by pydantic).
+
+    layout=False skips the rules of the layout itself (for `plan`, which searches layouts).
+    """
     _check_model(spec)
-    _check_resources(spec)
-    _check_layout(spec)
-    _check_batch(spec)
+    _check_resources(spec, layout)
+    if layout:
+        _check_layout(spec)
+        _check_batch(spec)
     _check_backend(spec)
 
 
@@ -48,7 +52,7 @@ def _check_model(spec: "JobSpec") -> None:
     m.shape()  # raises ConfigError for unknown presets / incomplete shapes
 
 
-def _check_resources(spec: "JobSpec") -> None:
+def _check_resources(spec: "JobSpec", layout: bool = True) -> None:
     r = spec.resources
     if r.gpu not in DEVICES:
         import difflib
@@ -57,7 +61,7 @@ def _check_resources(spec: "JobSpec") -> None:
         hint = f" Did you mean {guess[0]!r}?" if guess else ""
         raise ConfigError(f"resources.gpu: unknown GPU type {r.gpu!r}.{hint} Known types: {', '.join(DEVICES)}.")
     lay = spec.layout
-    if lay.world_size != r.num_gpus:
+    if layout and lay.world_size != r.num_gpus:
         raise ConfigError(
             f"dp({lay.dp}) x tp({lay.tp}) x pp({lay.pp}) = {lay.world_size} ranks, but resources give "
             f"{r.num_gpus} GPUs ({r.nodes} node(s) x {r.gpus_per_node}). Use degrees whose product is "
@@ -93,6 +97,13 @@ def _check_layout(spec: "JobSpec") -> None:
             + f") but the model has {shape.layers} layers; each stage needs at least one block. "
             f"Use pp <= {shape.layers}."
         )
+    if lay.activation_checkpointing == "selective" and "checkpoint_every" in lay.model_fields_set \
+            and lay.checkpoint_every != 1:
+        raise ConfigError(
+            f"layout.activation_checkpointing=selective with checkpoint_every={lay.checkpoint_every}: selective now "
+            "recomputes the attention core of every block (Korthikanti et al. 2022), and checkpoint_every belongs "
+            f"to full. For whole blocks every {lay.checkpoint_every}th (what selective meant before), use "
+            f"activation_checkpointing: full, checkpoint_every: {lay.checkpoint_every}.")
     if lay.pp > 1 and shape.tie_embeddings:
         raise ConfigError(
             f"layout.pp({lay.pp}) with model.tie_embeddings=true: the embedding lives on the first stage and the "

@@ -76,10 +76,27 @@ def test_our_block_table_equals_korthikanti_terms_for_gpt3_shape():
     s, b = shape.seq_len, 1
     per_layer = act.block_bytes_per_token(shape, "fp16") * s * b
     assert per_layer == pytest.approx(sum(act.ours_in_korthikanti_terms(s, b, shape.hidden, shape.heads).values()))
-    # With sequence parallelism Korthikanti divides everything by t; ours keeps the gathered
-    # inputs of the column-parallel linears whole (DTensor's SequenceParallel all-gathers them).
+    # With sequence parallelism Korthikanti divides everything by t, and so do we: the
+    # column-parallel linears keep the sequence shard and gather it again in backward
+    # (parallel/sequence_parallel.py). Theirs also has the unfused s x s terms.
     t = 8
     ours_sp = act.block_bytes_per_token(shape, "fp16", tp=t, sp=True) * s * b
     theirs_sp = act.korthikanti_layer_bytes(s, b, shape.hidden, shape.heads, t=t, sp=True)
-    assert ours_sp < act.korthikanti_layer_bytes(s, b, shape.hidden, shape.heads, t=t)
-    assert ours_sp > theirs_sp - 5 * shape.heads * s * s * b / t
+    assert ours_sp == pytest.approx(per_layer / t)
+    assert ours_sp == pytest.approx(theirs_sp - 5 * shape.heads * s * s * b / t - 2 * s * b * shape.hidden / t
+                                    + 4 * shape.heads * s * b / t + 8 * s * b / t)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_block_activations_divide_by_tp_with_sequence_parallel(family):
+    """Megatron-style sequence parallelism (parallel/sequence_parallel.py) divides every saved
+    tensor of a block by tp (Korthikanti et al. 2022); measured in
+    tests/distributed/test_sequence_parallel.py."""
+    from workbench.shapes import resolve_shape
+    from workbench.spec import ModelSpec
+
+    shape = resolve_shape(ModelSpec(family=family, layers=2, hidden=64, heads=4, kv_heads=2, vocab=256, seq_len=32))
+    for dtype in ("fp32", "bf16"):
+        whole = act.block_bytes_per_token(shape, dtype)
+        assert act.block_bytes_per_token(shape, dtype, tp=2, sp=True) == pytest.approx(whole / 2)
+        assert act.block_bytes_per_token(shape, dtype, tp=2, sp=False) > whole / 2

@@ -123,3 +123,60 @@ def test_candidates_say_whether_the_runtime_runs_them(result):
 
 def test_cpu_offload_only_with_fsdp(result):
     assert all(c.layout["zero"] >= 2 for c in result.candidates if c.layout["offload"] == "cpu")
+
+
+def test_given_layout_is_scored_like_a_candidate(result, capsys):
+    """`given` is the spec's own layout through the same memory and step-time models."""
+    spec = load_spec(EXAMPLE)
+    g = result.given
+    assert g is not None and result.given_error is None
+    assert {k: g.layout[k] for k in ("dp", "tp", "pp", "zero")} == \
+        {k: getattr(spec.layout, k) for k in ("dp", "tp", "pp", "zero")}
+    assert g.micro_batch == spec.train.micro_batch
+    assert g.peak_bytes == estimate_memory(spec).peak_bytes
+    assert g.step_time_s > 0 and g.tokens_per_s == pytest.approx(
+        spec.train.global_batch * spec.model.shape().seq_len / g.step_time_s)
+    from workbench.cli import main
+
+    assert main(["plan", str(EXAMPLE), "--json", "--top", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["given"]["peak_bytes"] == g.peak_bytes and set(out["given"]) >= {
+        "fits", "peak_bytes", "step_time_s", "tokens_per_s", "mfu", "usd_per_hour", "usd_per_hour_spot", "prices"}
+    assert main(["plan", str(EXAMPLE), "--top", "2"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[2].startswith("you") and table[4].lstrip().startswith("1 ")
+
+
+def test_plan_searches_when_the_spec_layout_breaks_a_rule(capsys):
+    """A layout that does not match the resources: plan still ranks, and `given` says why it is absent."""
+    from workbench.cli import main
+
+    assert main(["plan", str(EXAMPLE), "--json", "--top", "1", "--set", "layout.dp=3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["given"] is None and "24 ranks, but resources give 64 GPUs" in out["given_error"]
+    assert out["candidates"][0]["fits"]
+    assert main(["validate", str(EXAMPLE), "--set", "layout.dp=3"]) == 2  # validate keeps the layout's rules
+
+
+def test_notebook_memory_panel_shows_the_given_numbers(result):
+    pytest.importorskip("ipywidgets")
+    from workbench.ui.memory_panel import given_html
+
+    d = result.to_dict(top=3)
+    text = given_html(d)
+    assert f"{d['given']['tokens_per_s']:,.0f} tokens/s" in text
+    assert f"{d['given']['peak_bytes'] / 2**30:.1f} GiB" in text
+    assert "24 ranks" in given_html({"given": None, "given_error": "dp(3) x tp(8) x pp(1) = 24 ranks"})
+
+
+def test_virtual_stages_are_searched(result):
+    """Interleaved 1F1B is offered with 2, 4 and 8 virtual stages (each stage keeps a block), and
+    GPipe only where 1F1B cannot run."""
+    seen = {c.layout.get("virtual_stages") for c in result.candidates if c.layout["pp_schedule"] == "interleaved-1f1b"
+            and c.layout["pp"] > 1}
+    assert {2, 4, 8} <= seen
+    for c in result.candidates:
+        lay = c.layout
+        assert lay["pp"] * lay.get("virtual_stages", 1) <= 80
+        if lay["pp"] > 1 and lay["pp_schedule"] == "gpipe":
+            assert 256 // (lay["dp"] * c.micro_batch) < lay["pp"]

@@ -23,7 +23,7 @@ LAYOUTS: list[tuple[str, dict, str]] = [
     ("dp2 zero3", {"dp": 2, "zero": 3}, "fp32"),
     ("dp2 zero3 bf16", {"dp": 2, "zero": 3}, "bf16"),
     ("dp2 full ckpt", {"dp": 2, "activation_checkpointing": "full"}, "fp32"),
-    ("dp2 selective ckpt", {"dp": 2, "activation_checkpointing": "selective"}, "fp32"),
+    ("dp2 full ckpt every 2", {"dp": 2, "activation_checkpointing": "full", "checkpoint_every": 2}, "fp32"),
     ("dp2 zero3 offload cpu", {"dp": 2, "zero": 3, "offload": "cpu"}, "fp32"),
     ("dp2 zero1 offload nvme", {"dp": 2, "zero": 1, "offload": "nvme"}, "fp32"),
     ("tp2", {"tp": 2}, "fp32"),

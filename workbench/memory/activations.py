@@ -38,7 +38,9 @@ def _table(family: str, device: str) -> tuple:
     norm = _NORMS[(family, "cuda" if device == "cuda" else "cpu")]
 
     def norm_rows(prefix):
-        return tuple((f"{prefix}.{n}", d, k, "sp") for n, d, k in norm) + ((f"{prefix}.output", "h", "c", "rep"),)
+        # The norm's output is the column-parallel linears' input: with sequence parallelism they keep
+        # its sequence shard and all-gather it again in backward (parallel/sequence_parallel.py).
+        return tuple((f"{prefix}.{n}", d, k, "sp") for n, d, k in norm) + ((f"{prefix}.output", "h", "c", "sp"),)
 
     return norm_rows("norm1") + _ATTN + norm_rows("norm2") + _MLP[family]
 
@@ -96,14 +98,20 @@ def token_batch_bytes(global_batch: int, seq_len: int) -> int:
 
 
 def checkpointed_blocks(blocks: range, mode: str, every: int) -> int:
-    """How many of a stage's blocks recompute in backward: all (full), or the stage's 1st,
-    (k+1)-th, ... block (selective, k = layout.checkpoint_every; parallel/checkpointing.py counts
-    positions within each stage module)."""
-    if mode == "full":
-        return len(blocks)
-    if mode == "selective":
-        return -(-len(blocks) // every)
-    return 0
+    """How many of a stage's blocks recompute whole in backward (full): the stage's 1st,
+    (k+1)-th, ... block, k = layout.checkpoint_every (1: all; parallel/checkpointing.py counts
+    positions within each stage module). `selective` recomputes no whole block."""
+    return -(-len(blocks) // every) if mode == "full" else 0
+
+
+def attention_core_bytes_per_token(shape, tp: int = 1) -> float:
+    """What `selective` (recompute the attention core) stops saving per token of one block.
+
+    The fused SDPA kernel keeps no s x s scores; of its saved tensors, only the fp32 log-sum-exp is
+    its own: q, k, v are the core's inputs (kept to recompute it) and its output's storage is the
+    one `wo` saves (measured with saved_tensors_hooks in tests/unit/test_checkpointing.py).
+    """
+    return shape.heads * 4 / tp
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False) -> float:

@@ -25,7 +25,7 @@ class Layout:
     zero: int = 0
     offload: str = "none"
     activation_checkpointing: str = "none"
-    checkpoint_every: int = 2
+    checkpoint_every: int = 1
     pp_schedule: str = "1f1b"
     virtual_stages: int = 2
     sequence_parallel: bool = False
@@ -82,6 +82,8 @@ def _chunk_activation_bytes(shape, lay: Layout, stage: int, num_stages: int, blo
     full = act.block_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel, lay.device)
     edge = act.boundary_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
     n_ckpt = act.checkpointed_blocks(blocks, lay.activation_checkpointing, lay.checkpoint_every)
+    if lay.activation_checkpointing == "selective":
+        full -= act.attention_core_bytes_per_token(shape, lay.tp)
     per_token = n_ckpt * edge + (len(blocks) - n_ckpt) * full
     if stage == num_stages - 1:
         per_token += act.head_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel, lay.device)
@@ -118,7 +120,7 @@ def _activations_cached(shape, tp, pp, chunks, sp, micro_batch, num_micro, sched
     if pp_index == 0:
         batch = global_batch if pp == 1 else micro_batch * num_micro
         total += act.token_batch_bytes(batch, shape.seq_len)
-    if shape.family == "llama" and lay.activation_checkpointing != "full":
+    if shape.family == "llama" and not (lay.activation_checkpointing == "full" and lay.checkpoint_every == 1):
         # Rotary cos/sin tables, cached by the model (checkpointed blocks do not save them).
         total += shape.seq_len * shape.head_dim * 4
     return total
@@ -142,7 +144,12 @@ def _buffers(shape, lay: Layout, pp_index: int, p: int, w: int) -> tuple[float, 
         # a tensor autograd saves, so not counted as activations by the runtime's meter).
         held = sum(max_in_flight(lay.pp_schedule, lay.pp, lay.num_micro, pp_index, lay.chunks))
         out += held * tokens * act.boundary_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
-    if lay.activation_checkpointing != "none":
+    if lay.activation_checkpointing == "selective":
+        # Backward re-runs one attention core at a time: its output and log-sum-exp come back briefly.
+        c = act.DTYPE_BYTES[lay.dtype]
+        out += tokens * (shape.hidden * c / lay.tp + act.attention_core_bytes_per_token(shape, lay.tp))
+        notes.append("selective checkpointing: one recomputed attention core's output during backward (buffers)")
+    elif lay.activation_checkpointing != "none":
         # Backward re-runs one checkpointed block at a time: its activations come back briefly.
         out += tokens * act.block_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel, lay.device)
         notes.append("checkpointing: one recomputed block's activations during backward (buffers)")
@@ -173,9 +180,11 @@ def _runtime_details(shape, lay: Layout, pp_index: int, states, notes: list[str]
         # optimizer (mixed precision, zero=1, nvme) counts steps in Python.
         n_tensors = len(prm.rank_tensors(shape, lay.tp, lay.pp, pp_index, lay.chunks))
         states = replace(states, optimizer=states.optimizer + 4 * n_tensors)
-    if lay.tp > 1 and pp_index == 0 and lay.zero in (0, 1):
+    if lay.tp > 1 and pp_index == 0 and lay.zero in (0, 1) and not lay.sequence_parallel:
         # The vocab-parallel embedding's weight is Shard(0) but its gradient comes back as a
-        # Replicate DTensor of the full (vocab, hidden) (parallel/tp.py, RowwiseParallel).
+        # Replicate DTensor of the full (vocab, hidden) (parallel/tp.py, RowwiseParallel). With
+        # Megatron-style sequence parallelism (parallel/sequence_parallel.py) it comes back
+        # Shard(0) (measured: tests/distributed/test_sequence_parallel.py).
         g = 4 if lay.dtype == "fp32" else 2
         extra = (shape.vocab - shape.vocab // lay.tp) * shape.hidden * g
         states = replace(states, grads=states.grads + extra)

@@ -19,6 +19,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from workbench.parallel.sequence_parallel import megatron_sp_plan
+
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
     """Shard a GPT (or one pipeline stage of it) over `tp_mesh`, in place, on the meta device.
@@ -78,6 +80,7 @@ def _block_plan(block: nn.Module, sp: bool) -> dict:
             "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
             "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         })
+        plan.update(megatron_sp_plan(block))  # the column-parallel linears save the shard, not the gather
     return plan
 
 

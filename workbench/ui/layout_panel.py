@@ -28,7 +28,7 @@ class LayoutPanel:
     """Form for the spec's model, resources, layout, precision and batch; `.widget` to display."""
 
     def __init__(self, state: WorkbenchState):
-        from workbench.models import PRESETS
+        from workbench.shapes import PRESETS
 
         self.state = state
         self.presets = PRESETS

@@ -116,7 +116,7 @@ class MemoryPanel:
             cells += [w.HTML(v) for v in values] + [use]
         grid = w.GridBox(cells, layout=w.Layout(
             grid_template_columns="minmax(220px, 2.5fr) repeat(7, minmax(60px, 1fr)) 70px", grid_gap="2px 10px"))
-        self.plan_box.children = [grid, figure_widget(figures.plan_figure(plan))]
+        self.plan_box.children = [w.HTML(given_html(plan)), grid, figure_widget(figures.plan_figure(plan))]
 
     def apply(self, candidate: dict) -> None:
         """Write a planner candidate's layout (and micro-batch) into the spec."""
@@ -125,3 +125,15 @@ class MemoryPanel:
             overrides["train.micro_batch"] = candidate["micro_batch"]
         overrides["resources.gpus_per_node"] = None  # the planner keeps the GPU count; let the layout set it
         self.state.update(overrides)
+
+
+def given_html(plan: dict) -> str:
+    """The spec's own layout scored by the planner (`plan --json`'s "given"), one line above the ranking."""
+    g = plan.get("given")
+    if g is None:
+        why = plan.get("given_error")
+        return note_html("Your layout could not be scored: " + why, "error") if why else ""
+    fits = "fits" if g["fits"] else "does not fit"
+    return (f"<p><b>Your layout</b> {html.escape(figures.layout_label(g['layout'], g.get('micro_batch')))}: {fits}, "
+            f"peak {g['peak_bytes'] / 2**30:.1f} GiB, {g['tokens_per_s']:,.0f} tokens/s, step {g['step_time_s']:.3g} s, "
+            f"MFU {g['mfu']:.0%}, ${g['usd_per_hour']:.2f}/h (spot ${g['usd_per_hour_spot']:.2f}/h)</p>")
