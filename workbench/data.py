@@ -2,7 +2,8 @@
 
 Every rank computes the same global batch and keeps its dp slice, so any dp x tp x pp layout
 trains on exactly the data the single-process run sees, and a resumed run picks up at any step
-with no state to restore beyond the step number.
+with no state to restore beyond the step number. Token shards (`data.source: tokens`, see
+shards.py) are read row by row, so a rank reads only its own slice of the global batch.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ class TokenSource:
                 raise ConfigError(f"data.source=text uses a byte-level tokenizer (256 tokens) but model.vocab={vocab}. Use vocab >= 256.")
             if not self.path.is_file():
                 raise ConfigError(f"data.path: {str(self.path)!r} does not exist. Point it at a local text file.")
-            self._check_regions(len(self.tokens), "bytes")
+            self._check_regions(len(self.tokens), "bytes", str(self.path))
         elif source == "tokens":
             from workbench.shards import TokenShards
 
@@ -58,14 +59,14 @@ class TokenSource:
             if self.shards.vocab_size > vocab:
                 raise ConfigError(f"data.path {path}: the shards' tokenizer has {self.shards.vocab_size} tokens but "
                                   f"model.vocab={vocab}. Set model.vocab >= {self.shards.vocab_size}.")
-            self._check_regions(len(self.shards), "tokens")
+            self._check_regions(len(self.shards), "tokens", path)
 
-    def _check_regions(self, total: int, unit: str) -> None:
+    def _check_regions(self, total: int, unit: str, where: str) -> None:
         n = self.seq_len + 2
         val = int(total * self.val_fraction)
         if total - val < n or 0 < val < n:
             raise ConfigError(
-                f"data.path: {self.path} has {total} {unit}: {total - val} for training and {val} held out "
+                f"data.path: {where} has {total} {unit}: {total - val} for training and {val} held out "
                 f"(val_fraction={self.val_fraction}), but each part needs at least seq_len+2 = {n}. "
                 "Use more data, a shorter seq_len or another val_fraction.")
 
