@@ -79,3 +79,16 @@ def test_sample_refuses_synthetic_runs(tmp_path):
     uri = run(tmp_path, {"preset": "gpt-tiny"}, data={"source": "synthetic"}, steps=1)
     with pytest.raises(ConfigError, match="synthetic tokens"):
         sample(uri, "hello")
+
+
+def test_export_without_the_shards_still_writes_the_model(tmp_path):
+    import shutil
+
+    from workbench.data import DEFAULT_TEXT
+
+    prepare([str(DEFAULT_TEXT)], str(tmp_path / "tok"), vocab_size=300, progress=False)
+    uri = run(tmp_path, {"preset": "gpt-tiny", "vocab": 300}, data={"source": "tokens", "path": str(tmp_path / "tok")}, steps=1)
+    shutil.rmtree(tmp_path / "tok")
+    with pytest.warns(UserWarning, match="without a tokenizer.*no index.json"):
+        out = export_hf(uri, str(tmp_path / "hf"))
+    assert (out / "model.safetensors").is_file() and not (out / "tokenizer.json").exists()
