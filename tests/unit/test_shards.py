@@ -119,3 +119,14 @@ def test_errors_name_the_fix(shards, tmp_path):
         load_spec({"data": {"source": "text"}, "train": {"eval_every": 2}})
     with pytest.raises(ConfigError, match="at least 257 tokens"):
         prepare([str(DEFAULT_TEXT)], str(tmp_path / "y"), tokenizer="bpe", vocab_size=100, progress=False)
+
+
+def test_a_rank_reads_only_its_own_rows(shards):
+    out, _ = shards
+    src = TokenSource("tokens", vocab=512, seq_len=32, seed=0, path=str(out))
+    windows = []
+    read = src.shards.read
+    src.shards.read = lambda start, n: windows.append((start, n)) or read(start, n)
+    mine = src.rank_batch(3, 8, 1, 4)  # dp rank 1 of 4: rows 2 and 3 of the global batch
+    assert len(windows) == 2 and all(n == 33 for _, n in windows)
+    assert torch.equal(mine, src.global_batch(3, 8)[2:4])
