@@ -267,6 +267,33 @@ def sec_overhead(r, doc, img) -> str:
     return "\n\n".join(out)
 
 
+def sec_data(r, doc, img) -> str:
+    out = ["## g) Real data: token shards against synthetic data, and `data prepare` against tokenizers",
+           "One process, the same model and layout, whole runs alternated: `data.source: tokens` (byte-level "
+           "shards read by memmap) against the synthetic stream; this process's CPU time per step. Then one "
+           "rank's batch read from the shards, timed alone, as a share of that step. Last, `workbench data "
+           "prepare` (read, BPE-encode, write shards + index) against the tokenizers library's own "
+           "`encode_batch` over the same files' lines with the same trained BPE (reading included), in MB of text "
+           "per second."]
+    miss = _missing("data", r)
+    if miss:
+        return "\n\n".join(out + [miss])
+    rows = [[k, f"{v['median'] * 1e3:.2f}", f"{v['min'] * 1e3:.2f}..{v['max'] * 1e3:.2f}"]
+            for k, v in r["whole"]["cpu_step_s"].items()]
+    out.append(_md_table(rows, ["data source", "CPU ms/step", "spread"]))
+    p = r["prepare"]["mb_per_s"]
+    out.append(_md_table([[k, f"{v['median']:.2f}", f"{v['min']:.2f}..{v['max']:.2f}"] for k, v in p.items()],
+                         [f"tokenize {r['prepare']['mb']:.1f} MB", "MB/s", "spread"]))
+    share = r["alone"]["share_of_step"]
+    goal = "met" if share < r["goal_data"] else "NOT met"
+    out.append(f"Tokens vs synthetic, whole runs: **{_pct(r['tokens_vs_synthetic'])}** CPU per step (the "
+               f"synthetic stream's own generation is not free, so this can be negative). The shard read alone: "
+               f"**{share:.2%}** of a step ({r['alone']['batch_read_s'] * 1e6:.0f} µs per batch); goal < "
+               f"{r['goal_data']:.0%}: **{goal}**. `data prepare` runs at **{r['prepare']['prepare_vs_encode']:.2f}x** "
+               "the library's batch-encoding rate while also writing the shards.")
+    return "\n\n".join(out)
+
+
 HEADER = """# Benchmarks
 
 Every figure here is measured against its peer **in the same run**, alternating the two (A B B A ...)
@@ -300,7 +327,7 @@ def write_report(results_dir: Path | None = None, doc: Path | None = None, img_d
     """Write the markdown report; returns its path."""
     results_dir, doc, img = Path(results_dir or RESULTS), Path(doc or DOC), Path(img_dir or IMG)
     res = {n: read_result(n, results_dir) for n in
-           ("throughput", "cpu_share", "memory", "pipeline", "overlap", "activation_ckpt", "overhead", "gpu_1b")}
+           ("throughput", "cpu_share", "memory", "pipeline", "overlap", "activation_ckpt", "overhead", "data", "gpu_1b")}
     machines = [r["machine"] for r in res.values() if r and "machine" in r]
     parts = [HEADER]
     if machines:
@@ -316,7 +343,8 @@ def write_report(results_dir: Path | None = None, doc: Path | None = None, img_d
     parts += [sec_throughput(res["throughput"], doc, img), sec_cpu_share(res["cpu_share"], doc, img),
               sec_memory(res["memory"], doc, img),
               sec_pipeline(res["pipeline"], doc, img), sec_overlap(res["overlap"], doc, img),
-              sec_activation_ckpt(res["activation_ckpt"], doc, img), sec_overhead(res["overhead"], doc, img)]
+              sec_activation_ckpt(res["activation_ckpt"], doc, img), sec_overhead(res["overhead"], doc, img),
+              sec_data(res["data"], doc, img)]
     parts.append(PROFILE + _hotpath(results_dir))
     parts.append(GPU if res["gpu_1b"] is None else sec_gpu(res["gpu_1b"]))
     doc.parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ BENCHMARKS = {
     "overlap": "bench.bench_overlap",
     "activation_ckpt": "bench.bench_activation_ckpt",
     "overhead": "bench.bench_overhead",
+    "data": "bench.bench_data",  # (g) token shards and data prepare
 }
 
 

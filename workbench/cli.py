@@ -1,4 +1,5 @@
-"""The `workbench` command: run, validate, memory, plan, dispatch, import, export-config (see DESIGN.md, Contracts)."""
+"""The `workbench` command: run, validate, memory, plan, dispatch, import, export-config, data prepare,
+export, sample (see docs/architecture.md, Contracts)."""
 from __future__ import annotations
 
 import argparse
@@ -35,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     dispatch.add_argument("--backend", help="local | ray | sagemaker | vertex | azureml (default: the spec's)")
     dispatch.add_argument("--dry-run", action="store_true", help="print the exact request; needs no credentials or network")
     _interop_commands(sub, command)
+    _training_commands(sub)
     return p
 
 
@@ -52,6 +54,35 @@ def _interop_commands(sub, command) -> None:
     exp = command("export-config", "Write the spec as a DeepSpeed, Accelerate, Megatron-LM or torchtitan config.")
     exp.add_argument("--to", required=True, choices=ENGINES, help="the engine")
     exp.add_argument("-o", "--output", help="write the config here instead of stdout")
+
+
+def _training_commands(sub) -> None:
+    """data prepare, export, sample: from a text corpus to a model other tools load."""
+    data = sub.add_parser("data", help="Prepare training data.", description="Prepare training data.")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prep = data_sub.add_parser("prepare", help="Tokenize text/jsonl/parquet files into token shards + index.",
+                               description="Tokenize text/jsonl/parquet files (or a saved Hugging Face dataset) into "
+                               "token shards + index.json for data.source: tokens.")
+    prep.add_argument("inputs", nargs="+", help="files or directories (.txt/.md, .jsonl, .parquet, .arrow)")
+    prep.add_argument("--out", required=True, help="output directory or fsspec URI (e.g. s3://bucket/tokens)")
+    prep.add_argument("--tokenizer", default="bpe", help="bpe (trained here on the inputs), bytes, or a tokenizer.json path")
+    prep.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
+    prep.add_argument("--text-field", default="text", help="text column of jsonl/parquet/Arrow inputs (default: text)")
+    prep.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file")
+    prep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    export = sub.add_parser("export", help="Export a checkpoint as a Hugging Face transformers folder.",
+                            description="Export a checkpoint (any layout) as safetensors + config.json for transformers.")
+    export.add_argument("checkpoint", help="a checkpoint.uri (its newest checkpoint) or a step-NNNNNNNNN directory")
+    export.add_argument("--to", choices=["hf"], required=True, help="format (hf: Hugging Face transformers)")
+    export.add_argument("out", help="output directory")
+    smp = sub.add_parser("sample", help="Continue a prompt with a checkpoint and the run's tokenizer.",
+                         description="Continue a prompt with a checkpoint and the run's tokenizer.")
+    smp.add_argument("checkpoint", help="a checkpoint.uri (its newest checkpoint) or a step-NNNNNNNNN directory")
+    smp.add_argument("--prompt", default="", help="text to continue")
+    smp.add_argument("--max-new-tokens", type=int, default=100)
+    smp.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    smp.add_argument("--top-k", type=int, default=50)
+    smp.add_argument("--seed", type=int, default=0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,8 +179,36 @@ def _emit(text: str, warnings: list[str], output: str | None) -> int:
     return 0
 
 
-_COMMANDS = {"run": _run, "validate": _validate, "memory": _memory, "plan": _plan, "dispatch": _dispatch}
-_COMMANDS.update({"import": _import, "export-config": _export_config})
+
+
+def _data(args) -> int:
+    from workbench.shards import prepare
+
+    index = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                    text_field=args.text_field, shard_tokens=args.shard_tokens, progress=not args.no_progress)
+    print(f"wrote {index['num_tokens']:,} tokens ({index['num_documents']:,} documents, {len(index['shards'])} shards, "
+          f"{index['tokenizer']} tokenizer of {index['vocab_size']:,}) to {args.out}")
+    return 0
+
+
+def _export(args) -> int:
+    from workbench.export import export_hf
+
+    print(f"wrote {export_hf(args.checkpoint, args.out)}")
+    return 0
+
+
+def _sample(args) -> int:
+    from workbench.sample import sample
+
+    print(sample(args.checkpoint, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                 top_k=args.top_k, seed=args.seed))
+    return 0
+
+
+_COMMANDS = {"run": _run, "validate": _validate, "memory": _memory, "plan": _plan, "dispatch": _dispatch,
+             "data": _data, "export": _export, "sample": _sample, "import": _import,
+             "export-config": _export_config}
 
 if __name__ == "__main__":
     sys.exit(main())

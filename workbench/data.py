@@ -2,13 +2,15 @@
 
 Every rank computes the same global batch and keeps its dp slice, so any dp x tp x pp layout
 trains on exactly the data the single-process run sees, and a resumed run picks up at any step
-with no state to restore beyond the step number.
+with no state to restore beyond the step number. Token shards (`data.source: tokens`, see
+shards.py) are read row by row, so a rank reads only its own slice of the global batch.
 """
 from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from workbench.errors import ConfigError
@@ -25,23 +27,48 @@ class TokenSource:
     """Batches of token sequences of length seq_len + 1 (inputs and shifted targets).
 
     Args:
-        source: "synthetic" or "text".
+        source: "synthetic", "text" or "tokens".
         vocab: model vocabulary size.
         seq_len: tokens per training sample.
         seed: data seed.
-        path: text file for source="text" (default: a small public-domain text).
+        path: text file for source="text" (default: a small public-domain text); the token
+            shards' directory or URI for source="tokens".
+        val_fraction: the last fraction of the text / token stream held out for evaluation
+            (synthetic data draws held-out batches from its own stream).
     """
 
-    def __init__(self, source: str, vocab: int, seq_len: int, seed: int, path: str | None = None):
+    def __init__(self, source: str, vocab: int, seq_len: int, seed: int, path: str | None = None,
+                 val_fraction: float = 0.0):
         self.source, self.vocab, self.seq_len, self.seed = source, vocab, seq_len, seed
+        self.val_fraction = val_fraction
         self.path = Path(path) if path else DEFAULT_TEXT
+        self.shards = None
         if source == "text":
             if vocab < 256:
                 raise ConfigError(f"data.source=text uses a byte-level tokenizer (256 tokens) but model.vocab={vocab}. Use vocab >= 256.")
             if not self.path.is_file():
                 raise ConfigError(f"data.path: {str(self.path)!r} does not exist. Point it at a local text file.")
-            if len(self.tokens) < seq_len + 2:
-                raise ConfigError(f"data.path: {self.path} has {len(self.tokens)} bytes, fewer than seq_len+2 = {seq_len + 2}.")
+            self._check_regions(len(self.tokens), "bytes", str(self.path))
+        elif source == "tokens":
+            from workbench.shards import TokenShards
+
+            if not path:
+                raise ConfigError("data.source=tokens needs data.path: the directory or URI of the token shards "
+                                  "(make them with `workbench data prepare FILES --out DIR`).")
+            self.shards = TokenShards(path)
+            if self.shards.vocab_size > vocab:
+                raise ConfigError(f"data.path {path}: the shards' tokenizer has {self.shards.vocab_size} tokens but "
+                                  f"model.vocab={vocab}. Set model.vocab >= {self.shards.vocab_size}.")
+            self._check_regions(len(self.shards), "tokens", path)
+
+    def _check_regions(self, total: int, unit: str, where: str) -> None:
+        n = self.seq_len + 2
+        val = int(total * self.val_fraction)
+        if total - val < n or 0 < val < n:
+            raise ConfigError(
+                f"data.path: {where} has {total} {unit}: {total - val} for training and {val} held out "
+                f"(val_fraction={self.val_fraction}), but each part needs at least seq_len+2 = {n}. "
+                "Use more data, a shorter seq_len or another val_fraction.")
 
     @cached_property
     def tokens(self) -> torch.Tensor:
@@ -52,15 +79,43 @@ class TokenSource:
         """The synthetic stream's hidden next-token rule: a fixed permutation of the vocabulary."""
         return torch.randperm(self.vocab, generator=_generator(self.seed, -1, salt=1))
 
+    def _regions(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """[start, end) of the training and the held-out part of the stream."""
+        total = len(self.shards) if self.shards is not None else len(self.tokens)
+        split = total - int(total * self.val_fraction)
+        return (0, split), (split, total)
+
     def global_batch(self, step: int, global_batch: int) -> torch.Tensor:
         """The (global_batch, seq_len + 1) int64 tokens of optimizer step `step` (1-based)."""
-        gen = _generator(self.seed, step)
+        return self.rank_batch(step, global_batch, 0, 1)
+
+    def rank_batch(self, step: int, global_batch: int, dp_rank: int, dp: int) -> torch.Tensor:
+        """dp rank's contiguous slice of global batch `step`; token shards read only that slice."""
+        return self._batch(_generator(self.seed, step), self._regions()[0], global_batch, dp_rank, dp)
+
+    def val_batch(self, index: int, global_batch: int, dp_rank: int = 0, dp: int = 1) -> torch.Tensor:
+        """Held-out batch `index` (0-based; the same at every evaluation), dp rank's slice."""
+        if self.source != "synthetic" and self.val_fraction <= 0:
+            raise ConfigError("evaluation needs held-out data: set data.val_fraction > 0 (e.g. 0.05).")
+        return self._batch(_generator(self.seed, index, salt=2), self._regions()[1], global_batch, dp_rank, dp)
+
+    def _batch(self, gen: torch.Generator, region: tuple[int, int], global_batch: int, dp_rank: int,
+               dp: int) -> torch.Tensor:
         n = self.seq_len + 1
-        if self.source == "text":
-            starts = torch.randint(0, len(self.tokens) - n, (global_batch,), generator=gen)
-            return torch.stack([self.tokens[s : s + n] for s in starts.tolist()])
-        # Synthetic: each token follows the hidden rule with p=0.9, else is uniform noise. A
-        # model can learn the rule, so the loss falls visibly from ln(vocab).
+        per_rank = global_batch // dp
+        rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+        if self.source == "synthetic":
+            return self._synthetic(gen, global_batch)[rows]
+        lo, hi = region
+        starts = (lo + torch.randint(0, hi - lo - n, (global_batch,), generator=gen))[rows].tolist()
+        if self.shards is not None:
+            return torch.from_numpy(np.stack([self.shards.read(s, n) for s in starts]).astype(np.int64))
+        return torch.stack([self.tokens[s : s + n] for s in starts])
+
+    def _synthetic(self, gen: torch.Generator, global_batch: int) -> torch.Tensor:
+        # Each token follows the hidden rule with p=0.9, else is uniform noise. A model can
+        # learn the rule, so the loss falls visibly from ln(vocab).
+        n = self.seq_len + 1
         out = torch.empty(global_batch, n, dtype=torch.long)
         out[:, 0] = torch.randint(0, self.vocab, (global_batch,), generator=gen)
         follow = torch.rand(global_batch, n, generator=gen) < _FOLLOW_PROB
@@ -84,4 +139,5 @@ def build_token_source(spec) -> TokenSource:
     else:
         shape = m.shape()
         vocab, seq_len = shape.vocab, shape.seq_len
-    return TokenSource(spec.data.source, vocab, seq_len, spec.data.seed, spec.data.path)
+    d = spec.data
+    return TokenSource(d.source, vocab, seq_len, d.seed, d.path, d.val_fraction)

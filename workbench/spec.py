@@ -61,9 +61,11 @@ class ModelSpec(_Section):
 class DataSpec(_Section):
     """Where the tokens come from. Batches depend only on seed, step and global_batch."""
 
-    source: Literal["synthetic", "text"] = Field("synthetic", description="synthetic: a seeded, learnable token stream; text: a local file through a byte-level tokenizer.")
-    path: Optional[str] = Field(None, description="Text file for source=text; default: the small public-domain text shipped with workbench.")
+    source: Literal["synthetic", "text", "tokens"] = Field("synthetic", description="synthetic: a seeded, learnable token stream; text: a local file through a byte-level tokenizer; tokens: shards from `workbench data prepare`, read by memmap.")
+    path: Optional[str] = Field(None, description="Text file for source=text (default: the small public-domain text shipped with workbench); the shards' directory or fsspec URI for source=tokens.")
     seed: int = Field(0, ge=0, description="Seed of the data order; the same seed gives the same batches under every layout.")
+    tokenizer: Optional[str] = Field(None, description="source=tokens: a tokenizer.json to decode with (sample, export); default: the one saved with the shards.")
+    val_fraction: float = Field(0.0, ge=0, lt=1, description="The last fraction of the text / token stream held out for evaluation (train.eval_every).")
 
 
 class TrainSpec(_Section):
@@ -73,7 +75,12 @@ class TrainSpec(_Section):
     global_batch: int = Field(16, gt=0, description="Sequences per optimizer step, over all data-parallel ranks.")
     micro_batch: int = Field(4, gt=0, description="Sequences per forward/backward on one rank.")
     optimizer: Literal["adamw", "adam", "sgd"] = Field("adamw", description="Optimizer.")
-    lr: float = Field(3.0e-4, gt=0, description="Learning rate (constant).")
+    lr: float = Field(3.0e-4, gt=0, description="Peak learning rate (the schedule scales it).")
+    schedule: Literal["constant", "cosine", "linear", "wsd"] = Field("constant", description="Learning-rate schedule after warmup: constant, cosine or linear decay to min_lr, or warmup-stable-decay (wsd: the last 20% of steps decay linearly).")
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup from lr/warmup_steps to lr.")
+    min_lr: float = Field(0.0, ge=0, description="Learning rate at the end of a decaying schedule.")
+    eval_every: int = Field(0, ge=0, description="Evaluate the held-out loss every N steps (and after the last); 0 disables.")
+    eval_batches: int = Field(4, gt=0, description="Held-out global batches per evaluation.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (adamw) or L2 (adam, sgd).")
     grad_clip: float = Field(0.0, ge=0, description="Clip the global gradient norm to this value; 0 disables.")
     seed: int = Field(0, ge=0, description="Seed of the weight initialization.")
@@ -127,6 +134,13 @@ class CheckpointSpec(_Section):
     uri: Optional[str] = Field(None, description="Local path or s3:// gs:// az:// URI. Clouds default to <bucket>/workbench/<name>/checkpoints/.")
     keep: int = Field(3, gt=0, description="Complete checkpoints to keep.")
     async_save: bool = Field(False, description="Write in the background so training does not wait on storage.")
+
+
+class TrackingSpec(_Section):
+    """Experiment trackers that receive the same step, eval and memory numbers (from rank 0)."""
+
+    tensorboard: Optional[str] = Field(None, description="Directory for TensorBoard event files.")
+    mlflow: Optional[str] = Field(None, description="MLflow tracking URI, e.g. file:./mlruns or http://host:5000.")
 
 
 class RaySection(_Section):
@@ -185,6 +199,7 @@ class JobSpec(_Section):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     backend: BackendSpec = Field(default_factory=BackendSpec)
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
 
     # -- serialization -------------------------------------------------------------------
     def to_dict(self) -> dict:

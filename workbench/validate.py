@@ -35,6 +35,7 @@ def validate_spec(spec: "JobSpec", layout: bool = True) -> None:
         _check_layout(spec)
         _check_batch(spec)
     _check_backend(spec)
+    _check_training(spec)
 
 
 def _check_model(spec: "JobSpec") -> None:
@@ -165,6 +166,10 @@ def check_runnable(spec: "JobSpec") -> None:
         )
     _check_dp_combinations(spec)
     _check_model_parallel_runnable(spec)
+    if spec.data.source == "tokens":  # the shards exist, fit the vocabulary and the split
+        from workbench.data import build_token_source
+
+        build_token_source(spec)
 
 
 def _check_dp_combinations(spec: "JobSpec") -> None:
@@ -271,3 +276,19 @@ def _model_identity(old: "JobSpec", new: "JobSpec") -> list[tuple[str, object, o
         return [] if a == b else [("factory", a, b)]
     sa, sb = old.model.shape(), new.model.shape()
     return [(f, getattr(sa, f), getattr(sb, f)) for f in sa.__dataclass_fields__ if getattr(sa, f) != getattr(sb, f)]
+
+
+def _check_training(spec: "JobSpec") -> None:
+    """Schedule, evaluation and tracking rules (workbench/schedule.py, docs/training.md)."""
+    from urllib.parse import urlsplit
+
+    from workbench.schedule import check_schedule
+
+    check_schedule(spec.train)
+    if spec.train.eval_every and spec.data.source != "synthetic" and spec.data.val_fraction <= 0:
+        raise ConfigError(f"train.eval_every={spec.train.eval_every} needs held-out data, but data.val_fraction is 0. "
+                          "Set data.val_fraction (e.g. 0.05) or eval_every=0.")
+    uri = spec.tracking.mlflow
+    if uri and urlsplit(uri).password is not None:
+        raise ConfigError("tracking.mlflow: the URI carries a password, which would travel with the spec. Remove it "
+                          "and set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD in the environment instead.")

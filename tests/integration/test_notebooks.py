@@ -105,3 +105,18 @@ def test_cloud_dispatch_notebook(tmp_path):
     text = "".join(outputs(c) for c in nb.cells)
     for name in present:
         assert f"== {name}:" in text
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_train_on_text_notebook(tmp_path):
+    nb = execute("train_on_text.ipynb", tmp_path, timeout=300)
+    text = "".join(outputs(c) for c in nb.cells)
+    assert "bytes/token" in text and "status completed" in text
+    diff = float(text.split("max |logit difference| = ")[1].split()[0])
+    assert diff < 1e-4
+    first, last = (float(v) for v in text.split("validation loss ")[1].split(",")[0].split(" -> "))
+    assert last < first  # it learned something about the text
+    assert outputs(nb.cells[-1]).startswith("Four score and seven")
+    assert (tmp_path / "hf-model" / "model.safetensors").is_file() and any((tmp_path / "tensorboard").iterdir())

@@ -141,3 +141,27 @@ def test_layout_label_names_only_what_is_set():
     assert figures.layout_label({"dp": 1, "tp": 2, "pp": 4, "zero": 1, "activation_checkpointing": "full",
                                  "pp_schedule": "1f1b", "offload": "cpu"}, 1) == \
         "dp1 tp2 pp4 zero1 offload=cpu ckpt=full 1f1b mb=1"
+
+
+def test_run_figure_draws_the_held_out_loss_beside_the_training_loss():
+    evals = [{"event": "eval", "step": 2, "loss": 4.2, "perplexity": 66.7}, {"event": "eval", "step": 3, "loss": 3.9, "perplexity": 49.4}]
+    fig = figures.run_figure([step(1, 5.0), step(2, 4.0), evals[0], step(3, 3.5), evals[1]])
+    assert [t.name for t in fig.data] == ["loss", "tokens_per_s", "step_time_s", "val_loss"]
+    val = fig.data[3]
+    assert list(val.x) == [2, 3] and list(val.y) == [4.2, 3.9] and list(val.customdata) == [66.7, 49.4]
+    assert val.xaxis == fig.data[0].xaxis and val.yaxis == fig.data[0].yaxis  # the loss panel
+    assert "val loss 3.9000" in fig.layout.title.text
+
+
+def test_lr_figure_draws_the_schedule_and_the_runs_rates():
+    from workbench.schedule import lr_curve
+    from workbench.spec import load_spec
+
+    train = load_spec({"train": {"steps": 50, "lr": 1e-3, "schedule": "cosine", "warmup_steps": 5, "min_lr": 1e-4}}).train
+    fig = figures.lr_figure(train)
+    assert list(fig.data[0].x) == list(range(1, 51)) and list(fig.data[0].y) == pytest.approx(lr_curve(train))
+    assert "cosine" in fig.layout.title.text and "warmup 5" in fig.layout.title.text
+    ran = figures.lr_figure(train, [{"event": "step", "step": 1, "loss": 1.0, "lr": 2e-4}])
+    assert list(ran.data[1].y) == [2e-4]
+    big = load_spec({"train": {"steps": 10**7, "schedule": "wsd"}}).train
+    assert len(figures.lr_figure(big).data[0].x) <= 402  # sampled, not one point per step

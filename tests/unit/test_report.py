@@ -53,3 +53,16 @@ def test_report_includes_a_pipeline_timeline_when_the_run_recorded_one(tmp_path)
                    "items": [{"microbatch": 0, "kind": "F", "start_s": 0.0, "end_s": 0.1}]})
     text = write_report(ev, SPEC, tmp_path / "run.html").read_text()
     assert "Pipeline timeline" in text
+
+
+def test_report_plots_the_held_out_loss_and_the_learning_rate(tmp_path):
+    ev = run_events()
+    ev.insert(-2, {"event": "eval", "step": 4, "loss": 1.75, "perplexity": 5.75})
+    spec = {**SPEC, "train": {**SPEC["train"], "schedule": "cosine", "warmup_steps": 1, "min_lr": 0.0}}
+    text = write_report(ev, spec, tmp_path / "run.html").read_text()
+    specs = [json.loads(m) for m in re.findall(r"Plotly\.newPlot\(\s*\"[^\"]+\",\s*(\[.*?\]),\s*\{", text, re.S)]
+    val = next(t for t in specs[0] if t["name"] == "val_loss")
+    assert val["x"] == [4] and val["y"] == [1.75]
+    assert "Learning rate" in text and "1.7500 (last eval)" in text
+    lr = specs[-1][0]
+    assert lr["x"] == [1, 2, 3, 4] and lr["y"][-1] == 0.0 and max(lr["y"]) == pytest.approx(3e-4)

@@ -101,6 +101,7 @@ class TrainStep:
         self.params = list(params)
         self.pp_group = pp_group
         self.grad_clip, self.scaler, self.master = grad_clip, scaler, master
+        self._optimizer_name, self._weight_decay, self.lr = optimizer, weight_decay, lr
         # Collectives (overflow flag, norm) run here: the compute device, even when the states are offloaded.
         self.device = comm_device or _local(self.params[0]).device
         if master is None:
@@ -112,6 +113,16 @@ class TrainStep:
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale_loss(loss)
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next step (a schedule's value). Set on every step: a restored
+        optimizer's param groups carry the rate of the step they were saved at."""
+        self.lr = lr
+        if self.master is None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        else:
+            self._update, _ = functional_update(self._optimizer_name, lr, self._weight_decay)
 
     def step(self) -> dict:
         """One optimizer step on every rank. Returns extra step-event keys (fp16: loss_scale, skipped)."""

@@ -6,6 +6,7 @@ No Ray import here. Metrics leave through `sink(event: dict)`; see DESIGN.md's m
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from workbench.data import build_token_source, rank_micro_batches
+from workbench.data import build_token_source
 from workbench.models import build_model_meta
 from workbench.parallel.apply import Parallelized, parallelize
 from workbench.parallel.layout import build_mesh, coords
@@ -24,6 +25,8 @@ from workbench.parallel.precision import DynamicLossScaler, autocast
 from workbench.parallel.step import TrainStep
 from workbench.runtime.meter import MemoryMeter
 from workbench.runtime.preemption import PreemptionNotice
+from workbench.runtime.tracking import tracked
+from workbench.schedule import lr_for
 from workbench.spec import JobSpec, load_spec
 from workbench.validate import check_runnable
 
@@ -86,6 +89,27 @@ def forward_backward(par: Parallelized, micro_batches: list[torch.Tensor], meter
     return total
 
 
+@torch.no_grad()
+def evaluate(par: Parallelized, source, spec: JobSpec, dp_rank: int, device: torch.device, pipeline=None,
+             dp_group=None) -> float:
+    """Mean held-out loss over train.eval_batches global batches (the same batches every time),
+    averaged over the dp ranks: the layout-free number the single-process run computes."""
+    t, dp, dtype = spec.train, spec.layout.dp, spec.precision.dtype
+    losses = []
+    for j in range(t.eval_batches):
+        micro = list(source.val_batch(j, t.global_batch, dp_rank, dp).to(device).split(t.micro_batch))
+        if pipeline is not None:
+            losses.append(pipeline.evaluate(micro))
+            continue
+        for tokens in micro:
+            with par.loss_context(), autocast(tokens.device.type, dtype):
+                losses.append(_full(micro_batch_loss(par.model, tokens).detach()))
+    loss = torch.stack(losses).mean()
+    if dp_group is not None:
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=dp_group)
+    return loss.item()
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor (a loss computed under loss_parallel is a replicated DTensor)."""
     from torch.distributed.tensor import DTensor
@@ -107,7 +131,9 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
             (on rank 0; collective, for parity tests).
         attempt: how many times the launcher restarted the workers (recorded in the restart event).
     """
-    with PreemptionNotice() as notice:  # SIGTERM -> stop after this step (main thread only)
+    spec = load_spec(spec)
+    # SIGTERM -> stop after this step (main thread only); trackers get rank 0's events.
+    with PreemptionNotice() as notice, tracked(spec, sink) as sink:
         result = _train(spec, sink, lambda: should_stop() or notice.requested, resume, gather_state, attempt)
     if notice.requested and notice.seconds_left() < 0:
         sink({"event": "warning", "message": notice.overrun_message()})
@@ -148,8 +174,8 @@ def _train(spec, sink: Sink, should_stop: Callable[[], bool], resume: bool, gath
     step, loss_value, status = first - 1, float("nan"), "completed"
     for step in range(first, t.steps + 1):
         start = time.perf_counter()
-        batch = source.global_batch(step, t.global_batch).to(ctx.device)
-        micro = rank_micro_batches(batch, where["dp"], lay.dp, t.micro_batch)
+        step_fn.set_lr(lr_for(t, step))  # a pure function of the step: exact on resume
+        micro = list(source.rank_batch(step, t.global_batch, where["dp"], lay.dp).to(ctx.device).split(t.micro_batch))
         report_memory = step == 1 or step == t.steps or step % MEMORY_EVERY == 0
         meter.active = step == first  # activations: measured once, see MemoryMeter.active
         meter.reset_peak()
@@ -173,7 +199,12 @@ def _train(spec, sink: Sink, should_stop: Callable[[], bool], resume: bool, gath
         step_fn.zero_grad()
         if ctx.rank == 0:
             sink({"event": "step", "step": step, "loss": loss_value,
-                  "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed, "time": time.time(), **step_extra})
+                  "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed, "time": time.time(),
+                  "lr": step_fn.lr, **step_extra})
+        if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+            val = evaluate(par, source, spec, where["dp"], ctx.device, pipeline, dp_group)
+            if ctx.rank == 0:
+                sink({"event": "eval", "step": step, "loss": val, "perplexity": math.exp(min(val, 700.0))})
         save, stop = ckpt.poll(step, should_stop(), last_step=t.steps)
         if save:
             ckpt.save(step, block=stop or step == t.steps)

@@ -99,6 +99,18 @@ class PipelineEngine:
         items, self._items = self._items, None
         return loss, items
 
+    @torch.no_grad()
+    def evaluate(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """Mean loss of `micro_batches` through the schedule's forward only (no gradients),
+        the same on every pipeline rank."""
+        tokens = torch.cat(micro_batches)
+        self._losses, self._items = [], None
+        with self.loss_context(), autocast(self.device.type, self.dtype):
+            self.schedule.eval(tokens[:, :-1], target=tokens[:, 1:])
+        loss = torch.stack(self._losses).mean() if self.has_last else torch.zeros((), device=self.device)
+        dist.broadcast(loss, group=self.pp_group, group_src=self.last_pp_rank)
+        return loss
+
     # -- measurement -----------------------------------------------------------------------
 
     def _loss(self, logits, targets):

@@ -14,7 +14,7 @@ COMPONENTS = ("params", "grads", "master", "optimizer", "activations", "buffers"
 COLORS = {
     "params": "#4C78A8", "grads": "#F58518", "master": "#54A24B", "optimizer": "#B279A2",
     "activations": "#72B7B2", "buffers": "#9D755D",
-    "loss": "#4C78A8", "tokens_per_s": "#54A24B", "step_time_s": "#F58518",
+    "loss": "#4C78A8", "tokens_per_s": "#54A24B", "step_time_s": "#F58518", "val_loss": "#E45756", "lr": "#B279A2",
     "device": "#222222", "overflow": "#D62728", "F": "#4C78A8", "B": "#F58518", "W": "#54A24B",
 }
 MEASURED = ("params", "grads", "master", "optimizer", "activations")
@@ -145,10 +145,11 @@ def run_figure(events: list[dict], height: int = 320) -> go.Figure:
     """Loss, throughput (tokens/s) and step time (s) against the optimizer step.
 
     Args:
-        events: metrics events (DESIGN.md contract); only "step", "restart" and "checkpoint" are read.
+        events: metrics events (DESIGN.md contract); only "step", "eval", "restart" and "checkpoint" are read.
         height: figure height in pixels.
     Returns:
-        A go.Figure with three side-by-side panels; always three traces, empty before the first step.
+        A go.Figure with three side-by-side panels; always three traces, empty before the first step,
+        and a fourth (the held-out loss, dashed, on the loss panel) once there are "eval" events.
     """
     steps = [e for e in events if e.get("event") == "step"]
     x = [e["step"] for e in steps]
@@ -162,6 +163,14 @@ def run_figure(events: list[dict], height: int = 320) -> go.Figure:
         fig.update_xaxes(title_text="step", row=1, col=col, rangemode="tozero")
     fig.update_yaxes(rangemode="tozero", row=1, col=2)
     fig.update_yaxes(rangemode="tozero", row=1, col=3)
+    evals = [e for e in events if e.get("event") == "eval"]
+    if evals:  # held-out loss beside the training loss, on the same panel
+        fig.add_trace(go.Scatter(x=[e["step"] for e in evals], y=[e["loss"] for e in evals], mode="lines+markers",
+                                 name="val_loss", line=dict(color=COLORS["val_loss"], width=2, dash="dash"),
+                                 marker=dict(size=7, symbol="diamond"), showlegend=False,
+                                 customdata=[e["perplexity"] for e in evals],
+                                 hovertemplate="step %{x}<br>val loss: %{y:.4g}<br>perplexity: %{customdata:.4g}"
+                                               "<extra></extra>"), row=1, col=1)
     for e in events:
         if e.get("event") == "restart":
             fig.add_vline(x=e.get("step", 0), line=dict(color=COLORS["overflow"], dash="dot"))
@@ -173,7 +182,39 @@ def run_figure(events: list[dict], height: int = 320) -> go.Figure:
     last = steps[-1] if steps else None
     title = "Training" if last is None else (
         f"Training: step {last['step']}, loss {last['loss']:.4f}, {last['tokens_per_s']:,.0f} tokens/s")
+    if evals:
+        title += f", val loss {evals[-1]['loss']:.4f} (dashed)"
     return _base_layout(fig, title, height)
+
+
+def lr_figure(train, events: list[dict] | None = None, height: int = 180, max_points: int = 400) -> go.Figure:
+    """The learning-rate schedule of a spec's `train` section against the step, and the rates
+    the run reported so far (step events' "lr") as markers.
+
+    Args:
+        train: a TrainSpec (steps, lr, schedule, warmup_steps, min_lr).
+        events: optional metrics events of a run of it.
+        height: figure height in pixels.
+        max_points: the curve is sampled at most this often (specs may have millions of steps).
+    Returns:
+        A go.Figure with the schedule's line (and the run's markers when there are step events).
+    """
+    from workbench.schedule import lr_for
+
+    stride = max(1, -(-train.steps // max_points))
+    x = sorted(set(range(1, train.steps + 1, stride)) | {min(train.warmup_steps, train.steps) or 1, train.steps})
+    fig = go.Figure(go.Scatter(x=x, y=[lr_for(train, k) for k in x], mode="lines", name="schedule",
+                               line=dict(color=COLORS["lr"], width=2),
+                               hovertemplate="step %{x}<br>lr: %{y:.3g}<extra></extra>"))
+    ran = [e for e in events or [] if e.get("event") == "step" and "lr" in e]
+    if ran:
+        fig.add_trace(go.Scatter(x=[e["step"] for e in ran], y=[e["lr"] for e in ran], mode="markers", name="run",
+                                 marker=dict(color=COLORS["loss"], size=5)))
+    fig.update_xaxes(title_text="step", rangemode="tozero")
+    fig.update_yaxes(rangemode="tozero", exponentformat="e")
+    warm = f", warmup {train.warmup_steps}" if train.warmup_steps else ""
+    floor = f" → {train.min_lr:.2g}" if train.schedule != "constant" else ""
+    return _base_layout(fig, f"Learning rate: {train.schedule}, {train.lr:.2g}{floor}{warm}", height)
 
 
 def timeline_figure(events: list[dict], height: int = 260) -> go.Figure:

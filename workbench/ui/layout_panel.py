@@ -9,7 +9,7 @@ import ipywidgets as w
 
 from workbench.catalog import DEVICES
 from workbench.spec import JobSpec
-from workbench.ui.live import labeled, note_html, section
+from workbench.ui.live import figure_widget, labeled, note_html, section, sync_figure
 from workbench.ui.state import WorkbenchState
 
 SHAPE_KEYS = ("layers", "hidden", "heads", "seq_len")
@@ -55,6 +55,7 @@ class LayoutPanel:
         self.follow = w.Checkbox(value=True, description="GPUs = dp × tp × pp", indent=False)
         self.summary = w.HTML()
         self.error = w.HTML()
+        self.lr_fig = figure_widget(_lr_figure(JobSpec().train))  # the spec's learning-rate schedule
         for key, field in self.fields.items():
             field.add_class("wb-" + key.replace(".", "-"))  # stable hooks for the browser test and CSS
             field.observe(lambda ch, key=key: self._on_change(key), names="value")
@@ -72,7 +73,7 @@ class LayoutPanel:
             section("Numerics and batch", labeled(f["precision.dtype"], "precision"),
                     labeled(f["train.micro_batch"], "micro-batch"), labeled(f["train.global_batch"], "global batch"),
                     labeled(f["train.steps"], "steps")),
-            self.summary, self.error,
+            self.summary, self.error, section("Learning rate", self.lr_fig),
         ], layout=w.Layout(width="330px", min_width="330px", padding="0 12px 0 0"))
         state.observe(self._on_state)
         self.sync()
@@ -126,6 +127,7 @@ class LayoutPanel:
             f"{lay.world_size} ranks = dp {lay.dp} × tp {lay.tp} × pp {lay.pp} on "
             f"{res.nodes} × {res.gpus_per_node} {res.gpu}<br>{micro} micro-batch(es) of {s.train.micro_batch} "
             f"per dp rank per step</div>")
+        sync_figure(self.lr_fig, _lr_figure(s.train))
 
     # -- widgets -> state ------------------------------------------------------------------
     def _on_change(self, key: str) -> None:
@@ -157,3 +159,11 @@ class LayoutPanel:
                     self.fields[f"model.{k}"].value = base[k]
         finally:
             self._syncing = False
+
+
+def _lr_figure(train):
+    from workbench.ui.figures import lr_figure
+
+    fig = lr_figure(train, height=170)
+    fig.update_layout(width=310, margin=dict(l=50, r=10, t=40, b=36), title_font_size=12)
+    return fig

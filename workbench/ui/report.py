@@ -1,4 +1,5 @@
-"""A run as one self-contained HTML file: summary, spec, loss/throughput, memory, timeline.
+"""A run as one self-contained HTML file: summary, spec, loss (and held-out loss)/throughput, memory,
+learning rate, timeline.
 
 plotly.js is inlined once, so the file opens offline and can be mailed or attached to a ticket.
 `workbench run SPEC --report run.html` calls `write_report` after the run.
@@ -35,6 +36,7 @@ def summarize(events: list[dict]) -> dict:
         "step_time_s": statistics.median(e["step_time_s"] for e in steady) if steady else None,
         "checkpoints": sum(1 for e in events if e.get("event") == "checkpoint"),
         "restarts": sum(1 for e in events if e.get("event") == "restart"),
+        "val_loss": next((e["loss"] for e in reversed(events) if e.get("event") == "eval"), None),
     }
 
 
@@ -65,6 +67,8 @@ def write_report(events: list[dict], spec, path: str | Path) -> Path:
         fig = figures.memory_figure(estimate, measured or None, device_memory=device)
         fig.update_layout(title_text=f"Memory per rank ({title})")
         sections.append(("Memory per rank", fig))
+    if spec.train.schedule != "constant" or spec.train.warmup_steps:  # a flat line says nothing
+        sections.append(("Learning rate", figures.lr_figure(spec.train, events, height=260)))
     if any(e.get("event") == "timeline" for e in events):
         sections.append(("Pipeline timeline", figures.timeline_figure(events)))
     parts = [_header(spec, summary)]
@@ -97,6 +101,7 @@ def _header(spec, s: dict) -> str:
     rows = [
         ("status", s["status"]), ("steps", f"{s['steps']} of {spec.train.steps}"),
         ("loss", f"{num(s['first_loss'], '.4f')} → {num(s['final_loss'], '.4f')}"),
+        ("held-out loss", f"{num(s['val_loss'], '.4f')} (last eval)"),
         ("throughput", f"{num(s['tokens_per_s'], ',.0f')} tokens/s (median)"),
         ("step time", f"{num(s['step_time_s'], '.3f')} s (median)"),
         ("layout", f"{lay.world_size} ranks: dp {lay.dp} × tp {lay.tp} × pp {lay.pp}, ZeRO {lay.zero}, "

@@ -1,0 +1,300 @@
+"""Token shards: `workbench data prepare` writes them, `data.source: tokens` reads them.
+
+On storage (a local directory or any fsspec URI), as nanoGPT's .bin files and Megatron's
+indexed datasets do it: flat little-endian uint16 (uint32 when the vocabulary needs it) token
+arrays, one file per shard, plus `index.json` (dtype, token counts, tokenizer) and the
+tokenizer itself (`tokenizer.json`; none for byte-level). The shards are one token stream;
+documents end with the tokenizer's EOS token. Reading maps the files (np.memmap) or, on an
+object store, fetches byte ranges, so a rank touches only the windows it trains on.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from workbench.errors import ConfigError
+
+INDEX = "index.json"
+TOKENIZER = "tokenizer.json"
+FORMAT = "workbench-tokens/1"
+DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 per file
+_ENCODE_CHARS = 1 << 22  # text handed to one encode_batch call
+_LINES_CHARS = 1 << 20  # a plain-text file is read in pieces of about this size
+TEXT_SUFFIXES = (".txt", ".md", ".text")
+
+
+# -- reading the inputs --------------------------------------------------------------------
+
+def _input_files(inputs: list[str]) -> list[Path]:
+    files: list[Path] = []
+    for item in inputs:
+        p = Path(item)
+        if p.is_dir():
+            files += sorted(f for f in p.rglob("*") if f.is_file() and _kind(f))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise ConfigError(f"data prepare: input {item!r} does not exist. Give local text, .jsonl or .parquet "
+                              "files, or a directory (e.g. a Hugging Face dataset saved with save_to_disk).")
+    bad = [str(f) for f in files if not _kind(f)]
+    if bad or not files:
+        raise ConfigError(f"data prepare: cannot read {bad or inputs}: use .txt/.md, .jsonl, .parquet or .arrow "
+                          "files (or a directory of them).")
+    return files
+
+
+def _kind(path: Path) -> str | None:
+    name = path.name.lower()
+    if name.endswith(TEXT_SUFFIXES):
+        return "text"
+    for suffix in (".jsonl", ".parquet", ".arrow"):
+        if name.endswith(suffix):
+            return suffix[1:]
+    return None
+
+
+def iter_pieces(files: list[Path], text_field: str = "text") -> Iterator[tuple[str, bool]]:
+    """(text, ends_document) pieces of every input, streamed (no file is read whole).
+
+    A plain-text file is one document read in ~1 MiB pieces of whole lines; each jsonl line,
+    parquet row and Arrow row (Hugging Face `save_to_disk` files) is a document.
+    """
+    for path in files:
+        kind = _kind(path)
+        if kind == "text":
+            yield from _text_pieces(path)
+        elif kind == "jsonl":
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        yield _field(json.loads(line), text_field, f"{path}:{n}"), True
+        else:
+            for batch in _arrow_batches(path, text_field):
+                for text in batch.column(0).to_pylist():
+                    yield text or "", True
+
+
+def _text_pieces(path: Path) -> Iterator[tuple[str, bool]]:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        buf, size = [], 0
+        for line in f:
+            buf.append(line)
+            size += len(line)
+            if size >= _LINES_CHARS:
+                yield "".join(buf), False
+                buf, size = [], 0
+        yield "".join(buf), True
+
+
+def _field(row, text_field: str, where: str) -> str:
+    if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
+        raise ConfigError(f"data prepare: {where} has no string field {text_field!r}. Name the field with --text-field.")
+    return row[text_field]
+
+
+def _arrow_batches(path: Path, text_field: str):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if path.suffix == ".parquet":
+        pf = pq.ParquetFile(path)
+        if text_field not in pf.schema_arrow.names:
+            raise ConfigError(f"data prepare: {path} has no column {text_field!r} (columns: {pf.schema_arrow.names}). "
+                              "Name it with --text-field.")
+        yield from pf.iter_batches(columns=[text_field])
+        return
+    with pa.memory_map(str(path)) as source:  # datasets' save_to_disk writes the Arrow stream format
+        reader = pa.ipc.open_stream(source)
+        if text_field not in reader.schema.names:
+            raise ConfigError(f"data prepare: {path} has no column {text_field!r} (columns: {reader.schema.names}). "
+                              "Name it with --text-field.")
+        for batch in reader:
+            yield batch.select([text_field])
+
+
+# -- writing shards ------------------------------------------------------------------------
+
+def prepare(inputs: list[str], out: str, *, tokenizer: str = "bpe", vocab_size: int = 4096,
+            text_field: str = "text", shard_tokens: int = DEFAULT_SHARD_TOKENS, progress: bool = True) -> dict:
+    """Tokenize local files into token shards + index under `out` (a path or fsspec URI).
+
+    Args:
+        inputs: text/.md, .jsonl, .parquet, .arrow files or directories of them.
+        out: destination directory (local or e.g. s3://bucket/prefix).
+        tokenizer: "bpe" (trained here on the inputs), "bytes", or a local tokenizer.json.
+        vocab_size: the BPE's vocabulary size (tokenizer="bpe" only).
+        text_field: the text column of jsonl / parquet / Arrow inputs.
+        shard_tokens: tokens per shard file.
+        progress: a progress bar with MB/s on stderr.
+    Returns:
+        The index (also written to `out`/index.json).
+    Raises:
+        ConfigError: missing or unreadable inputs, a bad tokenizer.
+    """
+    import fsspec
+
+    from workbench.tokenizer import build_tokenizer
+
+    files = _input_files(inputs)
+    tok = build_tokenizer(tokenizer, (t for t, _ in iter_pieces(files, text_field)), vocab_size)
+    dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
+    fs, root = fsspec.core.url_to_fs(out)
+    fs.makedirs(root, exist_ok=True)
+    writer = _ShardWriter(fs, root, dtype, shard_tokens)
+    total = sum(f.stat().st_size for f in files)
+    bar = _bar(total, progress)
+    docs, source_bytes, batch, batch_chars = 0, 0, [], 0
+    for text, ends in iter_pieces(files, text_field):
+        batch.append((text, ends))
+        batch_chars += len(text)
+        docs += ends
+        if batch_chars >= _ENCODE_CHARS:
+            source_bytes += _encode_into(tok, batch, writer, bar)
+            batch, batch_chars = [], 0
+    source_bytes += _encode_into(tok, batch, writer, bar)
+    writer.close()
+    if bar is not None:
+        bar.close()
+    index = {"format": FORMAT, "dtype": np.dtype(dtype).name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+             "tokenizer": tok.kind, "tokenizer_file": TOKENIZER if tok.kind != "bytes" else None,
+             "num_tokens": writer.total, "num_documents": docs, "source_bytes": source_bytes,
+             "shards": writer.shards}
+    if tok.kind != "bytes":
+        with fs.open(f"{root}/{TOKENIZER}", "w") as f:
+            f.write(tok.to_str())
+    with fs.open(f"{root}/{INDEX}", "w") as f:
+        json.dump(index, f, indent=1)
+    return index
+
+
+def _bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="tokenizing", file=sys.stderr)
+
+
+def _encode_into(tok, batch: list[tuple[str, bool]], writer: "_ShardWriter", bar) -> int:
+    if not batch:
+        return 0
+    ids = tok.encode_batch([t for t, _ in batch])
+    eos = tok.eos_id
+    parts = []
+    for (_, ends), piece in zip(batch, ids):
+        parts.append(piece)
+        if ends and eos is not None:
+            parts.append([eos])
+    count = sum(len(p) for p in parts)
+    writer.write(np.fromiter(itertools.chain.from_iterable(parts), dtype=writer.dtype, count=count))
+    done = sum(len(t.encode("utf-8")) for t, _ in batch)
+    if bar is not None:
+        bar.update(done)
+    return done
+
+
+class _ShardWriter:
+    """Appends tokens to shard-00000.bin, shard-00001.bin, ... of at most `shard_tokens` each."""
+
+    def __init__(self, fs, root: str, dtype, shard_tokens: int):
+        self.fs, self.root, self.dtype, self.shard_tokens = fs, root, dtype, shard_tokens
+        self.shards: list[dict] = []
+        self.total = 0
+        self._file, self._count = None, 0
+
+    def write(self, tokens: np.ndarray) -> None:
+        while len(tokens):
+            if self._file is None or self._count == self.shard_tokens:
+                self._open_next()
+            take = tokens[: self.shard_tokens - self._count]
+            self._file.write(take.astype("<" + np.dtype(self.dtype).str[1:], copy=False).tobytes())
+            self._count += len(take)
+            self.total += len(take)
+            self.shards[-1]["tokens"] = self._count
+            tokens = tokens[len(take):]
+
+    def _open_next(self) -> None:
+        self.close()
+        name = f"shard-{len(self.shards):05d}.bin"
+        self._file, self._count = self.fs.open(f"{self.root}/{name}", "wb"), 0
+        self.shards.append({"file": name, "tokens": 0})
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+# -- reading shards ------------------------------------------------------------------------
+
+class TokenShards:
+    """The token stream under `uri`, read by window: np.memmap on local disks, byte-range reads
+    on object stores. Nothing is loaded until a window is asked for.
+
+    Raises:
+        ConfigError: no index, or not a workbench token index.
+    """
+
+    def __init__(self, uri: str):
+        import fsspec
+        from fsspec.implementations.local import LocalFileSystem
+
+        self.uri = uri
+        self.fs, self.root = fsspec.core.url_to_fs(uri)
+        try:
+            with self.fs.open(f"{self.root}/{INDEX}", "r") as f:
+                self.index = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"data.path: no {INDEX} under {uri!r}. Make token shards first: "
+                              f"workbench data prepare FILES --out {uri}") from None
+        if self.index.get("format") != FORMAT:
+            raise ConfigError(f"data.path: {uri}/{INDEX} is not a workbench token index (format "
+                              f"{self.index.get('format')!r}, expected {FORMAT!r}).")
+        self.dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
+        self.vocab_size = int(self.index["vocab_size"])
+        self.local = isinstance(self.fs, LocalFileSystem)
+        self.offsets = [0]
+        for shard in self.index["shards"]:
+            self.offsets.append(self.offsets[-1] + int(shard["tokens"]))
+        self._maps: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        """Tokens [start, start + n) of the stream (across shard boundaries)."""
+        out, pos, end = [], start, start + n
+        if start < 0 or end > len(self):
+            raise IndexError(f"tokens [{start}, {end}) are outside the stream of {len(self)} tokens")
+        while pos < end:
+            i = bisect.bisect_right(self.offsets, pos) - 1
+            lo, hi = pos - self.offsets[i], min(end, self.offsets[i + 1]) - self.offsets[i]
+            out.append(self._shard_slice(i, lo, hi))
+            pos = self.offsets[i] + hi
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def _shard_slice(self, i: int, lo: int, hi: int) -> np.ndarray:
+        path = f"{self.root}/{self.index['shards'][i]['file']}"
+        if self.local:
+            if i not in self._maps:
+                self._maps[i] = np.memmap(path, dtype=self.dtype, mode="r")
+            return self._maps[i][lo:hi]
+        size = self.dtype.itemsize
+        return np.frombuffer(self.fs.cat_file(path, start=lo * size, end=hi * size), dtype=self.dtype)
+
+    def tokenizer(self):
+        """The tokenizer the shards were made with."""
+        from workbench.tokenizer import ByteTokenizer, tokenizer_from_str
+
+        if self.index.get("tokenizer_file") is None:
+            return ByteTokenizer()
+        with self.fs.open(f"{self.root}/{self.index['tokenizer_file']}", "r") as f:
+            return tokenizer_from_str(f.read(), self.index.get("tokenizer", "json"))
+

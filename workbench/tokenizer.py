@@ -1,0 +1,96 @@
+"""Tokenizers for token shards: byte-level, a BPE trained offline on the corpus, or a local
+tokenizer.json. One small interface (encode_batch, decode, vocab_size, eos_id) over all three.
+
+The tokenizer travels with the shards (`tokenizer.json` next to the index) and with exported
+models, so `workbench sample` decodes with exactly what the run trained on.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+from workbench.errors import ConfigError
+
+EOS = "<|endoftext|>"
+BYTE_VOCAB = 256
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255; documents are joined without a separator (no EOS)."""
+
+    kind = "bytes"
+    vocab_size = BYTE_VOCAB
+    eos_id = None
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [list(t.encode("utf-8")) for t in texts]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A `tokenizers.Tokenizer` (a trained BPE or any local tokenizer.json)."""
+
+    def __init__(self, tok, kind: str):
+        self.tok, self.kind = tok, kind
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.eos_id = tok.token_to_id(EOS)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # encode_batch_fast skips the character offsets, which shards do not keep.
+        encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def to_str(self) -> str:
+        return self.tok.to_str()
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
+    """A byte-level BPE (GPT-2's scheme) trained on `texts` with the tokenizers library, offline.
+
+    Raises:
+        ConfigError: vocab_size below the 256 byte tokens + EOS.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < BYTE_VOCAB + 1:
+        raise ConfigError(f"tokenizer vocab_size={vocab_size}: a byte-level BPE needs at least 257 tokens "
+                          "(256 bytes + <|endoftext|>). Use e.g. --vocab-size 2048, or --tokenizer bytes.")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    return HFTokenizer(tok, "bpe")
+
+
+def tokenizer_from_str(text: str, kind: str = "json") -> HFTokenizer:
+    from tokenizers import Tokenizer
+
+    return HFTokenizer(Tokenizer.from_str(text), kind)
+
+
+def load_tokenizer_file(path: str) -> HFTokenizer:
+    """A local (or fsspec) tokenizer.json. Raises ConfigError if it is missing or not one."""
+    import fsspec
+
+    try:
+        with fsspec.open(path, "r") as f:
+            return tokenizer_from_str(f.read())
+    except FileNotFoundError:
+        raise ConfigError(f"tokenizer {path!r} does not exist. Give 'bpe', 'bytes' or the path of a tokenizer.json.") from None
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exceptions on bad JSON
+        raise ConfigError(f"tokenizer {path!r} is not a tokenizers tokenizer.json ({e}).") from None
+
+
+def build_tokenizer(name: str, texts: Iterator[str] | None = None, vocab_size: int = 4096):
+    """Tokenizer `name`: "bytes", "bpe" (trained on `texts`) or a tokenizer.json path."""
+    if name == "bytes":
+        return ByteTokenizer()
+    if name == "bpe":
+        return train_bpe(texts or iter(()), vocab_size)
+    return load_tokenizer_file(name)
