@@ -53,7 +53,7 @@ def test_dp2_interrupted_and_resumed_matches_exactly(pool, reference, tmp_path):
     events = pool.run(spec(2, tmp_path, **cfg), fn=functools.partial(run_rank, stop_after=3), timeout_s=240)
     assert {"event": "end", "status": "preempted", "step": 3} in events
     assert [e["step"] for e in events if e["event"] == "checkpoint"] == [1, 2, 3]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000002", "step-000000003"]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000000002", "step-000000003"]
 
     # Elastic: the dp=2 checkpoint of step 3, loaded by one process (DCP reshards); it writes
     # elsewhere so the dp=2 resume below starts from the same step-3 checkpoint.

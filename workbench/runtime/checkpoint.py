@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from workbench.errors import ConfigError
 from workbench.runtime.checkpoint_state import (rng_state, set_rng_state, stage, state_bytes, state_dict_options,
                                                  union_module)
-from workbench.runtime.checkpoint_store import CorruptCheckpoint, Store, describe_error, disk_full, new_manifest
+from workbench.runtime.checkpoint_store import (Store, manifest_or_problem, all_rejected, describe_error, disk_full,
+                                                 new_manifest)
 
 # DCP says this on every single-process save/load, which is what we mean there.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -74,6 +75,10 @@ class Checkpointer:
         # background thread next to the training collectives of the default group.
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.store = Store(self.uri) if self.uri else None
+        # One rank per view of the store deletes there (ranks of a node share its folder).
+        views = self._gather(self.store.view_id() if self.store else None)
+        self._leader = views.index(views[self.rank]) == self.rank
+        self.lease = self._take_lease() if self.store else None
         self.last_saved_step = 0
         self._last_save_time = clock()
         self._thread: threading.Thread | None = None
@@ -81,6 +86,21 @@ class Checkpointer:
         self._need_bytes = 0
         self.last_blocking_s = 0.0
         self._staging: dict = {}  # CPU buffers reused by background saves (one in flight at a time)
+
+    def _take_lease(self):
+        """Rank 0 takes the URI's lease; every rank raises the same LeaseHeld if another run has it."""
+        from workbench.runtime.checkpoint_lease import Lease, LeaseHeld
+
+        lease, refused = Lease(self.store), None
+        if self.rank == 0:
+            try:
+                lease.acquire()
+            except LeaseHeld as e:
+                refused = str(e)
+        refused = self._broadcast(refused)
+        if refused:
+            raise LeaseHeld(refused)
+        return lease if self.rank == 0 else None
 
     @property
     def enabled(self) -> bool:
@@ -108,6 +128,9 @@ class Checkpointer:
                 are intact.
         """
         self.wait()
+        lost = self._broadcast(self.lease.lost if self.lease else None)
+        if lost:
+            raise CheckpointError(f"checkpoint of step {step} not written: {lost}. This run stops writing there.")
         entered = time.perf_counter()  # the pause training sees (after any previous save finished)
         self._last_save_time = self.clock()
         state = self._state_dict()
@@ -131,7 +154,13 @@ class Checkpointer:
             error, self._thread_error = self._thread_error, None
             raise error
 
-    close = wait
+    def close(self) -> None:
+        """Finish a background save and release the URI's lease."""
+        try:
+            self.wait()
+        finally:
+            if self.lease is not None:
+                self.lease.release()
 
     def _write_bg(self, step: int, state: dict, rng: dict) -> None:
         try:
@@ -144,37 +173,30 @@ class Checkpointer:
 
         start, store = time.perf_counter(), self.store
         self._need_bytes = state_bytes(state)
-        staging = store.staging_dir(step)
-
-        def prepare():
-            if self.rank == 0:
-                store.remove(staging)
-                store.fs.makedirs(staging, exist_ok=True)
-
-        self._phase(step, "preparing the directory", prepare, everyone=False)
-        self._phase(step, "writing RNG states", lambda: store.write_torch(f"{staging}/rng-rank{self.rank:05d}.pt", rng))
-        self._phase(step, "writing tensors", lambda: dcp.save(state, storage_writer=self._writer(staging),
+        directory = store.step_dir(step)
+        self._phase(step, "preparing the directory", lambda: self._prepare(directory))
+        rng_file = f"rng-rank{self.rank:05d}.pt"
+        self._phase(step, "writing RNG states", lambda: store.write_torch(f"{directory}/{rng_file}", rng))
+        writer = _recording(self._writer(directory))
+        self._phase(step, "writing tensors", lambda: dcp.save(state, storage_writer=writer,
                                                                process_group=self.group, no_dist=self.group is None))
-        files = self._phase(step, "listing files", lambda: store.list_files(staging) if self.rank == 0 else None,
-                            everyone=False)
-        mine = self._phase(step, "checksumming",
-                           lambda: {rel: store.checksum(f"{staging}/{rel}") for rel in files[self.rank::self.world]})
-        sums = {}
-        for part in self._gather(mine):
-            sums.update(part)
+        # Each rank reads back what it wrote, in its own view: rank 0 never needs to see them.
+        mine = [rng_file, *writer.written()] + ([".metadata"] if self.rank == 0 else [])
+        sums = self._phase(step, "checksumming", lambda: {rel: store.checksum(f"{directory}/{rel}") for rel in mine})
+        files = {rel: info for part in self._gather(sums) for rel, info in part.items()}
 
         def commit():
-            if self.rank != 0:
-                return None
-            store.write_manifest(staging, new_manifest(step, self.spec, self.world, sums, time.perf_counter() - start))
-            url = store.commit(step)
-            store.prune(self.keep, current=step)
-            return url
+            if self.rank == 0:
+                store.write_manifest(directory, new_manifest(step, self.spec, self.world, files,
+                                                             time.perf_counter() - start))
+                return store.committed_steps()[:self.keep]
+            return None
 
-        url = self._phase(step, "committing", commit, everyone=False)
+        kept = self._phase(step, "committing", commit, everyone=False)
+        self._retain(kept, step)
         self.last_saved_step = step
         if self.rank == 0 and self.on_saved is not None:
-            self.on_saved(step, url)
+            self.on_saved(step, store.url(directory))
 
     def _writer(self, path: str):
         from torch.distributed.checkpoint import FileSystemWriter
@@ -184,8 +206,25 @@ class Checkpointer:
             return FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1)
         return FsspecWriter(self.store.url(path), single_file_per_rank=True, sync_files=False, thread_count=1)
 
-    def _phase(self, step: int, what: str, fn: Callable, everyone: bool = True):
-        """Run one phase of a save and agree on its outcome: all ranks raise the same error."""
+    def _prepare(self, directory: str) -> None:
+        """Un-commit a step about to be (re)written, in every view; each rank makes its folder."""
+        if self._leader:
+            self.store.remove_manifest(directory)
+        self.store.fs.makedirs(directory, exist_ok=True)
+
+    def _retain(self, kept: list[int], step: int) -> None:
+        """keep-N on every node: each view's leader drops its own files of the dropped steps,
+        all manifests first, so a half-deleted step is never complete anywhere."""
+        doomed = self.store.doomed(kept, current=step) if self._leader else []
+        self._phase(step, "dropping old manifests", lambda: [self.store.remove_manifest(d) for d in doomed],
+                    committed=True)
+        self._phase(step, "dropping old checkpoints", lambda: [self.store.remove(d) for d in doomed], committed=True)
+
+    def _phase(self, step: int, what: str, fn: Callable, everyone: bool = True, committed: bool = False):
+        """Run one phase of a save and agree on its outcome: all ranks raise the same error.
+
+        A failure before the commit removes the step's files; after it (`committed`) they stay.
+        """
         result, error = None, None
         try:
             result = fn()
@@ -193,9 +232,8 @@ class Checkpointer:
             error = describe_error(e)
         errors = [e for e in self._gather(error) if e]
         if errors:
-            if self.rank == 0:  # frees the space a full disk needs
-                self.store.remove(self.store.staging_dir(step))
-                self.store.prune(self.keep, current=step + 1)
+            if self._leader and not committed:  # frees the space a full disk needs
+                self.store.remove(self.store.step_dir(step))
             full = None if error is None or "no space left" in error else disk_full(self.store, self._need_bytes)
             errors = [e for e in self._gather(full) if e] + errors
             prev = f"step {self.last_saved_step}" if self.last_saved_step else "none written by this run"
@@ -207,12 +245,15 @@ class Checkpointer:
         return self._broadcast(result) if not everyone else result
 
     # -- restore ------------------------------------------------------------------------
-    def restore(self) -> int:
+    def restore(self, *, or_fresh: bool = False) -> int:
         """Load the newest complete, intact checkpoint; returns its step (0 when none).
 
-        A newest checkpoint that is incomplete or corrupt is skipped with a warning.
+        A checkpoint that is incomplete or corrupt is skipped with a warning, never loaded.
+        Args:
+            or_fresh: when every checkpoint is rejected, start at step 0 instead of raising.
         Raises:
-            ConfigError: the checkpoint was written by an incompatible spec (e.g. another model shape).
+            ConfigError: the checkpoint was written by an incompatible spec (e.g. another model
+                shape), or every checkpoint under the URI was rejected (each named, with why).
         """
         from workbench.spec import load_spec
         from workbench.validate import check_resume
@@ -220,17 +261,16 @@ class Checkpointer:
         if not self.enabled:
             self._warn("resume requested but checkpoint.uri is not set; starting from step 0")
             return 0
-        steps = self._broadcast(self.store.committed_steps() if self.rank == 0 else None)
-        for step in steps:
-            try:
-                manifest = self.store.read_manifest(step)
-                problems = self.store.verify(step, manifest, self.rank, self.world)
-            except CorruptCheckpoint as e:
-                problems = [str(e)]
-            problems = [p for part in self._gather(problems) for p in part]
+        rejected = []
+        for step in self._broadcast(self.store.committed_steps() if self.rank == 0 else None):
+            # Only rank 0's view need hold the manifest (per-node folders before a sync).
+            manifest, problem = self._broadcast(manifest_or_problem(self.store, step) if self.rank == 0 else None)
+            problems = [problem] if problem else self.store.verify(step, manifest, self.rank, self.world)
+            problems = sorted({p for part in self._gather(problems) for p in part})
             if problems:
+                rejected.append((step, "; ".join(problems[:3])))
                 self._warn(f"checkpoint step {step} under {self.uri} is incomplete or corrupt "
-                           f"({'; '.join(problems[:3])}); falling back to the previous complete checkpoint")
+                           f"({rejected[-1][1]}); falling back to the previous complete checkpoint")
                 continue
             for note in check_resume(load_spec(self.spec), manifest["spec"]):
                 self._warn(note)
@@ -238,6 +278,8 @@ class Checkpointer:
             self.last_saved_step = step
             self._last_save_time = self.clock()
             return step
+        if rejected and not or_fresh:
+            raise all_rejected(self.uri, rejected)
         self._warn(f"no complete checkpoint under {self.uri}; starting from step 0")
         return 0
 
@@ -305,6 +347,21 @@ class Checkpointer:
             warnings.warn(message, CheckpointWarning, stacklevel=2)
             if self._warn_cb is not None:
                 self._warn_cb(message)
+
+
+def _recording(writer):
+    """`writer` that also remembers the files this rank wrote (DCP's write results)."""
+    results = []
+    write_data = writer.write_data
+
+    def recorded(plan, planner):
+        future = write_data(plan, planner)
+        results.append(future)
+        return future
+
+    writer.write_data = recorded
+    writer.written = lambda: sorted({r.storage_data.relative_path for f in results for r in f.wait()})
+    return writer
 
 
 def build_checkpointer(spec, modules: list[nn.Module], optimizer: torch.optim.Optimizer | None, device: torch.device,
