@@ -137,8 +137,8 @@ def test_resume_rules_name_the_difference():
         check_resume(load_spec(dict(tiny(), model={"preset": "gpt-tiny", "layers": 6})), saved)
     with pytest.raises(ConfigError, match=r"train\.optimizer: checkpoint has 'adamw', this spec has 'sgd'"):
         check_resume(load_spec(dict(tiny(), train=dict(tiny()["train"], optimizer="sgd"))), saved)
-    with pytest.raises(ConfigError, match=r"precision\.dtype: checkpoint has 'fp32', this spec has 'bf16'"):
-        check_resume(load_spec(dict(tiny(), precision={"dtype": "bf16"})), saved)
+    notes = check_resume(load_spec(dict(tiny(), precision={"dtype": "bf16"})), saved)  # converted on load
+    assert len(notes) == 1 and "precision.dtype changed ('fp32' -> 'bf16')" in notes[0]
     notes = check_resume(load_spec(dict(tiny(), train=dict(tiny()["train"], global_batch=16))), saved)
     assert len(notes) == 1 and "global_batch" in notes[0]
 

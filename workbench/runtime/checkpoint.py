@@ -21,11 +21,15 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from workbench.errors import ConfigError
 from workbench.runtime.checkpoint_state import (rng_state, set_rng_state, stage, state_bytes, state_dict_options,
                                                  union_module)
+from workbench.runtime.checkpoint_reshard import (check_convertible, fill_optim, home, layout_diff, load_canonical,
+                                                   local_part, master_state)
 from workbench.runtime.checkpoint_store import (Store, manifest_or_problem, all_rejected, describe_error, disk_full,
                                                  new_manifest)
 
 # DCP says this on every single-process save/load, which is what we mean there.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+# Re-writing a step after a resume from an older one: its manifest was removed first (_prepare).
+warnings.filterwarnings("ignore", message="Detected an existing checkpoint in .*overwriting")
 
 
 OPTIONAL_PARTS = ("scaler",)  # state that may start fresh when a checkpoint lacks it
@@ -275,6 +279,8 @@ class Checkpointer:
             for note in check_resume(load_spec(self.spec), manifest["spec"]):
                 self._warn(note)
             self._load(step, manifest)
+            if manifest.get("world_size") == self.world:  # per-rank streams only map 1:1 on the same world
+                set_rng_state(self.store.read_torch(f"{self.store.step_dir(step)}/rng-rank{self.rank:05d}.pt"))
             self.last_saved_step = step
             self._last_save_time = self.clock()
             return step
@@ -294,15 +300,17 @@ class Checkpointer:
         reader = FileSystemReader if self.store.local else FsspecReader
         saved = {key.split(".", 1)[0] for key in reader(url).read_metadata().state_dict_metadata}
         state = self._state_dict()
+        layout, saved_layout = self.spec.get("layout", {}), manifest.get("layout", {})
+        same_shards = all(saved_layout.get(k, 1) == layout.get(k, 1) for k in ("tp", "pp"))
+        if home(set(state)) != home(saved) or (home(saved) == "master" and not same_shards):
+            return self._load_converted(step, manifest, reader, url, state, saved)
         missing = [part for part in state if part not in saved]
         for part in missing:
             if part not in OPTIONAL_PARTS:
                 raise ConfigError(
                     f"cannot resume: the checkpoint of step {step} under {self.uri} has no {part!r} state, which "
-                    f"this run needs (it was written with layout {manifest.get('layout')} and precision "
-                    f"{manifest['spec'].get('precision', {}).get('dtype', 'fp32')}; zero=1 and mixed precision keep "
-                    "an fp32 master instead of a torch optimizer). Resume with the checkpoint's zero stage and "
-                    "precision, or start a fresh run.")
+                    f"this run needs ({layout_diff(saved_layout, layout)}). Resume with the checkpoint's layout, "
+                    "or start a fresh run.")
             self._warn(f"the checkpoint of step {step} has no {part!r} state; it starts fresh")
         present = {k: v for k, v in state.items() if k not in missing}
         dcp.load(present, storage_reader=reader(url), process_group=self.group, no_dist=self.group is None)
@@ -312,8 +320,38 @@ class Checkpointer:
         for name, obj in self.extra_state.items():
             if name in present:
                 obj.load_state_dict(present[name])
-        if manifest.get("world_size") == self.world:  # per-rank streams only map 1:1 on the same world
-            set_rng_state(self.store.read_torch(f"{path}/rng-rank{self.rank:05d}.pt"))
+
+    def _load_converted(self, step: int, manifest: dict, reader, url: str, state: dict, saved: set) -> None:
+        """Load a checkpoint whose optimizer state lives in the other home (see checkpoint_reshard)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        from workbench.models import build_model_meta
+        from workbench.runtime.materialize import canonical_name
+        from workbench.spec import load_spec
+
+        if home(saved) == "master":
+            check_convertible(manifest, self.spec.get("layout", {}), step, self.uri)
+        writer_model = build_model_meta(load_spec(manifest["spec"]))
+        order = [(n, p.shape) for n, p in writer_model.named_parameters() if p.requires_grad]
+        optimizer = self.spec.get("train", {}).get("optimizer", "adamw")
+        dist_kwargs = {"process_group": self.group, "no_dist": self.group is None}
+        canonical = load_canonical(reader, url, manifest, order, optimizer, **dist_kwargs)
+        set_model_state_dict(self.module, {k: local_part(canonical.weights[k], v) for k, v in state["model"].items()})
+        if self.optimizer is not None:
+            set_optimizer_state_dict(self.module, self.optimizer, fill_optim(state["optim"], canonical, optimizer),
+                                     options=state_dict_options())
+        master = self.extra_state.get("master")
+        if master is not None:
+            names = {id(p): canonical_name(n) for n, p in self.module.named_parameters()}
+            master.load_state_dict(master_state(master, [names[id(p)] for p in master.flat.params], canonical))
+        if "scaler" in state and "scaler" in saved:
+            scaler = {"scaler": state["scaler"]}
+            dcp.load(scaler, storage_reader=reader(url), **dist_kwargs)
+            self.extra_state["scaler"].load_state_dict(scaler["scaler"])
+        self._warn(f"the checkpoint of step {step} keeps its optimizer state in {home(saved)!r}, this run in "
+                   f"{home(set(state))!r} ({layout_diff(manifest.get('layout', {}), self.spec.get('layout', {}))}): "
+                   "converted through full fp32 weights and moments")
 
     def _state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
