@@ -7,8 +7,8 @@ import warnings
 import fsspec
 import pytest
 import torch
-from fsspec.implementations.local import LocalFileSystem
 
+from tests.helpers.stores import register as register_norename
 from workbench.errors import ConfigError
 from workbench.runtime.checkpoint import build_checkpointer
 from workbench.runtime.checkpoint_store import RESUME_OR_FRESH, Store
@@ -100,27 +100,8 @@ def test_every_checkpoint_corrupt_refuses_unless_fresh_is_asked(tmp_path):
     assert {"event": "restart", "attempt": 0, "from_step": 0} in events and len(losses(events)) == STEPS
 
 
-class NoDirRename(LocalFileSystem):
-    """A local folder that refuses directory renames, like Cloud Storage FUSE without
-    rename support (file renames still work there, non-atomically)."""
-
-    protocol = "norename"
-    root_marker = "/"
-
-    @classmethod
-    def _strip_protocol(cls, path):
-        return super()._strip_protocol(path[len("norename://"):] if path.startswith("norename://") else path)
-
-    def mv(self, path1, path2, *args, **kwargs):
-        if self.isdir(path1):
-            raise OSError(f"directory rename refused by this store: {path1}")
-        return super().mv(path1, path2, *args, **kwargs)
-
-    rename = move = mv
-
-
 def test_a_store_that_refuses_directory_renames_saves_retains_and_resumes(tmp_path):
-    fsspec.register_implementation("norename", NoDirRename, clobber=True)
+    register_norename()
     uri = f"norename://{tmp_path}/run"
     with pytest.raises(OSError, match="refused"):
         fsspec.filesystem("norename").mv(str(tmp_path), str(tmp_path) + "-moved")
