@@ -108,6 +108,11 @@ def test_a_second_writer_is_refused_and_a_dead_owners_lease_taken_over(where, tm
                                 capture_output=True, text=True, timeout=240, cwd=tmp_path)
         assert second.returncode == 2, second.stderr[-2000:]
         assert f"is in use by run {lease['run_id']!r} (pid {owner.pid} on host" in second.stderr
+        if where == "local":  # `workbench run` refuses before it starts Ray
+            cli = subprocess.run([sys.executable, "-m", "workbench.cli", "run", str(spec), "--no-progress"],
+                                 env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                                 timeout=120, cwd=tmp_path)
+            assert cli.returncode == 2 and f"pid {owner.pid} on host" in cli.stderr, cli.stderr[-2000:]
         assert Lease(Store(uri)).read()["pid"] == owner.pid  # the owner's lease is untouched
     finally:
         os.killpg(owner.pid, signal.SIGKILL)

@@ -7,8 +7,10 @@ import warnings
 import fsspec
 import pytest
 import torch
+import yaml
 
 from tests.helpers.stores import register as register_norename
+from workbench.cli import main as cli_main
 from workbench.errors import ConfigError
 from workbench.runtime.checkpoint import build_checkpointer
 from workbench.runtime.checkpoint_store import RESUME_OR_FRESH, Store
@@ -78,7 +80,7 @@ def test_fp32_optimizer_state_becomes_a_bf16_runs_master_and_back(tmp_path):
     assert int(fp32_step.optimizer.state[params[0]]["step"]) == STEPS
 
 
-def test_every_checkpoint_corrupt_refuses_unless_fresh_is_asked(tmp_path):
+def test_every_checkpoint_corrupt_refuses_unless_fresh_is_asked(tmp_path, capsys):
     train(tiny(tmp_path, every_steps=2), [].append)
     for step in (2, 4):
         path = tmp_path / f"step-{step:09d}" / "__0_0.distcp"
@@ -94,6 +96,10 @@ def test_every_checkpoint_corrupt_refuses_unless_fresh_is_asked(tmp_path):
         from workbench.launch import check_resume_from_checkpoint
 
         check_resume_from_checkpoint(load_spec(tiny(tmp_path)))
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(tiny(tmp_path)))
+    assert cli_main(["run", str(spec_file), "--resume", "--no-progress"]) == 2  # refused before any worker
+    assert "every checkpoint under" in capsys.readouterr().err
     events = []
     with pytest.warns(UserWarning, match="no complete checkpoint"):
         train(tiny(tmp_path), events.append, resume=RESUME_OR_FRESH)

@@ -66,9 +66,8 @@ def load_canonical(reader_factory, url: str, manifest: dict, param_order: list[t
     meta = reader_factory(url).read_metadata().state_dict_metadata
     targets: dict = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
                      if isinstance(m, TensorStorageMetadata) and k.split(".", 1)[0] in ("model", "optim", "master")}
-    targets["master.num_steps"] = 0
-    if "master.num_steps" not in meta:
-        del targets["master.num_steps"]
+    if "master.num_steps" in meta:
+        targets["master.num_steps"] = 0  # a non-tensor: DCP replaces the value
     dcp.load(targets, storage_reader=reader_factory(url), **dcp_kwargs)
     names = MOMENTS[optimizer]
     if "master.master" in targets:
