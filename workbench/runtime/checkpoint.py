@@ -100,10 +100,14 @@ class Checkpointer:
             try:
                 lease.acquire()
             except LeaseHeld as e:
-                refused = str(e)
+                refused = ("held", str(e))
+            except Exception as e:  # noqa: BLE001 - the store failed: every rank raises it below
+                refused = ("store", describe_error(e))
         refused = self._broadcast(refused)
+        if refused and refused[0] == "held":
+            raise LeaseHeld(refused[1])
         if refused:
-            raise LeaseHeld(refused)
+            raise CheckpointError(f"could not take the lease on {self.uri}: {refused[1]}")
         return lease if self.rank == 0 else None
 
     @property
