@@ -21,12 +21,12 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
 
 
-def job(tmp: Path, steps: int) -> Path:
+def job(tmp: Path, steps: int, every: int = 2) -> Path:
     spec = {"name": "two-nodes", "model": {"preset": "gpt-tiny"},
             "train": {"steps": steps, "global_batch": 8, "micro_batch": 4},
             "layout": {"dp": 2}, "resources": {"gpu": "cpu", "gpus_per_node": 1, "nodes": 2},
-            "checkpoint": {"every_steps": 2, "keep": 2}}
-    path = tmp / f"job-{steps}.json"
+            "checkpoint": {"every_steps": every, "keep": 2}}
+    path = tmp / f"job-{steps}-{every}.json"
     path.write_text(json.dumps(spec))
     return path
 
@@ -101,7 +101,7 @@ def test_per_node_folders_merged_by_the_sync_resume_exactly(store, reference, tm
     folders = [tmp_path / "n0", tmp_path / "n1"]
     dirs = [str(f) if store == "local" else f"norename://{f}" for f in folders]
     entry = "workbench.cloud_entry" if store == "local" else "tests.helpers.stores"
-    first = run_nodes(job(tmp_path, 4), dirs, entry)
+    first = run_nodes(job(tmp_path, 4, every=1), dirs, entry)
     assert losses(first) == reference[:4]
     # Each node holds its own rank's files; the manifest (written last, by rank 0) is on node 0.
     assert sorted(p.name for p in (folders[0] / "step-000000004").iterdir()) == [
@@ -110,7 +110,8 @@ def test_per_node_folders_merged_by_the_sync_resume_exactly(store, reference, tm
     manifest = json.loads((folders[0] / "step-000000004" / "manifest.json").read_text())
     assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp", "rng-rank00000.pt",
                                          "rng-rank00001.pt"]
-    assert sorted(p.name for p in folders[1].iterdir()) == ["step-000000002", "step-000000004"]  # keep=2 there too
+    for folder in folders:  # keep=2 on each node: steps 1 and 2 dropped by each node from its own folder
+        assert sorted(p.name for p in folder.glob("step-*")) == ["step-000000003", "step-000000004"]
 
     sync(folders, tmp_path / "s3-prefix")
     resumed = run_nodes(job(tmp_path, STEPS), dirs, entry)
