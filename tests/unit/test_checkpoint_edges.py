@@ -1,7 +1,11 @@
 """Checkpoint edge cases found by fault injection (issue 20): resume between an fp32 master and a
 torch optimizer in both directions (state compared exactly), every checkpoint corrupt, and a
 store that refuses directory renames (the commit is the manifest alone)."""
+import json
+import os
 import shutil
+import socket
+import time
 import warnings
 
 import fsspec
@@ -12,7 +16,8 @@ import yaml
 from tests.helpers.stores import register as register_norename
 from workbench.cli import main as cli_main
 from workbench.errors import ConfigError
-from workbench.runtime.checkpoint import build_checkpointer
+from workbench.runtime.checkpoint import Checkpointer, CheckpointError, build_checkpointer
+from workbench.runtime.checkpoint_lease import LEASE
 from workbench.runtime.checkpoint_store import RESUME_OR_FRESH, Store
 from workbench.runtime.loop import build_train_step, train
 from workbench.models import build_model_meta
@@ -121,3 +126,22 @@ def test_a_store_that_refuses_directory_renames_saves_retains_and_resumes(tmp_pa
     train(tiny(uri, every_steps=1, keep=2), resumed.append, resume=True)
     assert losses(resumed) == losses(reference)[3:]
     shutil.rmtree(tmp_path / "run")
+
+
+def test_a_run_whose_lease_was_taken_over_stops_writing(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_LEASE_TTL_S", "0.8")  # a heartbeat every 0.1 s
+    model = torch.nn.Linear(4, 2)
+    ck = Checkpointer(load_spec(tiny(tmp_path)).to_dict(), [model], torch.optim.SGD(model.parameters(), lr=0.1))
+    ck.save(1)
+    store = Store(str(tmp_path))
+    other = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": "other", "token": "other-token",
+             "heartbeat_unix": time.time()}
+    store.write_atomic(store.path(LEASE), json.dumps(other).encode())  # as a run that took it over
+    deadline = time.monotonic() + 30
+    while ck.lease.lost is None and time.monotonic() < deadline:  # the next heartbeat notices
+        time.sleep(0.05)
+    with pytest.raises(CheckpointError, match="taken over by run 'other'"):
+        ck.save(2)
+    assert store.committed_steps() == [1]
+    ck.close()
+    assert json.loads(store.fs.cat_file(store.path(LEASE)))["run_id"] == "other"  # not ours to remove

@@ -149,7 +149,7 @@ class Lease:
             self.store.remove(marker)
 
     def _write(self) -> None:
-        self.store.fs.pipe_file(self.path, json.dumps(self._record()).encode())
+        self.store.write_atomic(self.path, json.dumps(self._record()).encode())  # never torn for a reader
 
     def _start(self) -> None:
         self._thread = threading.Thread(target=self._beat, name="checkpoint-lease", daemon=True)

@@ -117,18 +117,22 @@ class Store:
         return {"bytes": size, "crc32": crc}
 
     def write_manifest(self, directory: str, manifest: dict) -> None:
-        """Write the manifest last; a single object PUT (or a local rename) makes it atomic."""
-        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
-        target = f"{directory}/{MANIFEST}"
-        if self.local:
-            tmp = f"{target}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        else:
+        """Write the manifest last (the commit)."""
+        self.write_atomic(f"{directory}/{MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True).encode())
+
+    def write_atomic(self, target: str, data: bytes) -> None:
+        """Readers see the old or the new content, never a torn file: a single object PUT, or a
+        temporary file, fsync and a file rename (a FUSE mount's copy-then-delete rename still
+        replaces the target whole)."""
+        if not self.local:
             self.fs.pipe_file(target, data)
+            return
+        tmp = f"{target}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
 
     def verify(self, step: int, manifest: dict, rank: int = 0, world: int = 1) -> list[str]:
         """Problems with the step's files in this view (empty when they match).
