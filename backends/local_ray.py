@@ -19,9 +19,11 @@ import collections
 import functools
 import itertools
 import os
+import socket
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -286,6 +288,7 @@ class LocalRayJob:
         self.events: list[dict] = []
         self._on_event = on_event
         self._resume = resume
+        self._run_id = os.environ.get("WORKBENCH_RUN_ID") or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._state = JobState.PENDING
         self._error: str | None = None
         self._end: dict | None = None
@@ -342,7 +345,9 @@ class LocalRayJob:
             ranks = rank_order(where)
             master = ray.get(relays[ranks.index(0)].serve_store.remote())
             config = {"spec": self.spec.to_dict(), "resume": self._resume or attempt > 0, "attempt": attempt}
-            runs = {relays[i].run.remote(config, rank_env(where, ranks, i, master)): ranks[i] for i in range(world)}
+            # WORKBENCH_RUN_ID: the restarted group is the same run, so it takes over the checkpoint lease
+            envs = [{**rank_env(where, ranks, i, master), "WORKBENCH_RUN_ID": self._run_id} for i in range(world)]
+            runs = {relays[i].run.remote(config, envs[i]): ranks[i] for i in range(world)}
             pending, failure = list(runs), None
             while pending and failure is None:
                 done, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)

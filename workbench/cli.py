@@ -23,6 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     run = command("run", "Run the job on the backend named in the spec (default: local Ray).")
     run.add_argument("--metrics-out", help="write metrics events as JSON lines to this file")
     run.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    run.add_argument("--resume-or-fresh", action="store_true",
+                     help="like --resume, but start at step 1 when every checkpoint is corrupt (--resume stops, exit 2)")
     run.add_argument("--report", help="write a self-contained HTML report of the run to this file")
     run.add_argument("--no-progress", action="store_true", help="no terminal progress bar")
 
@@ -110,7 +112,10 @@ def _run(args) -> int:
     from workbench.launch import run
 
     spec = _load(args)
-    result = run(spec, metrics_out=args.metrics_out, resume=args.resume, progress=not args.no_progress,
+    from workbench.runtime.checkpoint_store import RESUME_OR_FRESH
+
+    resume = RESUME_OR_FRESH if args.resume_or_fresh else args.resume
+    result = run(spec, metrics_out=args.metrics_out, resume=resume, progress=not args.no_progress,
                  report=args.report)
     return 0 if result.status == "completed" else result.exit_code
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from workbench.errors import WorkerError
+from workbench.runtime.checkpoint_store import RESUME_OR_FRESH
 from workbench.runtime.preemption import EXIT_PREEMPTED, forward_signal
 from workbench.spec import JobSpec, load_spec
 from workbench.validate import check_runnable
@@ -46,21 +47,28 @@ def start(spec, on_event: Callable[[dict], None] | None = None, resume: bool = F
 
     spec = load_spec(spec)
     check_runnable(spec)
+    if spec.checkpoint.uri:
+        from workbench.runtime.checkpoint_lease import check_lease_free
+
+        check_lease_free(spec.checkpoint.uri)  # a second writer of the URI: exit 2 before any worker starts
     if resume:
-        check_resume_from_checkpoint(spec)
+        check_resume_from_checkpoint(spec, or_fresh=resume == RESUME_OR_FRESH)
     return LocalRayBackend().submit(spec, on_event=on_event, resume=resume)
 
 
-def check_resume_from_checkpoint(spec: JobSpec) -> None:
-    """Before any worker starts: ConfigError if the newest checkpoint's spec is incompatible."""
+def check_resume_from_checkpoint(spec: JobSpec, or_fresh: bool = False) -> None:
+    """Before any worker starts: ConfigError if the newest complete checkpoint's spec is
+    incompatible, or if there are checkpoints and every one is corrupt (unless `or_fresh`)."""
     if not spec.checkpoint.uri:
         return
-    from workbench.runtime.checkpoint_store import Store
+    from workbench.runtime.checkpoint_store import Store, all_rejected
     from workbench.validate import check_resume
 
-    manifest = Store(spec.checkpoint.uri).latest_manifest()
+    manifest, rejected = Store(spec.checkpoint.uri).newest_complete()
     if manifest is not None:
         check_resume(spec, manifest["spec"])
+    elif rejected and not or_fresh:
+        raise all_rejected(spec.checkpoint.uri, rejected)
 
 
 def run(spec: JobSpec | dict | str, metrics_out: str | None = None, resume: bool = False, progress: bool = True,
@@ -70,7 +78,8 @@ def run(spec: JobSpec | dict | str, metrics_out: str | None = None, resume: bool
     Args:
         spec: a JobSpec, dict or YAML path.
         metrics_out: JSONL file for the metrics events.
-        resume: continue from the newest complete checkpoint.
+        resume: continue from the newest complete checkpoint (RESUME_OR_FRESH: start at step 1 when
+            every checkpoint is corrupt, instead of a ConfigError).
         progress: show a terminal progress bar.
         report: write a self-contained HTML report of the run here.
     Returns:

@@ -236,8 +236,8 @@ def check_resume(spec: "JobSpec", saved: dict) -> list[str]:
     """Can `spec` continue from a checkpoint written by the spec `saved` (a dict)?
 
     The model's shape and the optimizer must match (their state is what the checkpoint holds);
-    so must the precision (it decides whether an fp32 master holds the optimizer state); the
-    layout and world size may differ (the checkpoint is resharded). Other differences that
+    the layout, world size and precision may differ (the checkpoint is resharded, or converted
+    between an fp32 master and a torch optimizer: runtime/checkpoint_reshard.py). Other differences that
     change the data or the numerics are allowed but reported.
     Returns:
         Notes on allowed differences that make the resumed run differ from an uninterrupted one.
@@ -248,10 +248,8 @@ def check_resume(spec: "JobSpec", saved: dict) -> list[str]:
 
     old = load_spec(saved)
     diffs = [(f"model.{k}", a, b) for k, a, b in _model_identity(old, spec)]
-    for key, a, b in (("train.optimizer", old.train.optimizer, spec.train.optimizer),
-                      ("precision.dtype", old.precision.dtype, spec.precision.dtype)):
-        if a != b:  # the optimizer state (and an fp32 master's presence) depends on these
-            diffs.append((key, a, b))
+    if old.train.optimizer != spec.train.optimizer:  # the optimizer state's moments depend on it
+        diffs.append(("train.optimizer", old.train.optimizer, spec.train.optimizer))
     if diffs:
         listed = "; ".join(f"{k}: checkpoint has {a!r}, this spec has {b!r}" for k, a, b in diffs)
         raise ConfigError(
@@ -261,7 +259,8 @@ def check_resume(spec: "JobSpec", saved: dict) -> list[str]:
     notes = []
     for key, a, b in (("data", old.data.model_dump(),
                        spec.data.model_dump()),
-                      ("train.global_batch", old.train.global_batch, spec.train.global_batch)):
+                      ("train.global_batch", old.train.global_batch, spec.train.global_batch),
+                      ("precision.dtype", old.precision.dtype, spec.precision.dtype)):
         if a != b:
             notes.append(f"resuming with {key} changed ({a!r} -> {b!r}): the run continues, but not on the "
                          "exact curve of the original run")

@@ -53,7 +53,7 @@ def test_dp2_interrupted_and_resumed_matches_exactly(pool, reference, tmp_path):
     events = pool.run(spec(2, tmp_path, **cfg), fn=functools.partial(run_rank, stop_after=3), timeout_s=240)
     assert {"event": "end", "status": "preempted", "step": 3} in events
     assert [e["step"] for e in events if e["event"] == "checkpoint"] == [1, 2, 3]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000002", "step-000000003"]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000000002", "step-000000003"]
 
     # Elastic: the dp=2 checkpoint of step 3, loaded by one process (DCP reshards); it writes
     # elsewhere so the dp=2 resume below starts from the same step-3 checkpoint.
@@ -100,3 +100,35 @@ def test_sharded_layouts_resume_exactly_and_elastically(name, pool, reference, t
 
     resumed = pool.run(spec(0, tmp_path, layout=layout), fn=functools.partial(run_rank, resume=True), timeout_s=240)
     assert losses(resumed) == full[3:]
+
+
+# Resume matrix across zero 0-3 x fp32/bf16 on dp=2 (issue 20): a chain where each run resumes
+# the previous one's checkpoint under another layout/precision and trains one step. Each hop
+# crosses a boundary: torch optimizer <-> fp32 master (converted), FSDP <-> DDP (resharded).
+FP32_CHAIN = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "fp32"), (0, "fp32")]
+MIXED_CHAIN = [(0, "fp32"), (1, "bf16"), (3, "bf16"), (2, "fp32"), (0, "bf16"), (1, "fp32"), (2, "bf16"),
+               (3, "fp32")]
+
+
+def chain_spec(zero: int, dtype: str, steps: int, uri) -> dict:
+    return {"name": "ckpt-matrix", "model": {"preset": "gpt-tiny"}, "precision": {"dtype": dtype},
+            "train": {"steps": steps, "global_batch": 8, "micro_batch": 4},
+            "layout": {"dp": 2, "zero": zero}, "resources": {"gpus_per_node": 2},
+            "checkpoint": {"uri": str(uri), "every_steps": 100}}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("chain,rtol", [(FP32_CHAIN, 1e-5), (MIXED_CHAIN, 2e-2)], ids=["fp32", "fp32-bf16"])
+def test_resume_matrix_across_zero_stages_and_precisions(chain, rtol, pool, tmp_path):
+    steps = len(chain) + 1
+    reference = losses(pool.run(chain_spec(0, "fp32", steps, tmp_path / "ref"), timeout_s=240))
+    got = losses(pool.run(chain_spec(*chain[0], steps, tmp_path), fn=functools.partial(run_rank, stop_after=2),
+                          timeout_s=240))
+    for hop, (zero, dtype) in enumerate(chain[1:], start=2):
+        events = pool.run(chain_spec(zero, dtype, steps, tmp_path), timeout_s=240,
+                          fn=functools.partial(run_rank, stop_after=1, resume=True))
+        assert {"event": "restart", "attempt": 0, "from_step": hop} in events, (zero, dtype)
+        got += losses(events)
+    assert len(got) == steps
+    torch.testing.assert_close(got, reference, rtol=rtol, atol=1e-6 if rtol < 1e-3 else 0)

@@ -21,10 +21,15 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from workbench.errors import ConfigError
 from workbench.runtime.checkpoint_state import (rng_state, set_rng_state, stage, state_bytes, state_dict_options,
                                                  union_module)
-from workbench.runtime.checkpoint_store import CorruptCheckpoint, Store, describe_error, disk_full, new_manifest
+from workbench.runtime.checkpoint_reshard import (check_convertible, fill_optim, home, layout_diff, load_canonical,
+                                                   local_part, master_state)
+from workbench.runtime.checkpoint_store import (Store, manifest_or_problem, all_rejected, describe_error, disk_full,
+                                                 new_manifest)
 
 # DCP says this on every single-process save/load, which is what we mean there.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+# Re-writing a step after a resume from an older one: its manifest was removed first (_prepare).
+warnings.filterwarnings("ignore", message="Detected an existing checkpoint in .*overwriting")
 
 
 OPTIONAL_PARTS = ("scaler",)  # state that may start fresh when a checkpoint lacks it
@@ -74,6 +79,10 @@ class Checkpointer:
         # background thread next to the training collectives of the default group.
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.store = Store(self.uri) if self.uri else None
+        # One rank per view of the store deletes there (ranks of a node share its folder).
+        views = self._gather(self.store.view_id() if self.store else None)
+        self._leader = views.index(views[self.rank]) == self.rank
+        self.lease = self._take_lease() if self.store else None
         self.last_saved_step = 0
         self._last_save_time = clock()
         self._thread: threading.Thread | None = None
@@ -81,6 +90,25 @@ class Checkpointer:
         self._need_bytes = 0
         self.last_blocking_s = 0.0
         self._staging: dict = {}  # CPU buffers reused by background saves (one in flight at a time)
+
+    def _take_lease(self):
+        """Rank 0 takes the URI's lease; every rank raises the same LeaseHeld if another run has it."""
+        from workbench.runtime.checkpoint_lease import Lease, LeaseHeld
+
+        lease, refused = Lease(self.store), None
+        if self.rank == 0:
+            try:
+                lease.acquire()
+            except LeaseHeld as e:
+                refused = ("held", str(e))
+            except Exception as e:  # noqa: BLE001 - the store failed: every rank raises it below
+                refused = ("store", describe_error(e))
+        refused = self._broadcast(refused)
+        if refused and refused[0] == "held":
+            raise LeaseHeld(refused[1])
+        if refused:
+            raise CheckpointError(f"could not take the lease on {self.uri}: {refused[1]}")
+        return lease if self.rank == 0 else None
 
     @property
     def enabled(self) -> bool:
@@ -108,6 +136,9 @@ class Checkpointer:
                 are intact.
         """
         self.wait()
+        lost = self._broadcast(self.lease.lost if self.lease else None)
+        if lost:
+            raise CheckpointError(f"checkpoint of step {step} not written: {lost}. This run stops writing there.")
         entered = time.perf_counter()  # the pause training sees (after any previous save finished)
         self._last_save_time = self.clock()
         state = self._state_dict()
@@ -131,7 +162,13 @@ class Checkpointer:
             error, self._thread_error = self._thread_error, None
             raise error
 
-    close = wait
+    def close(self) -> None:
+        """Finish a background save and release the URI's lease."""
+        try:
+            self.wait()
+        finally:
+            if self.lease is not None:
+                self.lease.release()
 
     def _write_bg(self, step: int, state: dict, rng: dict) -> None:
         try:
@@ -144,37 +181,30 @@ class Checkpointer:
 
         start, store = time.perf_counter(), self.store
         self._need_bytes = state_bytes(state)
-        staging = store.staging_dir(step)
-
-        def prepare():
-            if self.rank == 0:
-                store.remove(staging)
-                store.fs.makedirs(staging, exist_ok=True)
-
-        self._phase(step, "preparing the directory", prepare, everyone=False)
-        self._phase(step, "writing RNG states", lambda: store.write_torch(f"{staging}/rng-rank{self.rank:05d}.pt", rng))
-        self._phase(step, "writing tensors", lambda: dcp.save(state, storage_writer=self._writer(staging),
+        directory = store.step_dir(step)
+        self._phase(step, "preparing the directory", lambda: self._prepare(directory))
+        rng_file = f"rng-rank{self.rank:05d}.pt"
+        self._phase(step, "writing RNG states", lambda: store.write_torch(f"{directory}/{rng_file}", rng))
+        writer = _recording(self._writer(directory))
+        self._phase(step, "writing tensors", lambda: dcp.save(state, storage_writer=writer,
                                                                process_group=self.group, no_dist=self.group is None))
-        files = self._phase(step, "listing files", lambda: store.list_files(staging) if self.rank == 0 else None,
-                            everyone=False)
-        mine = self._phase(step, "checksumming",
-                           lambda: {rel: store.checksum(f"{staging}/{rel}") for rel in files[self.rank::self.world]})
-        sums = {}
-        for part in self._gather(mine):
-            sums.update(part)
+        # Each rank reads back what it wrote, in its own view: rank 0 never needs to see them.
+        mine = [rng_file, *writer.written()] + ([".metadata"] if self.rank == 0 else [])
+        sums = self._phase(step, "checksumming", lambda: {rel: store.checksum(f"{directory}/{rel}") for rel in mine})
+        files = {rel: info for part in self._gather(sums) for rel, info in part.items()}
 
         def commit():
-            if self.rank != 0:
-                return None
-            store.write_manifest(staging, new_manifest(step, self.spec, self.world, sums, time.perf_counter() - start))
-            url = store.commit(step)
-            store.prune(self.keep, current=step)
-            return url
+            if self.rank == 0:
+                store.write_manifest(directory, new_manifest(step, self.spec, self.world, files,
+                                                             time.perf_counter() - start))
+                return store.committed_steps()[:self.keep]
+            return None
 
-        url = self._phase(step, "committing", commit, everyone=False)
+        kept = self._phase(step, "committing", commit, everyone=False)
+        self._retain(kept, step)
         self.last_saved_step = step
         if self.rank == 0 and self.on_saved is not None:
-            self.on_saved(step, url)
+            self.on_saved(step, store.url(directory))
 
     def _writer(self, path: str):
         from torch.distributed.checkpoint import FileSystemWriter
@@ -184,8 +214,25 @@ class Checkpointer:
             return FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1)
         return FsspecWriter(self.store.url(path), single_file_per_rank=True, sync_files=False, thread_count=1)
 
-    def _phase(self, step: int, what: str, fn: Callable, everyone: bool = True):
-        """Run one phase of a save and agree on its outcome: all ranks raise the same error."""
+    def _prepare(self, directory: str) -> None:
+        """Un-commit a step about to be (re)written, in every view; each rank makes its folder."""
+        if self._leader:
+            self.store.remove_manifest(directory)
+        self.store.fs.makedirs(directory, exist_ok=True)
+
+    def _retain(self, kept: list[int], step: int) -> None:
+        """keep-N on every node: each view's leader drops its own files of the dropped steps,
+        all manifests first, so a half-deleted step is never complete anywhere."""
+        doomed = self.store.doomed(kept, current=step) if self._leader else []
+        self._phase(step, "dropping old manifests", lambda: [self.store.remove_manifest(d) for d in doomed],
+                    committed=True)
+        self._phase(step, "dropping old checkpoints", lambda: [self.store.remove(d) for d in doomed], committed=True)
+
+    def _phase(self, step: int, what: str, fn: Callable, everyone: bool = True, committed: bool = False):
+        """Run one phase of a save and agree on its outcome: all ranks raise the same error.
+
+        A failure before the commit removes the step's files; after it (`committed`) they stay.
+        """
         result, error = None, None
         try:
             result = fn()
@@ -193,9 +240,8 @@ class Checkpointer:
             error = describe_error(e)
         errors = [e for e in self._gather(error) if e]
         if errors:
-            if self.rank == 0:  # frees the space a full disk needs
-                self.store.remove(self.store.staging_dir(step))
-                self.store.prune(self.keep, current=step + 1)
+            if self._leader and not committed:  # frees the space a full disk needs
+                self.store.remove(self.store.step_dir(step))
             full = None if error is None or "no space left" in error else disk_full(self.store, self._need_bytes)
             errors = [e for e in self._gather(full) if e] + errors
             prev = f"step {self.last_saved_step}" if self.last_saved_step else "none written by this run"
@@ -207,12 +253,15 @@ class Checkpointer:
         return self._broadcast(result) if not everyone else result
 
     # -- restore ------------------------------------------------------------------------
-    def restore(self) -> int:
+    def restore(self, *, or_fresh: bool = False) -> int:
         """Load the newest complete, intact checkpoint; returns its step (0 when none).
 
-        A newest checkpoint that is incomplete or corrupt is skipped with a warning.
+        A checkpoint that is incomplete or corrupt is skipped with a warning, never loaded.
+        Args:
+            or_fresh: when every checkpoint is rejected, start at step 0 instead of raising.
         Raises:
-            ConfigError: the checkpoint was written by an incompatible spec (e.g. another model shape).
+            ConfigError: the checkpoint was written by an incompatible spec (e.g. another model
+                shape), or every checkpoint under the URI was rejected (each named, with why).
         """
         from workbench.spec import load_spec
         from workbench.validate import check_resume
@@ -220,24 +269,27 @@ class Checkpointer:
         if not self.enabled:
             self._warn("resume requested but checkpoint.uri is not set; starting from step 0")
             return 0
-        steps = self._broadcast(self.store.committed_steps() if self.rank == 0 else None)
-        for step in steps:
-            try:
-                manifest = self.store.read_manifest(step)
-                problems = self.store.verify(step, manifest, self.rank, self.world)
-            except CorruptCheckpoint as e:
-                problems = [str(e)]
-            problems = [p for part in self._gather(problems) for p in part]
+        rejected = []
+        for step in self._broadcast(self.store.committed_steps() if self.rank == 0 else None):
+            # Only rank 0's view need hold the manifest (per-node folders before a sync).
+            manifest, problem = self._broadcast(manifest_or_problem(self.store, step) if self.rank == 0 else None)
+            problems = [problem] if problem else self.store.verify(step, manifest, self.rank, self.world)
+            problems = sorted({p for part in self._gather(problems) for p in part})
             if problems:
+                rejected.append((step, "; ".join(problems[:3])))
                 self._warn(f"checkpoint step {step} under {self.uri} is incomplete or corrupt "
-                           f"({'; '.join(problems[:3])}); falling back to the previous complete checkpoint")
+                           f"({rejected[-1][1]}); falling back to the previous complete checkpoint")
                 continue
             for note in check_resume(load_spec(self.spec), manifest["spec"]):
                 self._warn(note)
             self._load(step, manifest)
+            if manifest.get("world_size") == self.world:  # per-rank streams only map 1:1 on the same world
+                set_rng_state(self.store.read_torch(f"{self.store.step_dir(step)}/rng-rank{self.rank:05d}.pt"))
             self.last_saved_step = step
             self._last_save_time = self.clock()
             return step
+        if rejected and not or_fresh:
+            raise all_rejected(self.uri, rejected)
         self._warn(f"no complete checkpoint under {self.uri}; starting from step 0")
         return 0
 
@@ -252,15 +304,17 @@ class Checkpointer:
         reader = FileSystemReader if self.store.local else FsspecReader
         saved = {key.split(".", 1)[0] for key in reader(url).read_metadata().state_dict_metadata}
         state = self._state_dict()
+        layout, saved_layout = self.spec.get("layout", {}), manifest.get("layout", {})
+        same_shards = all(saved_layout.get(k, 1) == layout.get(k, 1) for k in ("tp", "pp"))
+        if home(set(state)) != home(saved) or (home(saved) == "master" and not same_shards):
+            return self._load_converted(step, manifest, reader, url, state, saved)
         missing = [part for part in state if part not in saved]
         for part in missing:
             if part not in OPTIONAL_PARTS:
                 raise ConfigError(
                     f"cannot resume: the checkpoint of step {step} under {self.uri} has no {part!r} state, which "
-                    f"this run needs (it was written with layout {manifest.get('layout')} and precision "
-                    f"{manifest['spec'].get('precision', {}).get('dtype', 'fp32')}; zero=1 and mixed precision keep "
-                    "an fp32 master instead of a torch optimizer). Resume with the checkpoint's zero stage and "
-                    "precision, or start a fresh run.")
+                    f"this run needs ({layout_diff(saved_layout, layout)}). Resume with the checkpoint's layout, "
+                    "or start a fresh run.")
             self._warn(f"the checkpoint of step {step} has no {part!r} state; it starts fresh")
         present = {k: v for k, v in state.items() if k not in missing}
         dcp.load(present, storage_reader=reader(url), process_group=self.group, no_dist=self.group is None)
@@ -270,8 +324,38 @@ class Checkpointer:
         for name, obj in self.extra_state.items():
             if name in present:
                 obj.load_state_dict(present[name])
-        if manifest.get("world_size") == self.world:  # per-rank streams only map 1:1 on the same world
-            set_rng_state(self.store.read_torch(f"{path}/rng-rank{self.rank:05d}.pt"))
+
+    def _load_converted(self, step: int, manifest: dict, reader, url: str, state: dict, saved: set) -> None:
+        """Load a checkpoint whose optimizer state lives in the other home (see checkpoint_reshard)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        from workbench.models import build_model_meta
+        from workbench.runtime.materialize import canonical_name
+        from workbench.spec import load_spec
+
+        if home(saved) == "master":
+            check_convertible(manifest, self.spec.get("layout", {}), step, self.uri)
+        writer_model = build_model_meta(load_spec(manifest["spec"]))
+        order = [(n, p.shape) for n, p in writer_model.named_parameters() if p.requires_grad]
+        optimizer = self.spec.get("train", {}).get("optimizer", "adamw")
+        dist_kwargs = {"process_group": self.group, "no_dist": self.group is None}
+        canonical = load_canonical(reader, url, manifest, order, optimizer, **dist_kwargs)
+        set_model_state_dict(self.module, {k: local_part(canonical.weights[k], v) for k, v in state["model"].items()})
+        if self.optimizer is not None:
+            set_optimizer_state_dict(self.module, self.optimizer, fill_optim(state["optim"], canonical, optimizer),
+                                     options=state_dict_options())
+        master = self.extra_state.get("master")
+        if master is not None:
+            names = {id(p): canonical_name(n) for n, p in self.module.named_parameters()}
+            master.load_state_dict(master_state(master, [names[id(p)] for p in master.flat.params], canonical))
+        if "scaler" in state and "scaler" in saved:
+            scaler = {"scaler": state["scaler"]}
+            dcp.load(scaler, storage_reader=reader(url), **dist_kwargs)
+            self.extra_state["scaler"].load_state_dict(scaler["scaler"])
+        self._warn(f"the checkpoint of step {step} keeps its optimizer state in {home(saved)!r}, this run in "
+                   f"{home(set(state))!r} ({layout_diff(manifest.get('layout', {}), self.spec.get('layout', {}))}): "
+                   "converted through full fp32 weights and moments")
 
     def _state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
@@ -305,6 +389,21 @@ class Checkpointer:
             warnings.warn(message, CheckpointWarning, stacklevel=2)
             if self._warn_cb is not None:
                 self._warn_cb(message)
+
+
+def _recording(writer):
+    """`writer` that also remembers the files this rank wrote (DCP's write results)."""
+    results = []
+    write_data = writer.write_data
+
+    def recorded(plan, planner):
+        future = write_data(plan, planner)
+        results.append(future)
+        return future
+
+    writer.write_data = recorded
+    writer.written = lambda: sorted({r.storage_data.relative_path for f in results for r in f.wait()})
+    return writer
 
 
 def build_checkpointer(spec, modules: list[nn.Module], optimizer: torch.optim.Optimizer | None, device: torch.device,

@@ -2,10 +2,11 @@
 retention, on a local path or any fsspec URI (s3://, gs://, az://, memory://).
 
 A checkpoint is the directory `step-000000042/` holding torch.distributed.checkpoint's files,
-one RNG file per rank and `manifest.json`. The manifest is written last and lists every file
-with its size and CRC-32: a directory without a readable manifest is never loaded, and one whose
-files do not match it is reported as corrupt. On local disks the files are first written to
-`step-000000042.partial/` and the finished directory is renamed into place (atomic there).
+one RNG file per rank and `manifest.json`. Each rank writes its files where its node can (a
+local folder, a FUSE mount, an object store); rank 0 writes the manifest last, listing every
+rank's files with size and CRC-32. A step is complete iff its manifest is readable and every
+file it lists is present and matches: no directory rename anywhere, so stores that cannot rename
+(Cloud Storage FUSE, blobfuse, object stores) and per-node folders merged by a sync both work.
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ import time
 import zlib
 
 MANIFEST = "manifest.json"
-FORMAT = 1
-_STEP_RE = re.compile(r"^step-(\d{9})(\.partial)?$")
+FORMAT = 1  # unchanged by per-rank commits: the manifest lists files as before
+_STEP_RE = re.compile(r"^step-(\d{9})(\.partial)?$")  # .partial: staging folders of format-1 writers
 _CHUNK = 4 << 20
+RESUME_OR_FRESH = "or-fresh"  # resume=...: start at step 1 when every checkpoint is rejected
 
 
 class CorruptCheckpoint(Exception):
@@ -44,7 +46,8 @@ class Store:
 
         self.uri = uri
         self.fs, root = fsspec.core.url_to_fs(uri)
-        self.local = isinstance(self.fs, LocalFileSystem)
+        # A subclass with a protocol of its own (e.g. a FUSE stand-in) goes through fsspec, not os.
+        self.local = isinstance(self.fs, LocalFileSystem) and "file" in _protocols(self.fs)
         self.root = os.path.abspath(root) if self.local else root.rstrip("/")
 
     # -- paths --------------------------------------------------------------------------
@@ -54,10 +57,6 @@ class Store:
     def url(self, path: str) -> str:
         """The user-facing address of `path` (a plain path on local disks)."""
         return path if self.local else self.fs.unstrip_protocol(path)
-
-    def staging_dir(self, step: int) -> str:
-        """Where step's files are written before the commit."""
-        return self.path(step_name(step) + (".partial" if self.local else ""))
 
     def step_dir(self, step: int) -> str:
         return self.path(step_name(step))
@@ -75,9 +74,15 @@ class Store:
         return out
 
     def committed_steps(self) -> list[int]:
-        """Steps whose directory has a manifest file, newest first (not yet verified)."""
+        """Steps whose directory has a manifest file in this view, newest first (not yet verified)."""
         steps = [s for s, partial, p in self._entries() if not partial and self.fs.exists(f"{p}/{MANIFEST}")]
         return sorted(steps, reverse=True)
+
+    def view_id(self) -> str:
+        """Names this rank's view of the store: ranks with the same id see the same files."""
+        import socket
+
+        return f"{socket.gethostname()}:{self.root}" if self.local else self.url(self.root)
 
     # -- manifest -----------------------------------------------------------------------
     def read_manifest(self, step: int) -> dict:
@@ -91,19 +96,17 @@ class Store:
             raise CorruptCheckpoint(f"manifest is not a format-{FORMAT} manifest of step {step}")
         return manifest
 
-    def latest_manifest(self) -> dict | None:
-        """The newest readable manifest (files not verified), or None when there is none."""
+    def newest_complete(self) -> tuple[dict | None, list[tuple[int, str]]]:
+        """(the manifest of the newest complete step or None, [(step, why) of newer rejected ones]),
+        checking every file in this one view (the driver's check before any worker starts)."""
+        rejected = []
         for step in self.committed_steps():
-            try:
-                return self.read_manifest(step)
-            except CorruptCheckpoint:
-                continue
-        return None
-
-    def list_files(self, directory: str) -> list[str]:
-        """Paths of the files under `directory`, relative to it, sorted."""
-        prefix = directory.rstrip("/") + "/"
-        return sorted(p[len(prefix):] for p in self.fs.find(directory) if p.startswith(prefix))
+            manifest, problem = manifest_or_problem(self, step)
+            problems = [problem] if problem else self.verify(step, manifest)
+            if not problems:
+                return manifest, rejected
+            rejected.append((step, "; ".join(problems[:3])))
+        return None, rejected
 
     def checksum(self, path: str) -> dict:
         """{"bytes": size, "crc32": crc} of one file, streamed."""
@@ -114,42 +117,52 @@ class Store:
         return {"bytes": size, "crc32": crc}
 
     def write_manifest(self, directory: str, manifest: dict) -> None:
-        """Write the manifest last; a single object PUT (or a local rename) makes it atomic."""
-        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
-        target = f"{directory}/{MANIFEST}"
-        if self.local:
-            tmp = f"{target}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        else:
-            self.fs.pipe_file(target, data)
+        """Write the manifest last (the commit)."""
+        self.write_atomic(f"{directory}/{MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True).encode())
 
-    def commit(self, step: int) -> str:
-        """Move a finished staging directory into place; returns the checkpoint's URL."""
-        final = self.step_dir(step)
-        if self.local:
-            if os.path.exists(final):  # a half-written leftover of an earlier attempt
-                self.fs.rm(final, recursive=True)
-            os.replace(self.staging_dir(step), final)
-            _fsync_dir(self.root)
-        return self.url(final)
+    def write_atomic(self, target: str, data: bytes) -> None:
+        """Readers see the old or the new content, never a torn file: a single object PUT, or a
+        temporary file, fsync and a file rename (a FUSE mount's copy-then-delete rename still
+        replaces the target whole)."""
+        if not self.local:
+            self.fs.pipe_file(target, data)
+            return
+        tmp = f"{target}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
 
     def verify(self, step: int, manifest: dict, rank: int = 0, world: int = 1) -> list[str]:
-        """Problems with this rank's share of the step's files (empty when they match)."""
+        """Problems with the step's files in this view (empty when they match).
+
+        Every rank checks that every listed file is here with its size (one listing), and the
+        CRC-32 of its share: loading may read any file (resharding), so each view must hold all.
+        """
         directory, problems = self.step_dir(step), []
-        for rel in sorted(manifest.get("files", {}))[rank::world]:
-            expected = manifest["files"][rel]
+        files = manifest.get("files", {})
+        prefix = directory.rstrip("/") + "/"
+        try:
+            here = {p[len(prefix):]: info for p, info in self.fs.find(directory, detail=True).items()
+                    if p.startswith(prefix)}
+        except (OSError, FileNotFoundError):
+            here = {}
+        for rel in sorted(files):
+            size = here.get(rel, {}).get("size")
+            if size is None:
+                problems.append(f"{rel}: missing")
+            elif size != files[rel]["bytes"]:
+                problems.append(f"{rel}: {size} bytes, manifest says {files[rel]['bytes']} (truncated?)")
+        if problems:
+            return problems
+        for rel in sorted(files)[rank::world]:
             try:
                 got = self.checksum(f"{directory}/{rel}")
             except (OSError, FileNotFoundError) as e:
                 problems.append(f"{rel}: unreadable ({type(e).__name__})")
                 continue
-            if got["bytes"] != expected["bytes"]:
-                problems.append(f"{rel}: {got['bytes']} bytes, manifest says {expected['bytes']} (truncated?)")
-            elif got["crc32"] != expected["crc32"]:
+            if got["crc32"] != files[rel]["crc32"]:
                 problems.append(f"{rel}: CRC-32 mismatch (corrupted)")
         return problems
 
@@ -166,40 +179,56 @@ class Store:
             return torch.load(f, weights_only=False)  # our own RNG states (Python and NumPy objects)
 
     # -- retention ----------------------------------------------------------------------
-    def prune(self, keep: int, *, current: int) -> list[int]:
-        """Delete all but the newest `keep` committed checkpoints, and stale partial ones.
+    def doomed(self, kept: list[int], *, current: int) -> list[str]:
+        """Step folders in this view that retention drops: below `current` (the step just
+        committed; nothing newer is written by this job) and not in `kept` (rank 0's newest
+        complete steps). Leftovers of interrupted writes are among them."""
+        return [path for step, partial, path in self._entries() if step < current and (partial or step not in kept)]
 
-        Directories at or above `current` without a manifest are left alone (`current` is the
-        step just committed; nothing newer is being written by this job).
-        """
-        committed = self.committed_steps()
-        removed = []
-        for step, partial, path in self._entries():
-            stale = (partial or step not in committed) and step < current
-            if stale or (step in committed and step not in committed[:keep]):
-                self.remove(path)
-                removed.append(step)
-        return sorted(set(removed))
+    def remove_manifest(self, directory: str) -> None:
+        """Un-commit a step: without its manifest it is never loaded, whatever else is left."""
+        self.remove(f"{directory}/{MANIFEST}")
 
     def remove(self, path: str) -> None:
+        """Delete a file or a folder, file by file, tolerating files that another rank sharing
+        this view deleted first."""
         try:
-            self.fs.rm(path, recursive=True)
+            files = self.fs.find(path) if self.fs.isdir(path) else [path]
         except FileNotFoundError:
+            return
+        for f in files:
+            try:
+                self.fs.rm_file(f)
+            except FileNotFoundError:
+                pass
+        try:
+            if self.fs.exists(path):
+                self.fs.rm(path, recursive=True)  # the empty folders
+        except (FileNotFoundError, OSError):
             pass
 
 
-def _fsync_dir(path: str) -> None:
-    """Persist a rename: fsync the directory entry (POSIX)."""
+def _protocols(fs) -> tuple:
+    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+
+
+def manifest_or_problem(store: Store, step: int) -> tuple[dict | None, str | None]:
+    """(manifest, None) or (None, why it is unreadable)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        return store.read_manifest(step), None
+    except CorruptCheckpoint as e:
+        return None, str(e)
+
+
+def all_rejected(uri: str, rejected: list[tuple[int, str]]):
+    """The ConfigError of a resume that found checkpoints but could load none of them."""
+    from workbench.errors import ConfigError
+
+    listed = "; ".join(f"{step_name(step)}: {why}" for step, why in rejected)
+    return ConfigError(
+        f"cannot resume: every checkpoint under {uri} was rejected ({listed}). Nothing was loaded and nothing "
+        "was deleted. Restore the files (e.g. from the store's versioning or a backup), or start from step 1 "
+        "explicitly with --resume-or-fresh (or without --resume, or with another checkpoint.uri).")
 
 
 def new_manifest(step: int, spec: dict, world_size: int, files: dict, save_s: float) -> dict:

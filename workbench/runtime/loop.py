@@ -21,6 +21,7 @@ from workbench.models import build_model_meta
 from workbench.parallel.apply import Parallelized, parallelize
 from workbench.parallel.layout import build_mesh, coords
 from workbench.runtime.checkpoint import build_checkpointer
+from workbench.runtime.checkpoint_store import RESUME_OR_FRESH
 from workbench.parallel.precision import DynamicLossScaler, autocast
 from workbench.parallel.step import TrainStep
 from workbench.runtime.meter import MemoryMeter
@@ -126,7 +127,8 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
         sink: receives each metrics event (all ranks emit memory events; rank 0 the others).
         should_stop: polled after each step on every rank; if any rank says True, all ranks
             stop after the same step and the run ends with status "preempted".
-        resume: continue from the newest complete checkpoint under checkpoint.uri.
+        resume: continue from the newest complete checkpoint under checkpoint.uri; ConfigError when
+            every checkpoint there is corrupt, unless RESUME_OR_FRESH (then start at step 1).
         gather_state: also return the full fp32 trained weights by canonical name under "state"
             (on rank 0; collective, for parity tests).
         attempt: how many times the launcher restarted the workers (recorded in the restart event).
@@ -168,7 +170,7 @@ def _train(spec, sink: Sink, should_stop: Callable[[], bool], resume: bool, gath
                                   dtype=spec.precision.dtype, scale_loss=step_fn.scale_loss)
 
     ckpt = build_checkpointer(spec, par.modules, step_fn.optimizer, ctx.device, sink, extra_state=step_fn.stateful())
-    first = ckpt.restore() + 1 if resume else 1
+    first = ckpt.restore(or_fresh=resume == RESUME_OR_FRESH) + 1 if resume else 1
     if resume and ctx.rank == 0:
         sink({"event": "restart", "attempt": attempt, "from_step": first - 1})
     step, loss_value, status = first - 1, float("nan"), "completed"

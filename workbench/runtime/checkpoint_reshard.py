@@ -1,0 +1,128 @@
+"""Resume across the two homes of the optimizer state: a torch optimizer over the fp32 parameters
+(zero 0/2/3 in fp32, zero 2/3 in mixed precision) and the fp32 master (zero 1, zero 0 in mixed
+precision, offload=nvme). DCP reshards within one home; between them the state goes through
+canonical form: full fp32 weights and moments by parameter name, and the optimizer's step count.
+
+The conversion loads full tensors on every rank (one model's state in host memory); resuming in
+the checkpoint's own home needs no conversion and stays sharded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workbench.errors import ConfigError
+
+MOMENTS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+
+@dataclass
+class Canonical:
+    """A checkpoint's model and optimizer state, layout-free."""
+
+    weights: dict[str, torch.Tensor]  # full fp32 tensors by canonical parameter name
+    moments: list[dict[str, torch.Tensor]]  # per moment (MOMENTS order), by name
+    step: int  # optimizer steps taken
+
+
+def home(parts: set[str]) -> str:
+    """"master" or "optim": where a state dict (or a checkpoint's keys) keeps the optimizer state."""
+    return "master" if "master" in parts else "optim"
+
+
+def layout_diff(saved: dict, now: dict) -> str:
+    """Only the layout keys that differ, e.g. "zero: 0 -> 1, tp: 2 -> 1"."""
+    keys = [k for k in now if k in saved and saved[k] != now[k]]
+    return ", ".join(f"{k}: {saved[k]} -> {now[k]}" for k in keys) or "same layout"
+
+
+def check_convertible(manifest: dict, layout: dict, step: int, uri: str) -> None:
+    """A master is flattened over each rank's tp/pp-local shards: it maps to canonical names only
+    when the writer had tp = pp = 1. Raises ConfigError otherwise."""
+    saved = manifest.get("layout", {})
+    if saved.get("tp", 1) == 1 and saved.get("pp", 1) == 1:
+        return
+    raise ConfigError(
+        f"cannot resume: the checkpoint of step {step} under {uri} keeps its optimizer state in an fp32 master "
+        f"flattened over each rank's tensor/pipeline-parallel shards (tp={saved.get('tp', 1)}, "
+        f"pp={saved.get('pp', 1)}), which maps to parameters only under the same tp and pp; this run changes "
+        f"{layout_diff(saved, layout)} and keeps its optimizer state elsewhere. Resume with the checkpoint's tp, pp, "
+        "zero stage and precision, or start a fresh run.")
+
+
+def load_canonical(reader_factory, url: str, manifest: dict, param_order: list[tuple[str, torch.Size]],
+                   optimizer: str, **dcp_kwargs) -> Canonical:
+    """Read a checkpoint's model/optimizer state into canonical form (every rank reads it all).
+
+    Args:
+        reader_factory: FileSystemReader or FsspecReader.
+        param_order: the writer's (name, shape) in its flat order (tp = pp = 1: the full model's).
+        optimizer: train.optimizer (which moments to expect).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = reader_factory(url).read_metadata().state_dict_metadata
+    targets: dict = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+                     if isinstance(m, TensorStorageMetadata) and k.split(".", 1)[0] in ("model", "optim", "master")}
+    if "master.num_steps" in meta:
+        targets["master.num_steps"] = 0  # a non-tensor: DCP replaces the value
+    dcp.load(targets, storage_reader=reader_factory(url), **dcp_kwargs)
+    names = MOMENTS[optimizer]
+    if "master.master" in targets:
+        flats = [targets["master.master"]] + [targets[f"master.moment{i}"] for i in range(len(names))]
+        unflat = [_unflatten(f, param_order) for f in flats]
+        return Canonical(unflat[0], unflat[1:], int(targets["master.num_steps"]))
+    weights = {k[len("model."):]: v.float() for k, v in targets.items() if k.startswith("model.")}
+    moments = [{n: targets[f"optim.state.{n}.{m}"].float() for n, _ in param_order} for m in names]
+    steps = [v for k, v in targets.items() if k.startswith("optim.state.") and k.endswith(".step")]
+    return Canonical(weights, moments, int(steps[0].item()) if steps else int(manifest["step"]))
+
+
+def _unflatten(flat: torch.Tensor, order: list[tuple[str, torch.Size]]) -> dict[str, torch.Tensor]:
+    out, at = {}, 0
+    for name, shape in order:
+        n = shape.numel()
+        out[name] = flat[at:at + n].view(shape)
+        at += n
+    return out
+
+
+def local_part(full: torch.Tensor, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`full` laid out like `like`: its shard (DTensor) or itself, in `dtype` (default `like`'s)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    full = full.to(dtype=dtype or like.dtype)
+    if isinstance(like, DTensor):  # every rank holds `full`: slice locally, no communication
+        return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+    return full.to(like.device)
+
+
+def fill_optim(template: dict, state: Canonical, optimizer: str) -> dict:
+    """A flattened torch optimizer state dict (get_state_dict's) filled from canonical state."""
+    out = dict(template)
+    for key, like in template.items():
+        if not key.startswith("state."):
+            continue
+        name, _, field = key[len("state."):].rpartition(".")
+        if field == "step":
+            out[key] = torch.tensor(float(state.step), dtype=like.dtype) if torch.is_tensor(like) else state.step
+        elif field in MOMENTS[optimizer]:
+            out[key] = local_part(state.moments[MOMENTS[optimizer].index(field)][name], like)
+    return out
+
+
+def master_state(master, names: list[str], state: Canonical) -> dict:
+    """MasterOptimizer.load_state_dict's input from canonical state: this run's flat order over
+    its own (tp-local) parameter shards. `names`: canonical names of master.flat.params."""
+    from workbench.parallel.master import _local
+
+    def flat(values: dict) -> torch.Tensor:
+        return torch.cat([_local(local_part(values[n], p, torch.float32)).reshape(-1).cpu()
+                          for n, p in zip(names, master.flat.params)])
+
+    out = {"num_steps": state.step, "master": flat(state.weights)}
+    for i, moment in enumerate(state.moments):
+        out[f"moment{i}"] = flat(moment)
+    return out
