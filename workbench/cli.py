@@ -136,7 +136,6 @@ def _memory(args) -> int:
 
 def _plan(args) -> int:
     from workbench.planner import plan
-
     from workbench.spec import load_spec
 
     result = plan(load_spec(args.spec, args.overrides, layout=False))  # plan searches layouts

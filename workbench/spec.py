@@ -99,7 +99,7 @@ class LayoutSpec(_Section):
     checkpoint_every: int = Field(1, gt=0, description="k for full activation checkpointing: recompute every k-th block of each stage (1 = every block).")
     offload: Literal["none", "cpu", "nvme"] = Field("none", description="Where optimizer state (and master weights) live: on the device, in CPU memory or in files.")
     nvme_path: str = Field("/tmp/workbench-offload", description="Directory for offload=nvme.")
-    sequence_parallel: bool = Field(False, description="Shard LayerNorm/dropout activations along the sequence in TP regions.")
+    sequence_parallel: bool = Field(False, description="Shard the residual stream, norms and the column-parallel linears' saved inputs along the sequence between TP regions (Megatron-style).")
     bucket_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size in MiB.")
 
     @property
