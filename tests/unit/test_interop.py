@@ -88,7 +88,8 @@ def test_accelerate_round_trip_over_machines():
 
 MEG_LAYOUTS = [{"dp": 2}, {"dp": 2, "zero": 1}, {"dp": 2, "zero": 2}, {"dp": 2, "zero": 3},
                {"tp": 2, "sequence_parallel": True}, {"pp": 2}, {"pp": 2, "pp_schedule": "interleaved-1f1b"},
-               {"dp": 2, "tp": 2, "pp": 2}, {"dp": 2, "activation_checkpointing": "full"}]
+               {"dp": 2, "tp": 2, "pp": 2}, {"dp": 2, "activation_checkpointing": "full"},
+               {"dp": 2, "activation_checkpointing": "selective"}]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
@@ -112,7 +113,7 @@ TT_LAYOUTS = [{"dp": 1}, {"dp": 2}, {"dp": 2, "zero": 2}, {"dp": 2, "zero": 3, "
               {"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 3},
               {"pp": 2, "pp_schedule": "zero-bubble", "virtual_stages": 3},
               {"dp": 2, "activation_checkpointing": "full"},
-              {"dp": 2, "zero": 3, "activation_checkpointing": "selective", "checkpoint_every": 3}]
+              {"dp": 2, "zero": 3, "activation_checkpointing": "full", "checkpoint_every": 3}]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -142,7 +143,9 @@ def test_exports_name_what_the_engine_cannot_express():
     assert any(x.startswith("spec model = 'gpt-tiny' not exported") for x in w)
     _, w = export_config(spec({"dp": 2, "tp": 2}), "accelerate")  # Accelerate's ParallelismConfig refuses DDP + tp
     assert any(x.startswith("spec layout.tp = 2 not exported") for x in w)
-    _, w = export_config(spec({"dp": 2, "activation_checkpointing": "selective"}), "megatron")
+    _, w = export_config(spec({"dp": 2, "activation_checkpointing": "full", "checkpoint_every": 2}), "megatron")
+    assert any(x.startswith("spec layout.activation_checkpointing = 'full' not exported") for x in w)
+    _, w = export_config(spec({"dp": 2, "activation_checkpointing": "selective"}), "torchtitan")
     assert any(x.startswith("spec layout.activation_checkpointing = 'selective' not exported") for x in w)
 
 

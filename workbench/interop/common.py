@@ -106,7 +106,7 @@ def _inert(spec) -> set[str]:
         out.add("resources.gpus_per_node")  # what load_spec derives from the layout anyway
     if lay.offload != "nvme":
         out.add("layout.nvme_path")
-    if lay.activation_checkpointing != "selective":
+    if lay.activation_checkpointing != "full":
         out.add("layout.checkpoint_every")
     if lay.pp == 1:
         out |= {"layout.pp_schedule", "layout.virtual_stages"}

@@ -192,16 +192,16 @@ def _train(a: _Args, raw: dict, notes: Notes) -> None:
 
 def _recompute(a: _Args, raw: dict, notes: Notes) -> None:
     granularity = a.get("--recompute-granularity")
-    if a.get("--recompute-activations") or granularity == "selective":
-        notes.unmapped("--recompute-granularity", "selective", "Megatron's selective recompute (attention core "
-                       "only) has no counterpart; the spec's selective recomputes every k-th whole block")
+    if a.get("--recompute-activations") or granularity == "selective":  # the attention core, as ours
+        set_path(raw, "layout.activation_checkpointing", "selective")
+        return
     if granularity != "full":
         return
     set_path(raw, "layout.activation_checkpointing", "full")
     method, count = a.get("--recompute-method", "uniform"), a.get("--recompute-num-layers", 1, int)
     if (method, count) != ("uniform", 1):
         notes.unmapped("--recompute-method", f"{method} x {count}", "the spec's full recompute checkpoints every "
-                       "block on its own (uniform, 1 layer); mapped to that")
+                       "block on its own or every k-th block (layout.checkpoint_every); mapped to every block")
 
 
 def _model(a: _Args, raw: dict, notes: Notes) -> None:
@@ -278,8 +278,11 @@ def from_spec(spec) -> tuple[list[str], list[str]]:
     elif spec.precision.dtype == "fp16":
         out += ["--fp16", "--initial-loss-scale", repr(spec.precision.initial_loss_scale),
                 "--loss-scale-window", str(LOSS_SCALE_WINDOW), "--hysteresis", "1"]
-    if lay.activation_checkpointing == "full":
+    if lay.activation_checkpointing == "full" and lay.checkpoint_every == 1:
         out += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+        expressed.append("layout.activation_checkpointing")
+    elif lay.activation_checkpointing == "selective":
+        out += ["--recompute-granularity", "selective"]
         expressed.append("layout.activation_checkpointing")
     out += _model_out(spec, notes, expressed)
     if spec.checkpoint.every_steps:
@@ -290,7 +293,7 @@ def from_spec(spec) -> tuple[list[str], list[str]]:
         "layout.offload": "Megatron's --optimizer-cpu-offload is a CPU optimizer beside a distributed optimizer, "
                           "not FSDP2 offload or nvme files",
         "layout.pp_schedule": "Megatron runs 1F1B, or interleaved 1F1B with virtual stages",
-        "layout.activation_checkpointing": "Megatron's selective recompute is attention-only, not every k-th block",
+        "layout.activation_checkpointing": "Megatron's full recompute has no every-k-th-block form",
         "data": "Megatron reads --data-path; the spec's synthetic/text sources have no counterpart"})
     return out, notes.lines
 

@@ -176,13 +176,13 @@ def _activation_checkpoint(get, raw: dict, notes: Notes) -> None:
     option = str(get("activation_checkpoint.selective_ac_option", "2"))
     if mode == "full":
         raw["layout"]["activation_checkpointing"] = "full"
-    elif mode == "selective" and option.isdigit():
-        raw["layout"].update(activation_checkpointing="selective", checkpoint_every=int(option))
+    elif mode == "selective" and option.isdigit():  # torchtitan's layer-selective: every k-th block
+        raw["layout"].update(activation_checkpointing="full", checkpoint_every=int(option))
     elif mode != "none":
         notes.unmapped(f"activation_checkpoint.{'mode' if mode != 'selective' else 'selective_ac_option'}",
                        mode if mode != "selective" else option,
-                       "op-level and memory-budget checkpointing have no counterpart; the spec's selective "
-                       "recomputes every k-th block; none used")
+                       "op-level and memory-budget checkpointing have no counterpart (the spec's selective "
+                       "recomputes the attention core, Korthikanti et al.); none used")
 
 
 def _model(get, raw: dict, notes: Notes) -> None:
@@ -273,9 +273,12 @@ def _pipeline_out(spec, parallelism: dict, expressed: list[str], micro: int) -> 
 
 def _ac_out(lay, expressed: list[str]) -> dict:
     expressed.append("layout.activation_checkpointing")
-    if lay.activation_checkpointing == "selective":
+    if lay.activation_checkpointing == "full" and lay.checkpoint_every > 1:
         expressed.append("layout.checkpoint_every")
         return {"mode": "selective", "selective_ac_option": str(lay.checkpoint_every)}
+    if lay.activation_checkpointing == "selective":  # attention core only: torchtitan's op-level mode is not that
+        expressed.remove("layout.activation_checkpointing")
+        return {"mode": "none"}
     return {"mode": lay.activation_checkpointing}
 
 
