@@ -209,11 +209,6 @@ def _check_model_parallel_runnable(spec: "JobSpec") -> None:
             f"{spec.precision.dtype}) are not supported yet: each pipeline stage's master is saved under the same "
             "names, so a resume would load one stage's weights into every stage. Use zero=2 or 3 (the master "
             "is FSDP2's sharded parameter), fp32 with zero=0, or no checkpoint.uri.")
-    if lay.tp > 1 and spec.precision.dtype != "fp32":
-        raise ConfigError(
-            f"precision.dtype={spec.precision.dtype} with tp({lay.tp}) is not supported yet: autocast does not "
-            "reach inside DTensor's sharded matmuls here (the forward mixes low-precision inputs with fp32 "
-            "shards). Use precision.dtype: fp32 with tp, or mixed precision with dp/pp only.")
 
 
 def check_resume(spec: "JobSpec", saved: dict) -> list[str]:

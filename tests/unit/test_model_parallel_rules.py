@@ -55,7 +55,6 @@ def test_split_keeps_names_and_ends():
     ({"dp": 2, "sequence_parallel": True}, None, None, "tp=1"),
     ({"tp": 2, "zero": 2}, None, None, "dp=1"),
     ({"dp": 2, "pp": 2, "zero": 3, "pp_schedule": "zero-bubble"}, {"global_batch": 8}, None, "zero=2"),
-    ({"tp": 2}, None, {"dtype": "bf16"}, "precision.dtype=bf16 with tp"),
 ])
 def test_unsupported_combinations_are_refused(layout, train, precision, words):
     with pytest.raises(ConfigError, match=words):
