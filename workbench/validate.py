@@ -93,11 +93,6 @@ def _check_layout(spec: "JobSpec") -> None:
             + f") but the model has {shape.layers} layers; each stage needs at least one block. "
             f"Use pp <= {shape.layers}."
         )
-    if lay.pp > 1 and shape.tie_embeddings:
-        raise ConfigError(
-            f"layout.pp({lay.pp}) with model.tie_embeddings=true: the embedding lives on the first stage and the "
-            "head on the last, so they cannot share one weight. Set model.tie_embeddings: false."
-        )
 
 
 _MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")  # schedules with virtual_stages per pipeline rank
