@@ -83,8 +83,10 @@ def _memory(args) -> int:
 
 def _plan(args) -> int:
     from workbench.planner import plan
+    from workbench.spec import load_spec
 
-    result = plan(_load(args))
+    # plan searches the layouts: the spec's own need not fit its resources.
+    result = plan(load_spec(args.spec, args.overrides, layout_rules=False))
     print(json.dumps(result.to_dict(top=args.top), indent=2) if args.json else result.table(top=args.top))
     return 0
 

@@ -152,7 +152,7 @@ def plan(spec, prices=None, top: int | None = None) -> PlanResult:
     from workbench.spec import load_spec
 
     t0 = time.perf_counter()
-    spec = load_spec(spec)
+    spec = load_spec(spec, layout_rules=False)  # searched from model, batch, precision and resources
     if spec.model.params is not None or spec.model.factory is not None:
         raise ConfigError("plan needs the model's shape to price compute and activations: give a preset or "
                           "{family, layers, hidden, heads, vocab, seq_len}. For a bare size, `workbench memory` "

@@ -225,12 +225,15 @@ class JobSpec(_Section):
 
 # -- loading --------------------------------------------------------------------------------
 
-def load_spec(source: "str | Path | dict | JobSpec", overrides: list[str] | None = None) -> JobSpec:
+def load_spec(source: "str | Path | dict | JobSpec", overrides: list[str] | None = None, *,
+              layout_rules: bool = True) -> JobSpec:
     """Load, override and validate a spec.
 
     Args:
         source: a YAML/JSON path, a dict, or a JobSpec.
         overrides: ``["layout.dp=4", ...]`` applied before validation.
+        layout_rules: check the layout against model, batch and resources (False: planning,
+            which searches layouts and does not need the spec's to fit).
     Returns:
         A validated JobSpec.
     Raises:
@@ -259,7 +262,7 @@ def load_spec(source: "str | Path | dict | JobSpec", overrides: list[str] | None
         raise ConfigError(_explain(e)) from None
     from workbench.validate import validate_spec
 
-    validate_spec(spec)
+    validate_spec(spec, layout=layout_rules)
     return spec
 
 

@@ -24,12 +24,18 @@ def _factorizations(n: int) -> str:
     return "; ".join(out[:3])
 
 
-def validate_spec(spec: "JobSpec") -> None:
-    """Raise ConfigError for the first rule the spec breaks (structure is checked by pydantic)."""
+def validate_spec(spec: "JobSpec", *, layout: bool = True) -> None:
+    """Raise ConfigError for the first rule the spec breaks (structure is checked by pydantic).
+
+    Args:
+        layout: also check the layout against the model, batch and resources (False for
+            `workbench plan`, which searches the layouts itself and ignores the spec's).
+    """
     _check_model(spec)
-    _check_resources(spec)
-    _check_layout(spec)
-    _check_batch(spec)
+    _check_resources(spec, layout=layout)
+    if layout:
+        _check_layout(spec)
+        _check_batch(spec)
     _check_backend(spec)
 
 
@@ -48,7 +54,7 @@ def _check_model(spec: "JobSpec") -> None:
     m.shape()  # raises ConfigError for unknown presets / incomplete shapes
 
 
-def _check_resources(spec: "JobSpec") -> None:
+def _check_resources(spec: "JobSpec", *, layout: bool = True) -> None:
     r = spec.resources
     if r.gpu not in DEVICES:
         import difflib
@@ -57,7 +63,7 @@ def _check_resources(spec: "JobSpec") -> None:
         hint = f" Did you mean {guess[0]!r}?" if guess else ""
         raise ConfigError(f"resources.gpu: unknown GPU type {r.gpu!r}.{hint} Known types: {', '.join(DEVICES)}.")
     lay = spec.layout
-    if lay.world_size != r.num_gpus:
+    if layout and lay.world_size != r.num_gpus:
         raise ConfigError(
             f"dp({lay.dp}) x tp({lay.tp}) x pp({lay.pp}) = {lay.world_size} ranks, but resources give "
             f"{r.num_gpus} GPUs ({r.nodes} node(s) x {r.gpus_per_node}). Use degrees whose product is "
