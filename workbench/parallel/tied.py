@@ -1,7 +1,7 @@
 """Tied embeddings across pipeline stages, as Megatron-LM and DeepSpeed keep them.
 
 The first stage holds the embedding weight, the last stage a copy of it for its head: equal at
-initialization (the copy is initialized under the embedding's name, see `INIT_ALIASES`) and kept
+initialization (the copy is initialized under the embedding's name, see `mark_head_copy`) and kept
 equal by summing the two gradients over a group of the first and the last stage, so both take
 the same update. The copy is counted once in the gradient norm and saved under the embedding's
 name, so checkpoints and gathered states hold one weight.
@@ -16,9 +16,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from workbench.parallel.master import _local
 
 EMBEDDING, HEAD = "tok_emb.weight", "head.weight"
-# Stage attribute read by materialize() and the state naming: parameter name -> the name it
-# is a copy of (initialized from, saved as).
-INIT_ALIASES = "init_aliases"
 
 
 def is_tied(model: nn.Module) -> bool:
@@ -28,8 +25,12 @@ def is_tied(model: nn.Module) -> bool:
 
 
 def mark_head_copy(stage: nn.Module) -> None:
-    """Mark a last stage's head weight (which lost its embedding) as the embedding's copy."""
-    setattr(stage, INIT_ALIASES, {HEAD: EMBEDDING})
+    """Mark a last stage's head weight (which lost its embedding) as the embedding's copy.
+
+    `init_aliases` (parameter name -> the name it copies) is read by materialize.param_name: the
+    copy is initialized, saved and gathered under the embedding's name.
+    """
+    stage.init_aliases = {HEAD: EMBEDDING}
 
 
 def tied_params(modules: list[nn.Module], indices: list[int], num_stages: int) -> list[nn.Parameter]:
