@@ -14,6 +14,7 @@ from workbench.memory import Layout, estimate_stage
 from workbench.memory.estimate import _stage_params
 from workbench.prices import PRICES_DATE, load_prices
 from workbench.steptime import step_time
+from workbench.validate import zero_bubble_refused
 
 # Headroom for the CUDA context, NCCL buffers and allocator fragmentation: a layout whose
 # predicted peak is above this share of the device's memory is not offered.
@@ -134,6 +135,8 @@ def _layouts(spec, shape, world: int, gpn: int):
                 m = gb // (dp * mb)
                 for sched, v in ([("1f1b", 1)] if pp == 1 else _schedules(pp, shape.layers, m)):
                     for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
+                        if zero_bubble_refused(pp, zero, sched):  # the runtime refuses it: not a candidate
+                            continue
                         # CPU offload is FSDP2's CPUOffloadPolicy: zero 2/3 only (docs/strategies.md).
                         for off in (("none", "cpu") if zero >= 2 else ("none",)):
                             # Checkpointing modes from fastest to leanest: the planner keeps
@@ -141,7 +144,8 @@ def _layouts(spec, shape, world: int, gpn: int):
                             yield [Layout(dp=dp, tp=tp, pp=pp, zero=zero, offload=off, activation_checkpointing=ckpt,
                                           checkpoint_every=spec.layout.checkpoint_every, pp_schedule=sched,
                                           virtual_stages=v,
-                                          sequence_parallel=tp > 1, micro_batch=mb, num_micro=m,
+                                          sequence_parallel=tp > 1 and shape.seq_len % tp == 0,
+                                          micro_batch=mb, num_micro=m,
                                           dtype=spec.precision.dtype, optimizer=spec.train.optimizer,
                                           bucket_mb=spec.layout.bucket_mb, device=device)
                                    for ckpt in ("none", "selective", "full")]

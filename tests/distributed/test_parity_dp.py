@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from workbench import build_model
+from tests.helpers.state import assert_same_state
 from workbench.runtime.loop import train, train_with_state
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -145,13 +146,13 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale(pool2):
     assert all(b["loss_scale"] == a["loss_scale"] / 2 for a, b in zip(steps, steps[1:]) if a["skipped"])
 
 
-def _stepped_master(params, group, mesh, steps=3):
+def _stepped_master(params, group, steps=3):
     """A MasterOptimizer over `params` after `steps` adamw steps on fixed gradients."""
     from workbench.parallel.master import MasterOptimizer, MemoryStore
     from workbench.parallel.step import functional_update
 
     update, moments = functional_update("adamw", lr=1e-2, weight_decay=0.1)
-    master = MasterOptimizer(params, group, MemoryStore, chunk=50, mesh=mesh)
+    master = MasterOptimizer(params, group, MemoryStore, chunk=50)
     master.bind(moments)
     for k in range(steps):
         for i, p in enumerate(params):
@@ -173,7 +174,7 @@ def _save_zero1_master(checkpoint_dir, sink):
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     params = _params(0)
-    master = _stepped_master(params, mesh.get_group(), mesh)
+    master = _stepped_master(params, mesh.get_group())
     dcp.save({"master": master}, checkpoint_id=checkpoint_dir)
     sink({"event": "params", "rank": dist.get_rank(), "values": [p.detach().clone() for p in params]})
 
@@ -185,13 +186,12 @@ def test_zero1_master_checkpoint_reshards_to_one_rank(pool2, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     events = pool2.run(ckpt, fn=_save_zero1_master, timeout_s=120)
     dp2_params = [e["values"] for e in events if e["event"] == "params"]
-    single = _stepped_master(_params(0), None, None)  # the same steps, unsharded, in this process
+    single = _stepped_master(_params(0), None)  # the same steps, unsharded, in this process
     loaded_params = _params(7)
-    loaded = _stepped_master(loaded_params, None, None, steps=0)
+    loaded = _stepped_master(loaded_params, None, steps=0)
     dcp.load({"master": loaded}, checkpoint_id=ckpt)
     assert loaded.num_steps == 3
-    for name, value in single.state_dict().items():
-        assert torch.equal(torch.as_tensor(loaded.state_dict()[name]), torch.as_tensor(value)), name
+    assert_same_state(loaded.state_dict(), single.state_dict())
     for values in dp2_params:  # both dp ranks ended with the single-process weights
         for a, b in zip(values, single.flat.params):
             assert torch.equal(a, b)

@@ -4,7 +4,7 @@ import pytest
 from workbench.memory.accuracy import LAYOUTS, THRESHOLDS, build_spec, compare, runnable
 
 # A few layouts; the ones the runtime does not run yet are reported, not silently passed.
-CHOSEN = ("dp2", "dp2 zero1 bf16", "dp2 zero3", "dp2 full ckpt", "dp2 zero3 offload cpu")
+CHOSEN = ("dp2", "dp2 zero1 bf16", "dp2 zero3", "dp2 full ckpt", "dp2 zero3 offload cpu", "tp2 bf16", "pp2 1f1b bf16")
 
 
 @pytest.mark.distributed

@@ -83,6 +83,23 @@ def test_stage_split_is_the_runtimes():
         assert list(pp.balance_blocks(blocks, first, last, stages)) == list(stage_blocks(shape, stages))
 
 
+def test_tied_pipeline_last_stage_holds_the_embedding_copy():
+    # The runtime's stages (split on meta) against the model: the last stage's head is a copy.
+    from workbench.models import build_model_meta
+    from workbench.parallel.pp import split_stage
+    from workbench.parallel.tied import is_tied
+
+    tied = load_spec({**TINY, "model": {"preset": "gpt2-124m", "tie_embeddings": True}})
+    shape = tied.model.shape()
+    model = build_model_meta(tied)
+    assert is_tied(model)
+    assert sum(rank_params(shape, 1, 2, k) for k in range(2)) == shape.num_params() + shape.vocab * shape.hidden
+    assert rank_params(shape, 1, 1, 0) == shape.num_params()  # one stage: one weight
+    for k, blocks in enumerate(stage_blocks(shape, 2)):
+        stage = split_stage(model, blocks, first=k == 0, last=k == 1)
+        assert sum(p.numel() for p in stage.parameters()) == rank_params(shape, 1, 2, k)
+
+
 def test_tensor_parallel_splits_matrices_and_keeps_norms_whole():
     shape = spec().model.shape()
     local = rank_params(shape, 2, 1, 0)

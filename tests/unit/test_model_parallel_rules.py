@@ -55,7 +55,6 @@ def test_split_keeps_names_and_ends():
     ({"dp": 2, "sequence_parallel": True}, None, None, "tp=1"),
     ({"tp": 2, "zero": 2}, None, None, "dp=1"),
     ({"dp": 2, "pp": 2, "zero": 3, "pp_schedule": "zero-bubble"}, {"global_batch": 8}, None, "zero=2"),
-    ({"tp": 2}, None, {"dtype": "bf16"}, "precision.dtype=bf16 with tp"),
 ])
 def test_unsupported_combinations_are_refused(layout, train, precision, words):
     with pytest.raises(ConfigError, match=words):
@@ -76,3 +75,19 @@ def test_model_parallel_examples_are_runnable(path):
     s = load_spec(path)
     check_runnable(s)
     assert s.layout.tp * s.layout.pp > 1
+
+
+def test_tied_last_stage_copies_the_embedding():
+    import torch
+
+    from workbench.runtime.materialize import materialize, param_name
+
+    model = build_model_meta(spec({}, model={"preset": "gpt-tiny", "tie_embeddings": True}))
+    last = split_stage(model, range(2, 4), first=False, last=True)
+    assert param_name(last, "head.weight") == "tok_emb.weight"
+    materialize(last, torch.device("cpu"), seed=0)
+    full = materialize(build_model_meta(spec({}, model={"preset": "gpt-tiny", "tie_embeddings": True})),
+                       torch.device("cpu"), seed=0)
+    torch.testing.assert_close(last.head.weight, full.tok_emb.weight, rtol=0, atol=0)
+    untied = split_stage(build_model_meta(spec({})), range(2, 4), first=False, last=True)
+    assert param_name(untied, "head.weight") == "head.weight"

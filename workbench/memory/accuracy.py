@@ -33,6 +33,10 @@ LAYOUTS: list[tuple[str, dict, str]] = [
     ("dp2 tp2", {"dp": 2, "tp": 2}, "fp32"),
     ("dp2 pp2", {"dp": 2, "pp": 2}, "fp32"),
     ("dp2 zero3 tp2", {"dp": 2, "zero": 3, "tp": 2}, "fp32"),
+    ("tp2 bf16", {"tp": 2}, "bf16"),
+    ("tp2 sp fp16", {"tp": 2, "sequence_parallel": True}, "fp16"),
+    ("pp2 1f1b bf16", {"pp": 2}, "bf16"),
+    ("dp2 zero3 tp2 bf16", {"dp": 2, "zero": 3, "tp": 2}, "bf16"),
 ]
 
 

@@ -56,7 +56,7 @@ def stage_blocks(shape, num_stages: int) -> tuple[range, ...]:
     the first stage and the final norm + head on the last."""
     block = sum(numel(t) for t in block_tensors(shape, 1))
     first = sum(numel(t) for t in embedding_tensors(shape, 1))
-    last = sum(numel(t) for t in final_tensors(shape, 1))
+    last = sum(numel(t) for t in final_tensors(shape, 1, head_copy=True))
     return balance_blocks((block,) * shape.layers, first, last, num_stages)
 
 
@@ -115,12 +115,14 @@ def embedding_tensors(shape, tp: int) -> list[Tensor]:
     return out
 
 
-def final_tensors(shape, tp: int) -> list[Tensor]:
+def final_tensors(shape, tp: int, head_copy: bool = False) -> list[Tensor]:
+    """The final norm and the head. A tied head is the embedding's weight, counted once with the
+    embedding, unless `head_copy`: a last pipeline stage holds a copy of it (parallel/tied.py)."""
     norm = [Tensor("norm.weight", (shape.hidden,))]
     if shape.family == "gpt":
         norm.append(Tensor("norm.bias", (shape.hidden,)))
-    if shape.tie_embeddings:
-        return norm  # the head is the embedding's weight, counted once with the embedding
+    if shape.tie_embeddings and not head_copy:
+        return norm
     vocab_local = shape.vocab // tp if shape.vocab % tp == 0 else shape.vocab
     return norm + [Tensor("head.weight", (vocab_local, shape.hidden))]
 
@@ -140,7 +142,7 @@ def rank_tensors(shape, tp: int, pp: int, pp_index: int, virtual_stages: int = 1
         for b in blocks[stage]:
             out += block_tensors(shape, tp, prefix=f"blocks.{b}.")
         if stage == num_stages - 1:
-            out += final_tensors(shape, tp)
+            out += final_tensors(shape, tp, head_copy=num_stages > 1)
     return tuple(out)
 
 

@@ -22,6 +22,7 @@ from workbench.parallel.ddp import apply_ddp
 from workbench.parallel.master import MasterOptimizer
 from workbench.parallel.offload import build_file_store, cpu_offload_policy
 from workbench.parallel.precision import apply_precision, mixed_precision_policy
+from workbench.parallel.tied import is_tied
 from workbench.parallel.zero import apply_zero, build_master
 from workbench.runtime.materialize import materialize
 
@@ -47,6 +48,8 @@ class Parallelized:
     # pp > 1: this rank's stage modules are `modules`; their global indices and the total.
     stage_indices: list[int] = field(default_factory=list)
     num_stages: int = 1
+    # pp > 1 with tied embeddings: the last stage's copy of the embedding weight (counted once).
+    tied_copies: list[nn.Parameter] = field(default_factory=list)
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh | None, layout, *, device: torch.device, seed: int,
@@ -123,17 +126,29 @@ def _parallelize_nd(model: nn.Module, mesh: DeviceMesh, layout, *, device: torch
         par.master = build_master(nn.ModuleList(par.modules), mesh["dp"], stage=layout.zero, make_store=store)
         for m in par.modules:
             apply_precision(m, dtype)
-    par.finish_grads = functools.partial(_finish_grads, par.modules, layout, mesh)
+    tied = None
+    if layout.pp > 1 and is_tied(model):
+        from workbench.parallel.tied import build_tied_group, tied_params
+
+        tied = tied_params(par.modules, par.stage_indices, par.num_stages), build_tied_group(mesh)
+        par.tied_copies = [m.head.weight for m, i in zip(par.modules, par.stage_indices)
+                           if i == par.num_stages - 1]
+    par.finish_grads = functools.partial(_finish_grads, par.modules, layout, mesh, tied)
     return par
 
 
-def _finish_grads(modules: list[nn.Module], layout, mesh: DeviceMesh) -> None:
-    """After the step's last backward: TP gradients laid out like their parameters, then the
-    dp average where no wrapper does it (FSDP2 reduce-scatters by itself for zero 2/3)."""
+def _finish_grads(modules: list[nn.Module], layout, mesh: DeviceMesh, tied=None) -> None:
+    """After the step's last backward: TP gradients laid out like their parameters, a tied
+    embedding's two gradients summed (first and last stage), then the dp average where no
+    wrapper does it (FSDP2 reduce-scatters by itself for zero 2/3)."""
     from workbench.parallel.grad_sync import all_reduce_grads
     from workbench.parallel.tp import align_grad_placements
 
     if layout.tp > 1:
         align_grad_placements(modules)
+    if tied is not None and tied[1] is not None:
+        from workbench.parallel.tied import sync_tied_grads
+
+        sync_tied_grads(*tied)
     if layout.dp > 1 and layout.zero < 2:
         all_reduce_grads(modules, mesh.get_group("dp"), bucket_mb=layout.bucket_mb)

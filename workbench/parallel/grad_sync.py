@@ -43,7 +43,10 @@ def all_reduce_grads(modules: list[nn.Module], group: dist.ProcessGroup, *, buck
 
 
 def _reduce(bucket: list[torch.Tensor], group: dist.ProcessGroup, size: int) -> None:
-    flat = _flatten_dense_tensors(bucket)
+    # In fp32 (Megatron's grad_reduce_in_fp32, FSDP2's reduce_dtype here): each rank's gradient
+    # is the mean of its own micro-batches, so the dp sum before the division is dp times the
+    # step's gradient, which overflows fp16 (a loss-scaled gradient) where one process would not.
+    flat = _flatten_dense_tensors(bucket).float()
     dist.all_reduce(flat, group=group)  # SUM: gloo has no AVG
     flat.div_(size)
     for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):

@@ -90,12 +90,14 @@ class MasterOptimizer:
         make_store: (initial fp32 range, number of moments, chunk) -> a store (MemoryStore or
             offload.FileStore); called by bind().
         chunk: elements stepped at a time (default: chunk_size of the range).
-        mesh: the 1-D dp mesh that `group` belongs to (for layout-invariant state_dicts).
+        names: the parameters' canonical names (default "0", "1", ...): the checkpoint keys.
     """
 
-    def __init__(self, params: list[torch.Tensor], group, make_store, chunk: int | None = None, mesh=None):
+    def __init__(self, params: list[torch.Tensor], group, make_store, chunk: int | None = None,
+                 names: list[str] | None = None):
         self.flat = FlatParams(params)
-        self.group, self.mesh = group, (mesh if group is not None else None)
+        self.names = names or [str(i) for i in range(len(params))]
+        self.group = group
         world = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
         self.world = world
@@ -153,42 +155,37 @@ class MasterOptimizer:
         """Elements of this rank's range that are real parameters (the rest is padding)."""
         return max(0, min(self.range_numel, self.flat.numel - self.start))
 
-    def _local_state(self) -> list[torch.Tensor]:
-        """master and moments of the valid part of this rank's range (views when in memory)."""
-        n = self._valid()
-        if self.store.kind == "memory":
-            return [self.store.master[:n]] + [m[:n] for m in self.store.moments]
-        out = [torch.empty(n, dtype=torch.float32) for _ in range(1 + self.num_moments)]
-        for c0 in range(0, n, self.chunk):
-            c1 = min(c0 + self.chunk, n)
-            master, moments = self.store.load(c0, c1)
-            for dst, src in zip(out, [master] + moments):
-                dst[c0:c1].copy_(src)
-        return out
-
     def state_dict(self) -> dict:
-        """Master and moments as length-P fp32 vectors in the parameters' flat order: a DTensor
-        sharded Shard(0) over dp for zero=1 (torch's Shard(0) split is exactly our ranges), a
-        plain tensor otherwise, so torch.distributed.checkpoint can reshard them to another dp."""
-        local = self._local_state()
-        names = ["master"] + [f"moment{i}" for i in range(len(local) - 1)]
-        out: dict = {"num_steps": self.num_steps}
-        for name, t in zip(names, local):
-            if self.mesh is not None:
-                from torch.distributed.tensor import DTensor, Shard
+        """Master and moments per parameter name, each shaped and placed like its parameter (a
+        DTensor with the parameter's tensor-parallel placements, else a plain tensor), so any
+        layout can load them: torch.distributed.checkpoint keeps one copy of what dp replicas
+        and pipeline stages share (names) and reshards DTensors.
 
-                t = DTensor.from_local(t, self.mesh, [Shard(0)], run_check=False, shape=(self.flat.numel,),
-                                       stride=(1,))
-            out[name] = t
+        Collective over the group (zero=1): the ranges are all-gathered, a transient full copy.
+        """
+        from torch.distributed.tensor import DTensor
+
+        out: dict = {"num_steps": self.num_steps}
+        kinds = ["master"] + [f"moment{i}" for i in range(self.num_moments)]
+        for k, kind in enumerate(kinds):
+            by_name = {}
+            for name, p, t in zip(self.names, self.flat.params, self.unflatten(self._full(k))):
+                if isinstance(p, DTensor):
+                    t = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                           stride=p.stride())
+                by_name[name] = t
+            out[kind] = by_name
         return out
 
     def load_state_dict(self, state: dict) -> None:
-        """Load a state_dict() (possibly saved under another dp) and write the master into the parameters."""
+        """Load a state_dict() (possibly saved under another layout) and write the master into the parameters."""
         self.num_steps = int(state["num_steps"])
         n = self._valid()
-        names = ["master"] + [f"moment{i}" for i in range(self.num_moments)]
-        values = [_local(state[name]) for name in names]
-        values = [v if v.numel() == n else v[self.start:self.start + n] for v in values]  # full -> my range
+        kinds = ["master"] + [f"moment{i}" for i in range(self.num_moments)]
+        values = []
+        for kind in kinds:
+            flat = torch.cat([_local(state[kind][name]).reshape(-1).float() for name in self.names])
+            values.append(flat[self.start:self.start + n].to(self.device))
         for c0 in range(0, self.range_numel, self.chunk):
             c1 = min(c0 + self.chunk, self.range_numel)
             master, moments = self.store.load(c0, c1)
@@ -199,19 +196,23 @@ class MasterOptimizer:
             self.store.save(c0, c1)
             self._publish(c0, c1, master)
 
-    def full_master(self) -> torch.Tensor:
-        """The whole flat fp32 master on every rank of the group (tests, checkpoints)."""
+    def _full(self, kind: int) -> torch.Tensor:
+        """The whole flat fp32 master (kind 0) or moment kind-1 on every rank of the group."""
         pieces = []
         for c0 in range(0, self.range_numel, self.chunk):
             c1 = min(c0 + self.chunk, self.range_numel)
-            master, _ = self.store.load(c0, c1)
-            pieces.append(master.to(self.device).clone())
+            master, moments = self.store.load(c0, c1)
+            pieces.append(([master] + moments)[kind].to(self.device).clone())
         mine = torch.cat(pieces)
         if self.group is None:
             return mine[: self.flat.numel]
         parts = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(parts, mine, group=self.group)
         return torch.cat(parts)[: self.flat.numel]
+
+    def full_master(self) -> torch.Tensor:
+        """The whole flat fp32 master on every rank of the group (tests, checkpoints)."""
+        return self._full(0)
 
     def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Split a flat vector into tensors shaped like the parameters' local tensors."""

@@ -53,7 +53,13 @@ def _params(module: nn.Module | None) -> int:
 
 
 def split_stage(model: nn.Module, blocks: range, *, first: bool, last: bool) -> nn.Module:
-    """A copy of `model` (on meta) that keeps only `blocks` and, if first/last, the ends."""
+    """A copy of `model` (on meta) that keeps only `blocks` and, if first/last, the ends.
+
+    A tied model's last stage keeps its head weight as a copy of the embedding (see tied.py).
+    """
+    from workbench.parallel.tied import is_tied, mark_head_copy
+
+    tied = is_tied(model)
     stage = copy.deepcopy(model)
     for key in list(stage.blocks.keys()):
         if int(key) not in blocks:
@@ -65,6 +71,8 @@ def split_stage(model: nn.Module, blocks: range, *, first: bool, last: bool) -> 
     if not last:
         stage.norm = None
         stage.head = None
+    if tied and last and not first:
+        mark_head_copy(stage)
     return stage
 
 

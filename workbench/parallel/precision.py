@@ -43,11 +43,23 @@ def mixed_precision_policy(name: str):
 def apply_precision(model: nn.Module, name: str) -> nn.Module:
     """Store `model`'s floating-point parameters in the low dtype (zero 0/1; call after the fp32
     master was taken from them). fp32 leaves the model as it is."""
+    from torch.distributed.tensor import DTensor
+
     dtype = low_dtype(name)
-    if dtype is not None:
-        for p in model.parameters():
-            if p.is_floating_point():
-                p.data = p.data.to(dtype)
+    if dtype is None:
+        return model
+    for p in model.parameters():
+        if not p.is_floating_point():
+            continue
+        if isinstance(p, DTensor):
+            # `.data =` would relabel the DTensor but keep an fp32 local shard; swap in a
+            # low-precision DTensor instead, keeping the Parameter object (the master and the
+            # optimizer refer to it), as nn.Module.to does for tensor subclasses.
+            low = DTensor.from_local(p.to_local().to(dtype), p.device_mesh, p.placements, run_check=False,
+                                     shape=p.shape, stride=p.stride())
+            torch.utils.swap_tensors(p, nn.Parameter(low, requires_grad=p.requires_grad))
+        else:
+            p.data = p.data.to(dtype)
     return model
 
 

@@ -93,12 +93,15 @@ class TrainStep:
         master: a MasterOptimizer (master path) or None (direct path).
         comm_device: device of the collectives (default: the first parameter's).
         pp_group: the pipeline-parallel group (pp > 1): stages hold different parameters.
+        copies: parameters that copy another stage's (a tied embedding's copy on the last
+            stage): updated like the others, left out of the gradient norm (counted once).
     """
 
     def __init__(self, params, *, optimizer: str, lr: float, weight_decay: float, grad_clip: float,
                  scaler: DynamicLossScaler, master: MasterOptimizer | None = None,
-                 comm_device: torch.device | None = None, pp_group=None):
+                 comm_device: torch.device | None = None, pp_group=None, copies=()):
         self.params = list(params)
+        self._copies = {id(p) for p in copies}
         self.pp_group = pp_group
         self.grad_clip, self.scaler, self.master = grad_clip, scaler, master
         self._optimizer_name, self._weight_decay, self.lr = optimizer, weight_decay, lr
@@ -132,7 +135,8 @@ class TrainStep:
         if not skipped:
             coef = 1.0 / used_scale
             if self.grad_clip > 0:
-                norm = total_norm(grads, self.device, self.pp_group) * coef
+                counted = [p.grad for p in self.params if id(p) not in self._copies]
+                norm = total_norm(counted, self.device, self.pp_group) * coef
                 coef *= min(1.0, self.grad_clip / (norm + 1e-6))
             if self.master is not None:
                 self.master.step(self._update, coef)

@@ -1,7 +1,8 @@
 """Tensor parallel (Megatron-style) on a 1-D tp mesh with DTensor `parallelize_module`.
 
 Attention is split by heads (wq/wk/wv column-wise, wo row-wise), the MLP column-then-row, the
-embedding by vocabulary rows and the head by vocabulary columns (the loss then runs on the
+embedding by vocabulary rows and the head by vocabulary columns (a tied head keeps using the
+embedding's one parameter, sharded over the vocabulary for both uses; the loss then runs on the
 vocab-sharded logits under `loss_parallel`). Sequence parallel additionally keeps the residual
 stream, the norms and the embedding output sharded along the sequence between the TP regions.
 """
@@ -52,8 +53,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
         plan["norm"] = SequenceParallel()
     if model.head is not None:
         plan["head"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
+    # A tied head shares the embedding's (vocab, hidden) weight: both plans shard it Shard(0)
+    # over the vocabulary, but each would make its own DTensor parameter; share the embedding's.
+    tied = model.tok_emb is not None and model.head is not None and model.head.weight is model.tok_emb.weight
     if plan:
         parallelize_module(model, tp_mesh, plan)
+    if tied:
+        model.head.weight = model.tok_emb.weight
     for block in model.blocks.values():
         parallelize_module(block, tp_mesh, _block_plan(block, sp))
     return model

@@ -59,6 +59,11 @@ def build_master(model: nn.Module, dp_mesh: DeviceMesh | None, *, stage: int, ma
         stage: the ZeRO stage (0 or 1).
         make_store: where master and moments live (default in memory; offload.build_file_store for nvme).
     """
+    from workbench.runtime.materialize import param_name
+
     group = dp_mesh.get_group() if dp_mesh is not None and stage == 1 and dp_mesh.size() > 1 else None
-    params = [p for p in model.parameters() if p.requires_grad]
-    return MasterOptimizer(params, group, make_store or MemoryStore, mesh=dp_mesh)
+    # Canonical names per stage module (a ModuleList of pipeline stages adds no prefix): the
+    # master's checkpoint keys, the same under every layout.
+    stages = list(model) if isinstance(model, nn.ModuleList) else [model]
+    named = [(param_name(m, n), p) for m in stages for n, p in m.named_parameters() if p.requires_grad]
+    return MasterOptimizer([p for _, p in named], group, make_store or MemoryStore, names=[n for n, _ in named])

@@ -65,7 +65,8 @@ def build_train_step(par: Parallelized, spec: JobSpec, device: torch.device, mes
     params = [p for m in par.modules for p in m.parameters() if p.requires_grad]
     return TrainStep(params, optimizer=t.optimizer, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
                      scaler=scaler, master=par.master, comm_device=device,
-                     pp_group=mesh.get_group("pp") if mesh is not None and spec.layout.pp > 1 else None)
+                     pp_group=mesh.get_group("pp") if mesh is not None and spec.layout.pp > 1 else None,
+                     copies=par.tied_copies)
 
 
 def micro_batch_loss(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -216,9 +217,9 @@ def _train(spec, sink: Sink, should_stop: Callable[[], bool], resume: bool, gath
     ckpt.close()
     result = {"status": status, "step": step, "loss": loss_value}
     if gather_state:
-        from workbench.runtime.materialize import canonical_name
+        from workbench.runtime.materialize import param_name
 
-        named = [(canonical_name(n), p) for m in par.modules for n, p in m.named_parameters()]
+        named = [(param_name(m, n), p) for m in par.modules for n, p in m.named_parameters()]
         state = _gather_tp_shards(step_fn.full_state(named), named)
         if lay.pp > 1:  # each pipeline rank holds its stages: collect them all on rank 0
             parts = [None] * ctx.world_size if ctx.rank == 0 else None

@@ -23,6 +23,13 @@ def canonical_name(name: str) -> str:
     return name
 
 
+def param_name(model: nn.Module, name: str) -> str:
+    """The canonical name of `model`'s parameter `name`: wrappers stripped, and a pipeline stage's
+    copy of a tied weight named as the weight it copies (parallel/tied.py)."""
+    name = canonical_name(name)
+    return getattr(model, "init_aliases", {}).get(name, name)
+
+
 def init_full(name: str, shape: torch.Size, seed: int, num_layers: int) -> torch.Tensor:
     """The full (unsharded) fp32 initial value of one parameter."""
     name = canonical_name(name)
@@ -65,7 +72,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
         if id(param) in seen:  # tied weights: initialize once
             continue
         seen.add(id(param))
-        full = init_full(name, param.shape, seed, num_layers)
+        full = init_full(param_name(model, name), param.shape, seed, num_layers)
         local = local_slice(full, param)
         target = param.to_local() if isinstance(param, DTensor) else param
         target.copy_(local.to(device=target.device, dtype=target.dtype))

@@ -17,7 +17,7 @@ from workbench.errors import WorkerError
 _STOP = "__stop__"
 
 
-def _worker(rank: int, world: int, rendezvous: str, jobs, results, threads: int) -> None:
+def _worker(rank: int, world: int, rendezvous: str, jobs, results, threads: int, backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
 
@@ -25,7 +25,9 @@ def _worker(rank: int, world: int, rendezvous: str, jobs, results, threads: int)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     # A file rendezvous: a free TCP port found in advance can be taken by another process
     # before rank 0 binds it.
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # one GPU per rank
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     from workbench.runtime.loop import train
 
     while True:
@@ -46,14 +48,14 @@ def _worker(rank: int, world: int, rendezvous: str, jobs, results, threads: int)
 
 
 class SpawnPool:
-    """`world` gloo processes that run jobs one after another.
+    """`world` processes (gloo, or nccl with one GPU each) that run jobs one after another.
 
     Usage:
         with SpawnPool(2) as pool:
             events = pool.run(spec_dict)
     """
 
-    def __init__(self, world: int, threads_per_rank: int = 1):
+    def __init__(self, world: int, threads_per_rank: int = 1, backend: str = "gloo"):
         self.world = world
         ctx = mp.get_context("spawn")
         self._jobs = [ctx.Queue() for _ in range(world)]
@@ -62,8 +64,8 @@ class SpawnPool:
         os.close(fd)
         os.unlink(self._rendezvous)  # the store creates it; a stale file would hold old ranks
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world, self._rendezvous, self._jobs[r], self._results, threads_per_rank),
-                        daemon=True)
+            ctx.Process(target=_worker, args=(r, world, self._rendezvous, self._jobs[r], self._results, threads_per_rank,
+                                              backend), daemon=True)
             for r in range(world)
         ]
         for p in self._procs:
