@@ -66,7 +66,7 @@ def check_resume_from_checkpoint(spec: JobSpec, or_fresh: bool = False) -> None:
 
     manifest, rejected = Store(spec.checkpoint.uri).newest_complete()
     if manifest is not None:
-        check_resume(spec, manifest["spec"])
+        check_resume(spec, load_spec(manifest["spec"], layout=False))
     elif rejected and not or_fresh:
         raise all_rejected(spec.checkpoint.uri, rejected)
 

@@ -223,8 +223,8 @@ def zero_bubble_refused(pp: int, zero: int, schedule: str) -> bool:
     return pp > 1 and zero == 3 and schedule == "zero-bubble"
 
 
-def check_resume(spec: "JobSpec", saved: dict) -> list[str]:
-    """Can `spec` continue from a checkpoint written by the spec `saved` (a dict)?
+def check_resume(spec: "JobSpec", old: "JobSpec") -> list[str]:
+    """Can `spec` continue from a checkpoint written by the spec `old`?
 
     The model's shape and the optimizer must match (their state is what the checkpoint holds);
     the layout, world size and precision may differ (the checkpoint is resharded, or converted
@@ -235,9 +235,6 @@ def check_resume(spec: "JobSpec", saved: dict) -> list[str]:
     Raises:
         ConfigError: an incompatible difference, named with both values and a fix.
     """
-    from workbench.spec import load_spec
-
-    old = load_spec(saved)
     diffs = [(f"model.{k}", a, b) for k, a, b in _model_identity(old, spec)]
     if old.train.optimizer != spec.train.optimizer:  # the optimizer state's moments depend on it
         diffs.append(("train.optimizer", old.train.optimizer, spec.train.optimizer))

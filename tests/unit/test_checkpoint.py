@@ -131,7 +131,7 @@ def test_union_module_keeps_the_full_models_names():
 
 
 def test_resume_rules_name_the_difference():
-    saved = load_spec(tiny()).to_dict()
+    saved = load_spec(tiny())
     assert check_resume(load_spec(dict(tiny(), layout={"dp": 2}, resources={"gpus_per_node": 2})), saved) == []
     with pytest.raises(ConfigError, match=r"model\.layers: checkpoint has 4, this spec has 6"):
         check_resume(load_spec(dict(tiny(), model={"preset": "gpt-tiny", "layers": 6})), saved)

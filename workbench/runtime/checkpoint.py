@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from workbench.errors import ConfigError
 from workbench.runtime.checkpoint_state import (rng_state, set_rng_state, stage, state_bytes, state_dict_options,
                                                  union_module)
-from workbench.runtime.checkpoint_reshard import (check_convertible, fill_optim, home, layout_diff, load_canonical,
+from workbench.runtime.checkpoint_reshard import (fill_optim, home, layout_diff, load_canonical,
                                                    local_part, master_state)
 from workbench.runtime.checkpoint_store import (Store, manifest_or_problem, all_rejected, describe_error, disk_full,
                                                  new_manifest)
@@ -280,7 +280,7 @@ class Checkpointer:
                 self._warn(f"checkpoint step {step} under {self.uri} is incomplete or corrupt "
                            f"({rejected[-1][1]}); falling back to the previous complete checkpoint")
                 continue
-            for note in check_resume(load_spec(self.spec), manifest["spec"]):
+            for note in check_resume(load_spec(self.spec), load_spec(manifest["spec"], layout=False)):
                 self._warn(note)
             self._load(step, manifest)
             if manifest.get("world_size") == self.world:  # per-rank streams only map 1:1 on the same world
@@ -305,8 +305,7 @@ class Checkpointer:
         saved = {key.split(".", 1)[0] for key in reader(url).read_metadata().state_dict_metadata}
         state = self._state_dict()
         layout, saved_layout = self.spec.get("layout", {}), manifest.get("layout", {})
-        same_shards = all(saved_layout.get(k, 1) == layout.get(k, 1) for k in ("tp", "pp"))
-        if home(set(state)) != home(saved) or (home(saved) == "master" and not same_shards):
+        if home(set(state)) != home(saved):
             return self._load_converted(step, manifest, reader, url, state, saved)
         missing = [part for part in state if part not in saved]
         for part in missing:
@@ -331,11 +330,8 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         from workbench.models import build_model_meta
-        from workbench.runtime.materialize import canonical_name
         from workbench.spec import load_spec
 
-        if home(saved) == "master":
-            check_convertible(manifest, self.spec.get("layout", {}), step, self.uri)
         writer_model = build_model_meta(load_spec(manifest["spec"]))
         order = [(n, p.shape) for n, p in writer_model.named_parameters() if p.requires_grad]
         optimizer = self.spec.get("train", {}).get("optimizer", "adamw")
@@ -347,8 +343,7 @@ class Checkpointer:
                                      options=state_dict_options())
         master = self.extra_state.get("master")
         if master is not None:
-            names = {id(p): canonical_name(n) for n, p in self.module.named_parameters()}
-            master.load_state_dict(master_state(master, [names[id(p)] for p in master.flat.params], canonical))
+            master.load_state_dict(master_state(master, canonical))
         if "scaler" in state and "scaler" in saved:
             scaler = {"scaler": state["scaler"]}
             dcp.load(scaler, storage_reader=reader(url), **dist_kwargs)

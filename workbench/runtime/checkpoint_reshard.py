@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from workbench.errors import ConfigError
 
 MOMENTS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
@@ -37,27 +36,13 @@ def layout_diff(saved: dict, now: dict) -> str:
     return ", ".join(f"{k}: {saved[k]} -> {now[k]}" for k in keys) or "same layout"
 
 
-def check_convertible(manifest: dict, layout: dict, step: int, uri: str) -> None:
-    """A master is flattened over each rank's tp/pp-local shards: it maps to canonical names only
-    when the writer had tp = pp = 1. Raises ConfigError otherwise."""
-    saved = manifest.get("layout", {})
-    if saved.get("tp", 1) == 1 and saved.get("pp", 1) == 1:
-        return
-    raise ConfigError(
-        f"cannot resume: the checkpoint of step {step} under {uri} keeps its optimizer state in an fp32 master "
-        f"flattened over each rank's tensor/pipeline-parallel shards (tp={saved.get('tp', 1)}, "
-        f"pp={saved.get('pp', 1)}), which maps to parameters only under the same tp and pp; this run changes "
-        f"{layout_diff(saved, layout)} and keeps its optimizer state elsewhere. Resume with the checkpoint's tp, pp, "
-        "zero stage and precision, or start a fresh run.")
-
-
 def load_canonical(reader_factory, url: str, manifest: dict, param_order: list[tuple[str, torch.Size]],
                    optimizer: str, **dcp_kwargs) -> Canonical:
     """Read a checkpoint's model/optimizer state into canonical form (every rank reads it all).
 
     Args:
         reader_factory: FileSystemReader or FsspecReader.
-        param_order: the writer's (name, shape) in its flat order (tp = pp = 1: the full model's).
+        param_order: the writer's trainable parameters as (canonical name, shape).
         optimizer: train.optimizer (which moments to expect).
     """
     import torch.distributed.checkpoint as dcp
@@ -70,23 +55,15 @@ def load_canonical(reader_factory, url: str, manifest: dict, param_order: list[t
         targets["master.num_steps"] = 0  # a non-tensor: DCP replaces the value
     dcp.load(targets, storage_reader=reader_factory(url), **dcp_kwargs)
     names = MOMENTS[optimizer]
-    if "master.master" in targets:
-        flats = [targets["master.master"]] + [targets[f"master.moment{i}"] for i in range(len(names))]
-        unflat = [_unflatten(f, param_order) for f in flats]
-        return Canonical(unflat[0], unflat[1:], int(targets["master.num_steps"]))
+    if "master.num_steps" in targets:  # the master keeps full tensors by canonical name (parallel/master.py)
+        kinds = ["master"] + [f"moment{i}" for i in range(len(names))]
+        by_kind = [{k[len(f"master.{kind}."):]: v.float() for k, v in targets.items() if k.startswith(f"master.{kind}.")}
+                   for kind in kinds]
+        return Canonical(by_kind[0], by_kind[1:], int(targets["master.num_steps"]))
     weights = {k[len("model."):]: v.float() for k, v in targets.items() if k.startswith("model.")}
     moments = [{n: targets[f"optim.state.{n}.{m}"].float() for n, _ in param_order} for m in names]
     steps = [v for k, v in targets.items() if k.startswith("optim.state.") and k.endswith(".step")]
     return Canonical(weights, moments, int(steps[0].item()) if steps else int(manifest["step"]))
-
-
-def _unflatten(flat: torch.Tensor, order: list[tuple[str, torch.Size]]) -> dict[str, torch.Tensor]:
-    out, at = {}, 0
-    for name, shape in order:
-        n = shape.numel()
-        out[name] = flat[at:at + n].view(shape)
-        at += n
-    return out
 
 
 def local_part(full: torch.Tensor, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -113,16 +90,13 @@ def fill_optim(template: dict, state: Canonical, optimizer: str) -> dict:
     return out
 
 
-def master_state(master, names: list[str], state: Canonical) -> dict:
-    """MasterOptimizer.load_state_dict's input from canonical state: this run's flat order over
-    its own (tp-local) parameter shards. `names`: canonical names of master.flat.params."""
-    from workbench.parallel.master import _local
+def master_state(master, state: Canonical) -> dict:
+    """MasterOptimizer.load_state_dict's input from canonical state: per canonical name (the
+    master's own names), each value this rank's part of the full tensor."""
+    def by_name(values: dict) -> dict:
+        return {n: local_part(values[n], p, torch.float32) for n, p in zip(master.names, master.flat.params)}
 
-    def flat(values: dict) -> torch.Tensor:
-        return torch.cat([_local(local_part(values[n], p, torch.float32)).reshape(-1).cpu()
-                          for n, p in zip(names, master.flat.params)])
-
-    out = {"num_steps": state.step, "master": flat(state.weights)}
+    out = {"num_steps": state.step, "master": by_name(state.weights)}
     for i, moment in enumerate(state.moments):
-        out[f"moment{i}"] = flat(moment)
+        out[f"moment{i}"] = by_name(moment)
     return out
