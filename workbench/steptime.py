@@ -99,7 +99,8 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
 
     # Data parallel: gradients (or ZeRO's shards) over dp ranks `tp` apart.
     dp_bw = _group_bw(lay.dp, lay.tp, gpus_per_node, dev)
-    grad_bytes = params_per_rank * w
+    # With tp or pp, zero 0/1 average gradients in fp32 buckets (parallel/grad_sync.py).
+    grad_bytes = params_per_rank * (4 if lay.zero < 2 and lay.tp * lay.pp > 1 else w)
     if lay.zero == 3:
         dp_comm = 1.5 * _ring(lay.dp, grad_bytes, dp_bw)  # all-gather fwd + bwd, reduce-scatter
         overlap = compute * 0.9  # prefetched gathers hide behind compute
@@ -121,6 +122,9 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
         bubble = (p - 1) / (m + p - 1)
     pp_bw = _group_bw(p, lay.dp * lay.tp, gpus_per_node, dev)
     p2p = 2 * (p - 1) * lay.micro_batch * s * shape.hidden * w / pp_bw if p > 1 else 0.0
+    if p > 1 and shape.tie_embeddings:
+        # The tied embedding's gradient, summed between the first and the last stage (parallel/tied.py).
+        p2p += _ring(2, shape.vocab * shape.hidden / lay.tp * w, pp_bw)
     pipelined = (compute + tp_comm) / (1 - bubble) + p2p
 
     optimizer = _optimizer_time(lay, dev, shard_per_rank, params_per_rank, w)

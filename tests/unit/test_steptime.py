@@ -96,3 +96,20 @@ def test_megatron_gpt3_175b_throughput_anchor():
     B, s, l, h, V = 1536, 2048, 96, 12288, 51200
     eq3 = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
     assert eq3 / st.step_time_s / 1536 / 1e12 == pytest.approx(148, rel=0.15)
+
+
+def test_tied_pipeline_sums_the_embedding_gradient_and_tp_dp_reduces_in_fp32():
+    from dataclasses import replace
+
+    tied, untied = shape("gpt2-124m"), replace(shape("gpt2-124m"), tie_embeddings=False)
+    lay = Layout(dtype="bf16", pp=2, dp=4, micro_batch=4, num_micro=8)
+    p, shard = _stage_params(tied, 1, 2, 0, 1, 4)
+    extra = step_time(tied, lay, H100, 128, 8, p, shard).detail["p2p_s"] - \
+        step_time(untied, lay, H100, 128, 8, p, shard).detail["p2p_s"]
+    # One all-reduce of the (vocab, hidden) bf16 gradient between the two stages (ranks 4 apart,
+    # one node of 8): a 2-rank ring moves the bytes once.
+    assert extra == pytest.approx(tied.vocab * tied.hidden * 2 / H100.intra_node_bw, rel=1e-6)
+    bf16 = run("gpt2-124m", dp=4, tp=2, micro_batch=4, num_micro=4)
+    assert bf16.detail["dp_comm_s"] > 0
+    fsdp = run("gpt2-124m", dp=4, tp=2, zero=2, micro_batch=4, num_micro=4)
+    assert bf16.detail["dp_comm_s"] == pytest.approx(2 * fsdp.detail["dp_comm_s"])  # fp32 vs bf16 buckets
