@@ -11,8 +11,8 @@ fp16 11) through the updates: measured 6e-5 after 3 steps; the curve is held to 
 """
 import pytest
 import torch
-
 from test_parity_tp_pp import BASE, TIED, losses
+
 from workbench.runtime.loop import train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]

@@ -81,8 +81,8 @@ def test_megatron_gpt3_175b_throughput_anchor():
     """Narayanan et al. 2021 (arXiv:2104.04473), Table 1: GPT-3 175B on 1536 A100s (tp 8, pp 12,
     interleaved, full recomputation, batch 1536, seq 2048) reached 148 TFLOP/s per GPU, counted
     with their Eq. 3: 96 B s l h^2 (1 + s/6h + V/16lh) per iteration."""
-    from workbench.spec import load_spec
     from workbench.memory import layout_from_spec
+    from workbench.spec import load_spec
 
     spec = load_spec({"model": {"family": "gpt", "layers": 96, "hidden": 12288, "heads": 96, "vocab": 51200,
                                 "seq_len": 2048, "tie_embeddings": False},

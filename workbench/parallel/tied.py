@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from workbench.parallel.master import _local
