@@ -197,33 +197,36 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
     # Pipeline: the bubble per schedule, and one activation send per stage boundary per micro-batch
     # and direction (virtual stages add boundaries); the runtime does not overlap these.
     p, v = lay.pp, lay.chunks
-    p2p_micro = 0.0
+    p2p_micro = tied_s = 0.0
     if p > 1:
         pp_link = _link(p, lay.dp * lay.tp, gpus_per_node)
         p2p_micro = 2 * v * collective_s("p2p", 2, act_bytes / lay.tp if lay.sequence_parallel else act_bytes,
                                           pp_link, dev)
+        if shape.tie_embeddings:  # the tied embedding's gradient, summed by the first and last stage (parallel/tied.py)
+            tied_s = collective_s("all_reduce", 2, shape.vocab * shape.hidden / lay.tp * w, pp_link, dev)
     bubble = _bubble(lay.pp_schedule, p, m, v)
     micro = per_micro + tp_micro + fsdp_micro + p2p_micro
     pipelined = m * micro / (1 - bubble)
 
     # Data parallel with ZeRO 0/1: one all-reduce of the gradients (ZeRO-1: reduce-scatter +
     # all-gather, the same bytes) after the last micro-batch; DDP overlaps its buckets with that
-    # micro-batch's backward.
-    exposed_dp = 0.0
+    # micro-batch's backward. With tp or pp the buckets are fp32 (parallel/grad_sync.py).
+    exposed_dp = dp_comm = 0.0
     if lay.zero <= 1 and lay.dp > 1:
-        dp_comm = collective_s("all_reduce", lay.dp, params_per_rank * w, dp_link, dev)
-        last_bucket = collective_s("all_reduce", lay.dp, min(params_per_rank * w, lay.bucket_mb * 2**20), dp_link, dev)
+        grad_bytes = params_per_rank * (4 if lay.tp * lay.pp > 1 else w)
+        dp_comm = collective_s("all_reduce", lay.dp, grad_bytes, dp_link, dev)
+        last_bucket = collective_s("all_reduce", lay.dp, min(grad_bytes, lay.bucket_mb * 2**20), dp_link, dev)
         exposed_dp = max(0.0, dp_comm - OVERLAP * backward_micro) + last_bucket
 
     optimizer = _optimizer_time(lay, dev, shard_per_rank, params_per_rank, w)
-    total = pipelined + exposed_dp + optimizer
+    total = pipelined + tied_s + exposed_dp + optimizer
     tokens_per_s = global_batch * s / total
     mfu = tokens_per_s * model_fpt / (lay.world_size * peak)
     compute = m * per_micro
-    exposed = m * (tp_micro + fsdp_micro + p2p_micro) + exposed_dp
+    exposed = m * (tp_micro + fsdp_micro + p2p_micro) + tied_s + exposed_dp
     detail = {"flops_per_token": model_fpt, "efficiency": eff, "attention_efficiency": eff_attn,
-              "tp_comm_s": m * tp_micro, "fsdp_exposed_s": m * fsdp_micro, "dp_exposed_s": exposed_dp,
-              "p2p_s": m * p2p_micro, "bubble_s": pipelined - m * micro}
+              "tp_comm_s": m * tp_micro, "fsdp_exposed_s": m * fsdp_micro, "dp_exposed_s": exposed_dp, "dp_comm_s": dp_comm,
+              "p2p_s": m * p2p_micro + tied_s, "bubble_s": pipelined - m * micro}
     return StepTime(total, tokens_per_s, mfu, compute, bubble, exposed, optimizer, detail)
 
 

@@ -22,9 +22,9 @@ def shape(name):
     return resolve_shape(ModelSpec(preset=name))
 
 
-def run(name, gpn=8, global_batch=64, **kw):
+def run(name, gpn=8, global_batch=64, dtype="bf16", **kw):
     sh = shape(name)
-    lay = Layout(dtype="bf16", **kw)
+    lay = Layout(dtype=dtype, **kw)
     p, shard = _stage_params(sh, lay.tp, lay.pp, 0, lay.chunks, lay.dp)
     return step_time(sh, lay, H100, global_batch, gpn, p, shard)
 
@@ -106,3 +106,21 @@ def test_presets_have_finite_predictions():
     for name in PRESETS:
         st = run(name, global_batch=8, micro_batch=1, num_micro=8)
         assert st.step_time_s > 0 and st.tokens_per_s > 0
+
+
+def test_tied_pipeline_sums_the_embedding_gradient_and_tp_dp_reduces_in_fp32():
+    from dataclasses import replace
+
+    tied, untied = shape("gpt2-124m"), replace(shape("gpt2-124m"), tie_embeddings=False)
+    lay = Layout(dtype="bf16", pp=2, dp=4, micro_batch=4, num_micro=8)
+    p, shard = _stage_params(tied, 1, 2, 0, 1, 4)
+    extra = step_time(tied, lay, H100, 128, 8, p, shard).detail["p2p_s"] - \
+        step_time(untied, lay, H100, 128, 8, p, shard).detail["p2p_s"]
+    # One all-reduce of the (vocab, hidden) bf16 gradient between the two stages (ranks 4 apart,
+    # one node of 8): a 2-rank ring.
+    assert extra == pytest.approx(collective_s("all_reduce", 2, tied.vocab * tied.hidden * 2, "intra", H100))
+    # zero 0/1 with tp or pp average gradients in fp32 buckets (parallel/grad_sync.py); DDP alone in the low dtype
+    comm = {(tp, dtype): run("gpt2-124m", dp=4, tp=tp, dtype=dtype, micro_batch=4, num_micro=4).detail["dp_comm_s"]
+            for tp in (1, 2) for dtype in ("bf16", "fp32")}
+    assert comm[2, "bf16"] == comm[2, "fp32"] > 0
+    assert comm[1, "bf16"] < comm[1, "fp32"]

@@ -180,16 +180,6 @@ def _runtime_details(shape, lay: Layout, pp_index: int, states, notes: list[str]
         # optimizer (mixed precision, zero=1, nvme) counts steps in Python.
         n_tensors = len(prm.rank_tensors(shape, lay.tp, lay.pp, pp_index, lay.chunks))
         states = replace(states, optimizer=states.optimizer + 4 * n_tensors)
-    if lay.tp > 1 and pp_index == 0 and lay.zero in (0, 1) and lay.dtype == "fp32" and not lay.sequence_parallel:
-        # The vocab-parallel embedding's weight is Shard(0) but its gradient comes back as a
-        # Replicate DTensor of the full (vocab, hidden) (parallel/tp.py, RowwiseParallel), and
-        # in fp32 its Shard(0) redistribution stays a view of it. With bf16/fp16 parameters the
-        # gradient kept is the shard alone (measured: tp2 bf16/fp16 grads = params exactly); with
-        # Megatron-style sequence parallelism (parallel/sequence_parallel.py) it comes back
-        # Shard(0) (measured: tests/distributed/test_sequence_parallel.py).
-        extra = (shape.vocab - shape.vocab // lay.tp) * shape.hidden * 4
-        states = replace(states, grads=states.grads + extra)
-        notes.append("tp: the embedding's gradient is a full (vocab, hidden) replica on every tp rank")
     if lay.dtype == "fp16":
         notes.append("fp16: the loss scale is a host float and the overflow check all-reduces one scalar "
                      "(no device bytes kept)")

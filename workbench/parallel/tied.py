@@ -3,14 +3,15 @@
 The first stage holds the embedding weight, the last stage a copy of it for its head: equal at
 initialization (the copy is initialized under the embedding's name, see `mark_head_copy`) and kept
 equal by summing the two gradients over a group of the first and the last stage, so both take
-the same update. The copy is counted once in the gradient norm and saved under the embedding's
-name, so checkpoints and gathered states hold one weight.
+the same update. The copy is counted once in the gradient norm; the fp32 master's checkpoint state
+and the gathered final state name it as the embedding (one weight). DCP's model/optimizer state of
+the direct path (fp32 zero 0, zero 2/3) keys it `head.weight` on the last stage.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from workbench.parallel.master import _local
