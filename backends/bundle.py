@@ -38,9 +38,9 @@ SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".tox", ".no
              ".ruff_cache", ".ipynb_checkpoints", "node_modules", ".eggs", "checkpoints", ".cache",
              # credential stores
              ".aws", ".azure", ".gcloud", ".ssh", ".gnupg", ".docker", ".kube"}
-SECRET_NAMES = [".env", ".env.*", "*.env", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "id_rsa*", "id_ed25519*", "id_ecdsa*",
-                ".netrc", ".pypirc", ".git-credentials", "credentials", "credentials.json", "*credentials*.json",
-                "*service-account*.json", "*service_account*.json", "application_default_credentials.json",
+SECRET_NAMES = [".env", ".env.*", "*.env", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "id_rsa*", "id_ed25519*",
+                "id_ecdsa*", ".netrc", ".pypirc", ".git-credentials", "credentials", "credentials.json",
+                "*credentials*.json", "*service-account*.json", "*service_account*.json", "application_default_credentials.json",
                 "*.tfstate", "*.tfvars"]
 # Values, not just names: a real key has a body after the marker (so this file does not match itself).
 _SECRET_CONTENT = re.compile(
@@ -176,13 +176,19 @@ def collect(root: str | Path, prefix: str = "", skip: set[Path] | None = None, b
 
 
 def _left_out(path: Path, root: Path) -> bool:
-    """A glob match that never travels: through a link, or in a folder `collect` leaves out."""
-    for p in [path, *path.parents]:
-        if p == root:
-            return False
-        if p.is_symlink() or p.name in SKIP_DIRS or p.name.endswith(".egg-info") or p.is_dir() and _is_venv(p):
+    """A glob match that never travels: through a link, in a folder `collect` leaves out, or named
+    by a .gitignore on its way down from `root`."""
+    rel = path.relative_to(root).parts
+    rules = _gitignore_rules(root, "")
+    for i in range(len(rel)):
+        p = root.joinpath(*rel[: i + 1])
+        relpath = "/".join(rel[: i + 1])
+        if (p.is_symlink() or p.name in SKIP_DIRS or p.name.endswith(".egg-info") or p.is_dir() and _is_venv(p)
+                or _ignored(relpath, p.is_dir(), rules)):
             return True
-    return True
+        if p.is_dir():
+            rules = rules + _gitignore_rules(p, relpath)
+    return False
 
 
 def named_files(spec: "JobSpec", root: Path) -> list[str]:

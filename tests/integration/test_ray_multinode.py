@@ -144,8 +144,9 @@ def _lose_a_node_after_a_checkpoint(cluster, client, spec: dict, tmp_path: Path)
 
 
 def _restart(events: list[dict]) -> tuple[int, dict, dict]:
-    """(index of the restart event, losses before it, losses after it)."""
-    cut = next(i for i, e in enumerate(events) if e["event"] == "restart")
+    """(index of the restart after the failure, losses before it, losses after it). The entrypoint
+    always resumes, so the first attempt has a restart event too (from step 0)."""
+    cut = next(i for i, e in enumerate(events) if e["event"] == "restart" and e["attempt"] == 1)
     return cut, _losses(events[:cut]), _losses(events[cut:])
 
 

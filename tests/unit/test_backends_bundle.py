@@ -61,8 +61,8 @@ def _project(root):
 
 def test_only_what_the_spec_names_travels(tmp_path):
     root = _project(tmp_path)
-    spec = load_spec({"model": {"factory": "my_model:build", "vocab": 256, "seq_len": 16}, "data": {"source": "text", "path": "corpus/tiny.txt"},
-                      "backend": {"include": ["helpers.py"]}})
+    spec = load_spec({"model": {"factory": "my_model:build", "vocab": 256, "seq_len": 16},
+                      "data": {"source": "text", "path": "corpus/tiny.txt"}, "backend": {"include": ["helpers.py"]}})
     b = B.build_bundle(spec, root)
     project = {n for n in b.files if not n.startswith(("workbench/", "backends/"))}
     assert project == {"my_model.py", "helpers.py", "corpus/tiny.txt", "requirements.txt"}
