@@ -40,8 +40,8 @@ SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".tox", ".no
              ".aws", ".azure", ".gcloud", ".ssh", ".gnupg", ".docker", ".kube"}
 SECRET_NAMES = [".env", ".env.*", "*.env", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "id_rsa*", "id_ed25519*",
                 "id_ecdsa*", ".netrc", ".pypirc", ".git-credentials", "credentials", "credentials.json",
-                "*credentials*.json", "*service-account*.json", "*service_account*.json", "application_default_credentials.json",
-                "*.tfstate", "*.tfvars"]
+                "*credentials*.json", "*service-account*.json", "*service_account*.json",
+                "application_default_credentials.json", "*.tfstate", "*.tfvars"]
 # Values, not just names: a real key has a body after the marker (so this file does not match itself).
 _SECRET_CONTENT = re.compile(
     rb"\b(AKIA|ASIA)[0-9A-Z]{16}\b|-----BEGIN (RSA |EC |OPENSSH |DSA |ENCRYPTED )?PRIVATE KEY-----\s*[A-Za-z0-9+/]{20}"
@@ -210,6 +210,9 @@ def named_files(spec: "JobSpec", root: Path) -> list[str]:
                               "on the job's machines.")
         named.append(path)
     for pattern in spec.backend.include:
+        if not pattern or Path(pattern).is_absolute() or ".." in Path(pattern).parts:
+            raise ConfigError(f"backend.include {pattern!r}: give globs relative to the project directory {root} "
+                              "(no absolute paths, no '..'), e.g. 'my_model.py' or 'src/**/*.py'.")
         matches = sorted(str(p.relative_to(root)) for p in root.glob(pattern) if not _left_out(p, root))
         if not matches:
             raise ConfigError(f"backend.include {pattern!r} matches nothing under the project directory {root}. "

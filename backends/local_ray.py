@@ -205,7 +205,8 @@ def _relay_class():
             _set_policy("SCHED_IDLE")  # from here this process only relays (control_plane_setup)
             self._put({"event": "worker", "rank": int(env["RANK"]), "pid": os.getpid(), "rank_pid": proc.pid,
                        "attempt": config["attempt"], "world_size": int(env["WORLD_SIZE"]),
-                       "node": ray.get_runtime_context().get_node_id()})
+                       "node": ray.get_runtime_context().get_node_id(),
+                       "master": f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"})
             outcome = None
             while True:
                 try:
@@ -394,7 +395,11 @@ class LocalRayJob:
                     spec = self._layout = smaller
             group = placement_group([self._group_bundle(spec)] * (spec.world_size // spec.layout.tp),
                                     strategy="PACK")
-            outcome = self._wait_for_placement(group, spec, elastic)
+            try:
+                outcome = self._wait_for_placement(group, spec, elastic)
+            except BaseException:  # a refused shrink: the group must not linger in the cluster
+                remove_placement_group(group)
+                raise
             if outcome == "placed":
                 return group, spec
             remove_placement_group(group)

@@ -84,6 +84,18 @@ def _assert_tp_groups_inside_nodes(nodes: dict[int, str], tp: int = 2) -> None:
         assert len({nodes[r] for r in range(first, first + tp)}) == 1, nodes
 
 
+def _assert_rendezvous_on_rank0(events) -> None:
+    """Every rank was given one MASTER_ADDR:PORT, and rank 0's relay process (on rank 0's node)
+    is the one listening there: the TCPStore the process group starts from."""
+    import psutil
+
+    first = {e["rank"]: e for e in events if e["event"] == "worker" and e["attempt"] == 0}
+    (master,) = {w["master"] for w in first.values()}
+    listening = {c.laddr.port for c in psutil.Process(first[0]["pid"]).net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN}
+    assert int(master.rsplit(":", 1)[1]) in listening, (master, listening)
+
+
 def _wait_for(job: RayClusterJob, predicate, timeout_s: float = 300):
     """Poll the job's metrics events until `predicate(events)` is true; the events."""
     deadline = time.monotonic() + timeout_s
@@ -136,6 +148,7 @@ def _lose_a_node_after_a_checkpoint(cluster, client, spec: dict, tmp_path: Path)
     (tmp_path / "project").mkdir()
     job = RayClusterJob(client, _submit_with_ray_cli(cluster, spec, tmp_path))
     events = _wait_for(job, lambda ev: any(e["event"] == "checkpoint" for e in ev) and len(_workers(ev, 0)) == 4)
+    _assert_rendezvous_on_rank0(events)
     victim = _workers(events, 0)[3]
     lost = cluster.kill(cluster.node(cluster.name_of(victim)))
     status = job.wait(timeout_s=500, poll_s=1.0)

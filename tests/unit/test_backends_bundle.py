@@ -87,6 +87,8 @@ def test_named_credentials_are_still_refused(tmp_path):
     ({"backend": {"include": ["src/*.py"]}}, r"backend.include 'src/\*.py' matches nothing under the project"),
     ({"data": {"source": "text", "path": "corpus/missing.txt"}}, r"data.path 'corpus/missing.txt': no such file"),
     ({"data": {"source": "text", "path": "../outside.txt"}}, r"'../outside.txt' is outside the project directory"),
+    ({"backend": {"include": ["../outside.txt"]}}, r"backend.include '../outside.txt': give globs relative to"),
+    ({"backend": {"include": ["/etc/*"]}}, r"backend.include '/etc/\*': give globs relative to"),
 ])
 def test_named_paths_that_cannot_travel_are_config_errors(tmp_path, raw, match):
     (tmp_path / "outside.txt").write_text("x" * 100)
