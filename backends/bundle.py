@@ -193,7 +193,8 @@ def _left_out(path: Path, root: Path) -> bool:
 
 def named_files(spec: "JobSpec", root: Path) -> list[str]:
     """The project files and folders the spec names, relative to `root`: model.factory's top-level
-    module or package, data.path, and every match of backend.include's globs.
+    module or package, data.path (and data.tokenizer where the spec has one), and every match of
+    backend.include's globs.
 
     Raises:
         ConfigError: a named path that is not in the project (a typo, or a file the job could not read).
@@ -202,13 +203,14 @@ def named_files(spec: "JobSpec", root: Path) -> list[str]:
     if spec.model.factory:
         top = spec.model.factory.partition(":")[0].split(".")[0]
         named += [n for n in (top, f"{top}.py") if (root / n).exists()][:1]  # else installed: nothing to ship
-    path = spec.data.path
-    if path and "://" not in path and not Path(path).is_absolute():  # an absolute path is read where it is
-        if not (root / path).is_file():
-            raise ConfigError(f"data.path {path!r}: no such file under the project directory {root}. Give a path "
-                              "relative to it (the file is shipped with the job), or an absolute path that exists "
-                              "on the job's machines.")
-        named.append(path)
+    for key in ("path", "tokenizer"):  # what the job reads: a text file, token shards, their tokenizer
+        path = getattr(spec.data, key, None)
+        if path and "://" not in path and not Path(path).is_absolute():  # an absolute path is read where it is
+            if not (root / path).exists():
+                raise ConfigError(f"data.{key} {path!r}: no such file or folder under the project directory {root}. "
+                                  "Give a path relative to it (it is shipped with the job), a URI the job can read "
+                                  "(s3://, gs://, az://), or an absolute path that exists on the job's machines.")
+            named.append(path)
     for pattern in spec.backend.include:
         if not pattern or Path(pattern).is_absolute() or ".." in Path(pattern).parts:
             raise ConfigError(f"backend.include {pattern!r}: give globs relative to the project directory {root} "

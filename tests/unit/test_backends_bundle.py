@@ -85,7 +85,7 @@ def test_named_credentials_are_still_refused(tmp_path):
 
 @pytest.mark.parametrize("raw,match", [
     ({"backend": {"include": ["src/*.py"]}}, r"backend.include 'src/\*.py' matches nothing under the project"),
-    ({"data": {"source": "text", "path": "corpus/missing.txt"}}, r"data.path 'corpus/missing.txt': no such file"),
+    ({"data": {"source": "text", "path": "corpus/missing.txt"}}, r"data.path 'corpus/missing.txt': no such file or folder"),
     ({"data": {"source": "text", "path": "../outside.txt"}}, r"'../outside.txt' is outside the project directory"),
     ({"backend": {"include": ["../outside.txt"]}}, r"backend.include '../outside.txt': give globs relative to"),
     ({"backend": {"include": ["/etc/*"]}}, r"backend.include '/etc/\*': give globs relative to"),
