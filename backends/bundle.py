@@ -1,8 +1,10 @@
 """What travels to a remote job: the code bundle, the spec file, the job name and the checkpoint URI.
 
-The bundle is the project directory plus the workbench packages, minus .git, virtualenvs,
-checkpoints, caches, anything .gitignore names, and anything that looks like a credential (by
-name or by content): a cloud job never needs your keys, it gets its own identity from the cloud.
+The bundle is an allow-list: the workbench and backends packages, the spec, requirements.txt and
+the project files the spec names (model.factory's module, data.path, backend.include), never the
+project directory as a whole. Inside what is named, caches, virtualenvs, links, anything .gitignore
+names and anything that looks like a credential (by name or by content) are still left out: a
+cloud job never needs your keys, it gets its own identity from the cloud.
 """
 from __future__ import annotations
 
@@ -36,14 +38,14 @@ SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".tox", ".no
              ".ruff_cache", ".ipynb_checkpoints", "node_modules", ".eggs", "checkpoints", ".cache",
              # credential stores
              ".aws", ".azure", ".gcloud", ".ssh", ".gnupg", ".docker", ".kube"}
-SECRET_NAMES = [".env", ".env.*", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "id_rsa*", "id_ed25519*", "id_ecdsa*",
-                ".netrc", ".pypirc", ".git-credentials", "credentials", "credentials.json", "*credentials*.json",
-                "*service-account*.json", "*service_account*.json", "application_default_credentials.json",
-                "*.tfstate", "*.tfvars"]
+SECRET_NAMES = [".env", ".env.*", "*.env", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "id_rsa*", "id_ed25519*",
+                "id_ecdsa*", ".netrc", ".pypirc", ".git-credentials", "credentials", "credentials.json",
+                "*credentials*.json", "*service-account*.json", "*service_account*.json",
+                "application_default_credentials.json", "*.tfstate", "*.tfvars"]
 # Values, not just names: a real key has a body after the marker (so this file does not match itself).
 _SECRET_CONTENT = re.compile(
     rb"\b(AKIA|ASIA)[0-9A-Z]{16}\b|-----BEGIN (RSA |EC |OPENSSH |DSA |ENCRYPTED )?PRIVATE KEY-----\s*[A-Za-z0-9+/]{20}"
-    rb"|\"private_key\"\s*:\s*\"-----BEGIN|aws_secret_access_key\s*=\s*[A-Za-z0-9+/]{30,}"
+    rb"|\"private_key\"\s*:\s*\"-----BEGIN|\"private_key_id\"\s*:\s*\"[0-9a-f]{20}|aws_secret_access_key\s*=\s*[A-Za-z0-9+/]{30,}"
     rb"|AccountKey=[A-Za-z0-9+/]{30,}|SharedAccessSignature=sv=[0-9]{4}-")
 _SCAN_LIMIT = 2 * 2**20  # look inside files up to this size
 
@@ -173,28 +175,88 @@ def collect(root: str | Path, prefix: str = "", skip: set[Path] | None = None, b
     return bundle
 
 
+def _left_out(path: Path, root: Path) -> bool:
+    """A glob match that never travels: through a link, in a folder `collect` leaves out, or named
+    by a .gitignore on its way down from `root`."""
+    rel = path.relative_to(root).parts
+    rules = _gitignore_rules(root, "")
+    for i in range(len(rel)):
+        p = root.joinpath(*rel[: i + 1])
+        relpath = "/".join(rel[: i + 1])
+        if (p.is_symlink() or p.name in SKIP_DIRS or p.name.endswith(".egg-info") or p.is_dir() and _is_venv(p)
+                or _ignored(relpath, p.is_dir(), rules)):
+            return True
+        if p.is_dir():
+            rules = rules + _gitignore_rules(p, relpath)
+    return False
+
+
+def named_files(spec: "JobSpec", root: Path) -> list[str]:
+    """The project files and folders the spec names, relative to `root`: model.factory's top-level
+    module or package, data.path (and data.tokenizer where the spec has one), and every match of
+    backend.include's globs.
+
+    Raises:
+        ConfigError: a named path that is not in the project (a typo, or a file the job could not read).
+    """
+    named = []
+    if spec.model.factory:
+        top = spec.model.factory.partition(":")[0].split(".")[0]
+        named += [n for n in (top, f"{top}.py") if (root / n).exists()][:1]  # else installed: nothing to ship
+    for key in ("path", "tokenizer"):  # what the job reads: a text file, token shards, their tokenizer
+        path = getattr(spec.data, key, None)
+        if path and "://" not in path and not Path(path).is_absolute():  # an absolute path is read where it is
+            if not (root / path).exists():
+                raise ConfigError(f"data.{key} {path!r}: no such file or folder under the project directory {root}. "
+                                  "Give a path relative to it (it is shipped with the job), a URI the job can read "
+                                  "(s3://, gs://, az://), or an absolute path that exists on the job's machines.")
+            named.append(path)
+    for pattern in spec.backend.include:
+        if not pattern or Path(pattern).is_absolute() or ".." in Path(pattern).parts:
+            raise ConfigError(f"backend.include {pattern!r}: give globs relative to the project directory {root} "
+                              "(no absolute paths, no '..'), e.g. 'my_model.py' or 'src/**/*.py'.")
+        matches = sorted(str(p.relative_to(root)) for p in root.glob(pattern) if not _left_out(p, root))
+        if not matches:
+            raise ConfigError(f"backend.include {pattern!r} matches nothing under the project directory {root}. "
+                              "Give globs relative to it, e.g. 'my_model.py' or 'src/**/*.py'.")
+        named += matches
+    for rel in named:
+        if root not in (root / rel).resolve().parents:
+            raise ConfigError(f"{rel!r} is outside the project directory {root}: a code bundle ships only files "
+                              "under it. Move the file into the project, or read it from a bucket.")
+    return named
+
+
 def build_bundle(spec: "JobSpec", root: str | Path | None = None) -> Bundle:
-    """The code bundle for a remote job: project files, the workbench packages, the spec, requirements.
+    """The code bundle for a remote job, by allow-list: the workbench packages, the spec,
+    requirements.txt and the project files the spec names (`named_files`).
 
     Args:
         spec: the job as it should run remotely (checkpoint URI already resolved).
         root: project directory (default: the current directory).
     Raises:
-        ConfigError: the bundle would be too large.
+        ConfigError: a named file is missing or outside the project, or the bundle would be too large.
     """
     import backends
     import workbench
 
     root = Path(root or os.getcwd()).resolve()
-    skip = set()
-    ckpt = spec.checkpoint.uri
-    if ckpt and "://" not in ckpt:
-        skip.add((root / ckpt).resolve())
-    bundle = collect(root, skip=skip)
-    for pkg in (workbench, backends):  # ship the packages themselves when they live outside the project
+    bundle = Bundle()
+    for pkg in (workbench, backends):
         pkg_dir = Path(pkg.__file__).resolve().parent
-        if root not in pkg_dir.parents:
-            collect(pkg_dir, prefix=f"{pkg_dir.name}/", bundle=bundle)
+        collect(pkg_dir, prefix=f"{pkg_dir.name}/", bundle=bundle)
+    ckpt = spec.checkpoint.uri  # a local checkpoint folder never travels, even inside a named one
+    skip = {(root / ckpt).resolve()} if ckpt and "://" not in ckpt else set()
+    for rel in [*named_files(spec, root), REQUIREMENTS_FILE]:
+        path = root / rel
+        if skip & {path.resolve(), *path.resolve().parents}:
+            continue
+        if path.is_dir():
+            collect(path, prefix=f"{rel}/", skip=skip, bundle=bundle)
+        elif path.is_file() and _looks_secret(path):
+            bundle.excluded_secrets.append(rel)
+        elif path.is_file():
+            bundle.files[rel] = path
     bundle.generated[SPEC_FILE] = (json.dumps(spec.to_dict(), indent=1) + "\n").encode()
     if REQUIREMENTS_FILE not in bundle.files:
         bundle.generated[REQUIREMENTS_FILE] = ("\n".join(CLOUD_REQUIREMENTS) + "\n").encode()
@@ -202,7 +264,7 @@ def build_bundle(spec: "JobSpec", root: str | Path | None = None) -> Bundle:
     if size > MAX_BUNDLE_BYTES:
         biggest = sorted(bundle.files, key=lambda n: bundle.files[n].stat().st_size, reverse=True)[:3]
         raise ConfigError(f"code bundle: {size / 2**20:.1f} MiB exceeds {MAX_BUNDLE_BYTES / 2**20:.0f} MiB. Largest files: "
-                          f"{', '.join(biggest)}. List data and outputs in .gitignore; read data from a bucket.")
+                          f"{', '.join(biggest)}. Name fewer files in backend.include; read data from a bucket.")
     return bundle
 
 

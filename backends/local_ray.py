@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from backends.base import JobState, JobStatus
+from backends.elastic import describe, groups_that_fit, shrink
 from workbench.errors import WorkerError
 
 _POLL_S = 0.2  # driver <-> relays: events in, the stop request out
@@ -205,7 +206,9 @@ def _relay_class():
                     _send_quietly(conn, "stop")
             _set_policy("SCHED_IDLE")  # from here this process only relays (control_plane_setup)
             self._put({"event": "worker", "rank": int(env["RANK"]), "pid": os.getpid(), "rank_pid": proc.pid,
-                       "attempt": config["attempt"]})
+                       "attempt": config["attempt"], "world_size": int(env["WORLD_SIZE"]),
+                       "node": ray.get_runtime_context().get_node_id(),
+                       "master": f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"})
             outcome = None
             while True:
                 try:
@@ -242,16 +245,17 @@ def _relay_class():
 
 
 def rank_order(where: list[dict]) -> list[int]:
-    """Each relay's rank, from where Ray placed it (`RankRelay.where`): grouped by node (nodes in
-    order of first appearance), then by GPU id, so that a node's ranks are consecutive and its
-    local ranks follow its GPUs, as torchrun numbers them."""
+    """Each relay's rank, from where Ray placed it (`RankRelay.where`, with the relay's placement
+    `bundle`): grouped by node (nodes in order of first appearance), then by bundle, then by GPU id,
+    so that a node's ranks are consecutive, a bundle's ranks (one tp group) are consecutive, and
+    local ranks follow the GPUs, as torchrun numbers them."""
     nodes: dict[str, int] = {}
     for w in where:
         nodes.setdefault(w["node"], len(nodes))
 
     def key(i: int):
         gpu = where[i]["gpus"][0] if where[i]["gpus"] else ""
-        return nodes[where[i]["node"]], (int(gpu), "") if gpu.isdigit() else (-1, gpu), i
+        return nodes[where[i]["node"]], where[i].get("bundle", 0), (int(gpu), "") if gpu.isdigit() else (-1, gpu), i
 
     ranks = [0] * len(where)
     for rank, i in enumerate(sorted(range(len(where)), key=key)):
@@ -277,7 +281,13 @@ def rank_env(where: list[dict], ranks: list[int], i: int, master: tuple[str, int
 class LocalRayJob:
     """A job on a Ray cluster (a JobHandle): one relay actor per rank in a placement group, polled
     by a driver thread; on a failure the group is torn down and started again from the last
-    checkpoint, up to `backend.max_failures` times."""
+    checkpoint, up to `backend.max_failures` times.
+
+    The placement group has one bundle per tensor-parallel group (tp ranks; mesh order puts tp
+    innermost, so they are consecutive ranks): a bundle lives on one node, so tp's collectives never
+    cross nodes, and PACK fills nodes before spreading. A restart asks for the same resources per
+    rank, on whatever nodes are left; with `backend.elastic` it takes the largest dp they hold
+    (backends/elastic.py) instead of waiting for capacity."""
 
     def __init__(self, spec, on_event: Callable[[dict], None] | None = None, resume: bool = False):
         import torch
@@ -296,6 +306,8 @@ class LocalRayJob:
         self._pumping = threading.Lock()
         self._stop = False
         self._use_gpu = torch.cuda.is_available() and spec.resources.gpu != "cpu"
+        self._layout = spec  # the layout running now: a smaller dp after an elastic shrink
+        self._per_rank = self._bundle()  # fixed for the job: restarts ask for the same per rank
         self._thread = threading.Thread(target=self._fit, name=f"workbench-{self.job_id}", daemon=True)
         self._thread.start()
 
@@ -327,24 +339,25 @@ class LocalRayJob:
         `error` event): the cause, where the other ranks' failures are its consequences (a peer's
         collective broken by the killed rank)."""
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        world, bundle = self.spec.world_size, self._bundle()
-        group = placement_group([bundle] * world, strategy="PACK")
+        placed = self._place(attempt)
+        if placed is None:
+            self._state = JobState.STOPPED
+            return None
+        group, spec = placed
+        world, tp, bundle = spec.world_size, spec.layout.tp, self._per_rank
         relays, runs = [], {}
         try:
-            if not self._wait_for_placement(group, bundle):
-                self._state = JobState.STOPPED
-                return None
             relay = _relay_class()
             relays = [relay.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, i)).remote()
+                                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, i // tp)).remote()
                       for i in range(world)]
-            where = ray.get([r.where.remote() for r in relays])
+            where = [{**w, "bundle": i // tp} for i, w in enumerate(ray.get([r.where.remote() for r in relays]))]
             ranks = rank_order(where)
             master = ray.get(relays[ranks.index(0)].serve_store.remote())
-            config = {"spec": self.spec.to_dict(), "resume": self._resume or attempt > 0, "attempt": attempt}
+            config = {"spec": spec.to_dict(), "resume": self._resume or attempt > 0, "attempt": attempt}
             # WORKBENCH_RUN_ID: the restarted group is the same run, so it takes over the checkpoint lease
             envs = [{**rank_env(where, ranks, i, master), "WORKBENCH_RUN_ID": self._run_id} for i in range(world)]
             runs = {relays[i].run.remote(config, envs[i]): ranks[i] for i in range(world)}
@@ -365,24 +378,66 @@ class LocalRayJob:
                 ray.wait(list(runs), num_returns=len(runs), timeout=30)
             remove_placement_group(group)
 
-    def _wait_for_placement(self, group, bundle: dict) -> bool:
+    def _group_bundle(self, spec) -> dict:
+        """The resources of one placement bundle: a tp group's ranks."""
+        return {k: v * spec.layout.tp for k, v in self._per_rank.items()}
+
+    def _place(self, attempt: int):
+        """(placement group, spec) once the cluster holds this attempt's ranks; None when the job was
+        cancelled first. With backend.elastic, a restart takes the largest dp the live nodes hold,
+        and shrinks again if more nodes are declared dead while it waits."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        elastic = self.spec.backend.elastic and attempt > 0
+        while True:
+            spec = self._layout
+            if elastic:
+                groups = groups_that_fit(ray.nodes(), self._group_bundle(spec))
+                smaller = shrink(spec, groups)  # ConfigError: the job fails with its reason
+                if smaller is not None:
+                    self._inbox.append({"event": "warning", "message": describe(spec, smaller, groups)})
+                    spec = self._layout = smaller
+            group = placement_group([self._group_bundle(spec)] * (spec.world_size // spec.layout.tp),
+                                    strategy="PACK")
+            try:
+                outcome = self._wait_for_placement(group, spec, elastic)
+            except BaseException:  # a refused shrink: the group must not linger in the cluster
+                remove_placement_group(group)
+                raise
+            if outcome == "placed":
+                return group, spec
+            remove_placement_group(group)
+            if outcome == "stopped":
+                return None
+
+    def _wait_for_placement(self, group, spec, elastic: bool) -> str:
         """Wait until the cluster holds every rank (an autoscaler may be adding nodes); say what is
-        missing after `_PLACEMENT_WARN_S`. False when the job was cancelled first."""
+        missing after `_PLACEMENT_WARN_S`. "placed", "stopped" when the job was cancelled first, or
+        (`elastic`) "shrink" when the live nodes can no longer hold the group (the GCS declares a
+        lost node dead seconds after the ranks on it failed)."""
         import ray
 
+        bundle = self._per_rank
         warn_at = time.monotonic() + _PLACEMENT_WARN_S
+        check_at = time.monotonic()
         while not ray.wait([group.ready()], timeout=_POLL_S)[0]:
             if self._stop:
-                return False
+                return "stopped"
+            if elastic and time.monotonic() > check_at:
+                check_at = time.monotonic() + 1.0
+                if shrink(spec, groups_that_fit(ray.nodes(), self._group_bundle(spec))) is not None:
+                    return "shrink"
             if warn_at is not None and time.monotonic() > warn_at:
                 warn_at = None
                 free, total = ray.available_resources(), ray.cluster_resources()
                 need = ", ".join(f"{k} {v:g}" for k, v in bundle.items())
                 has = ", ".join(f"{k} {free.get(k, 0):g} free of {total.get(k, 0):g}" for k in bundle)
                 self._inbox.append({"event": "warning", "message": (
-                    f"waiting for resources: {self.spec.world_size} ranks need {need} each; the cluster has {has} "
-                    "(another job holds them, or an autoscaler is still adding nodes); cancel to give up")})
-        return True
+                    f"waiting for resources: {spec.world_size} ranks need {need} each, tp({spec.layout.tp}) of "
+                    f"them on one node; the cluster has {has} (another job holds them, or an autoscaler is still "
+                    "adding nodes); cancel to give up")})
+        return "placed"
 
     @staticmethod
     def _outcome(ref, rank: int) -> tuple[int, str] | None:

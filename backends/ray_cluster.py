@@ -43,6 +43,10 @@ def _notes(spec: "JobSpec") -> list[str]:
         where = f"checkpoint.uri {uri!r} is relative" if uri else "no checkpoint.uri"
         return [f"{where}: on the cluster checkpoints land in the job's temporary working directory and are "
                 "lost with it. Use an absolute path on shared storage, or s3:// / gs://."]
+    if saving and "://" not in uri:
+        return [f"checkpoint.uri {uri!r} is a local path: every node of the cluster must see the same folder there "
+                "(a shared file system), or ranks restarted on other nodes will not find the checkpoints. On "
+                "nodes that share no file system use an object store (s3://, gs://, az://)."]
     return []
 
 

@@ -81,7 +81,7 @@ def make_project(root):
 
 def test_submit_uploads_code_and_puts_spot_pytorch_job(tmp_path, capsys):
     fake = FakeWorkspace()
-    spec = load_spec("examples/cloud-spot.yaml")
+    spec = load_spec("examples/cloud-spot.yaml").replace(**{"backend.include": ["*"]})  # the whole project, filtered
     backend = AzureMLBackend(credential=FakeCredential(), root=make_project(tmp_path / "proj"))
     dry = json.dumps(backend.dry_run(spec))
     with responses.RequestsMock(assert_all_requests_are_fired=False) as rsps:

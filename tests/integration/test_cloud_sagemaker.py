@@ -90,6 +90,7 @@ def make_project(root: Path) -> Path:
 def spec(tmp_path, **overrides):
     raw = load_spec("examples/cloud-spot.yaml").to_dict()
     raw["backend"]["sagemaker"]["bucket"] = BUCKET
+    raw["backend"]["include"] = ["*"]  # the whole project: what is named still passes the filters
     s = load_spec(raw)
     return s.replace(**overrides) if overrides else s
 

@@ -101,7 +101,7 @@ def test_submit_creates_spot_custom_job_with_checkpoint_dir(fake_vertex, tmp_pat
     from google.auth.credentials import AnonymousCredentials
 
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "nonexistent.json"))
-    spec = load_spec("examples/cloud-spot.yaml")
+    spec = load_spec("examples/cloud-spot.yaml").replace(**{"backend.include": ["*"]})  # the whole project, filtered
     backend = VertexBackend(credentials=AnonymousCredentials(), api_endpoint=fake_vertex,
                             storage_endpoint=fake_vertex, root=make_project(tmp_path / "proj"))
     dry = json.dumps(backend.dry_run(spec))

@@ -4,6 +4,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
+import sys
 import tarfile
 
 import pytest
@@ -33,12 +35,12 @@ def test_gitignore_rules_nested_negation_anchoring(tmp_path):
                    "other/local_tmp.py"}
 
 
-def test_git_venvs_caches_checkpoints_and_links_are_left_out(tmp_path):
+def test_git_venvs_caches_checkpoints_and_links_are_left_out_even_when_included(tmp_path):
     root = _tree(tmp_path, {"train.py": "", ".git/HEAD": "", "env1/pyvenv.cfg": "", "env1/lib/x.py": "",
                             "conda/conda-meta/history": "", "pkg/__pycache__/m.pyc": "", "checkpoints/s1": "",
                             "runs/ckpt/step1": "", "pkg.egg-info/PKG-INFO": "", ".aws/config": ""})
     os.symlink("/etc", tmp_path / "etc_link")
-    spec = load_spec({"checkpoint": {"uri": "runs/ckpt"}})
+    spec = load_spec({"checkpoint": {"uri": "runs/ckpt"}, "backend": {"include": ["*", "**/*"]}})
     b = B.build_bundle(spec, root)
     shipped = {n for n in b.files}
     assert "train.py" in shipped
@@ -46,6 +48,74 @@ def test_git_venvs_caches_checkpoints_and_links_are_left_out(tmp_path):
         assert not any(banned in n for n in shipped), banned
 
 
+def _project(root):
+    """A project as people keep them: code, data, a notebook, and everything that must not travel."""
+    key = {"type": "service_account", "project_id": "p", "private_key_id": "0123456789abcdef0123456789abcdef01234567",
+           "client_email": "x@p.iam.gserviceaccount.com"}
+    return _tree(root, {
+        "my_model.py": "from helpers import WIDTH\n", "helpers.py": "WIDTH = 8\n", "corpus/tiny.txt": "hello world " * 200,
+        "settings.env": "TOKEN=abc\n", "prod.env": "DB_PASSWORD=hunter2\n", "gcp.json": json.dumps(key),
+        ".aws/credentials": "[default]\n", ".ssh/id_ed25519": "x", ".git/config": "[core]\n",
+        "notebooks/explore.ipynb": "{}", "notebooks/scratch.py": "", "unrelated.py": "", "requirements.txt": "tqdm\n"})
+
+
+def test_only_what_the_spec_names_travels(tmp_path):
+    root = _project(tmp_path)
+    spec = load_spec({"model": {"factory": "my_model:build", "vocab": 256, "seq_len": 16},
+                      "data": {"source": "text", "path": "corpus/tiny.txt"}, "backend": {"include": ["helpers.py"]}})
+    b = B.build_bundle(spec, root)
+    project = {n for n in b.files if not n.startswith(("workbench/", "backends/"))}
+    assert project == {"my_model.py", "helpers.py", "corpus/tiny.txt", "requirements.txt"}
+    assert set(b.generated) == {B.SPEC_FILE}  # the project's requirements.txt, not the default one
+    assert b.excluded_secrets == []  # nothing secret was even looked at
+    with tarfile.open(fileobj=io.BytesIO(b.tar_gz())) as tar:
+        blob = b"".join(tar.extractfile(m).read() for m in tar.getmembers())
+    for planted in (b"hunter2", b"TOKEN=abc", b"0123456789abcdef0123456789abcdef01234567", b"[core]"):
+        assert planted not in blob
+
+
+def test_named_credentials_are_still_refused(tmp_path):
+    root = _project(tmp_path)
+    b = B.build_bundle(load_spec({"backend": {"include": ["*", "notebooks/**"]}}), root)
+    project = {n for n in b.files if not n.startswith(("workbench/", "backends/"))}
+    assert sorted(b.excluded_secrets) == ["gcp.json", "prod.env", "settings.env"]
+    assert not project & {"gcp.json", "prod.env", "settings.env", ".aws/credentials", ".ssh/id_ed25519", ".git/config"}
+    assert {"notebooks/explore.ipynb", "unrelated.py"} <= project  # what you include travels
+
+
+@pytest.mark.parametrize("raw,match", [
+    ({"backend": {"include": ["src/*.py"]}}, r"backend.include 'src/\*.py' matches nothing under the project"),
+    ({"data": {"source": "text", "path": "corpus/missing.txt"}}, r"data.path 'corpus/missing.txt': no such file or folder"),
+    ({"data": {"source": "text", "path": "../outside.txt"}}, r"'../outside.txt' is outside the project directory"),
+    ({"backend": {"include": ["../outside.txt"]}}, r"backend.include '../outside.txt': give globs relative to"),
+    ({"backend": {"include": ["/etc/*"]}}, r"backend.include '/etc/\*': give globs relative to"),
+])
+def test_named_paths_that_cannot_travel_are_config_errors(tmp_path, raw, match):
+    (tmp_path / "outside.txt").write_text("x" * 100)
+    root = _project(tmp_path / "proj")
+    with pytest.raises(ConfigError, match=match):
+        B.build_bundle(load_spec(raw), root)
+
+
+@pytest.mark.timeout(120)
+def test_the_job_runs_from_the_bundle_alone(tmp_path):
+    """Unpacked somewhere else and started as the clouds start it, with nothing of this checkout on
+    the path: the shipped packages, the spec and the named data file are all it needs."""
+    root = _project(tmp_path / "proj")
+    spec = load_spec({"name": "from-bundle", "model": {"preset": "gpt-tiny"}, "train": {"steps": 2, "global_batch": 4},
+                      "data": {"source": "text", "path": "corpus/tiny.txt"}})
+    with tarfile.open(fileobj=io.BytesIO(B.build_bundle(spec, root).tar_gz())) as tar:
+        tar.extractall(tmp_path / "job", filter="data")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    probe = "import workbench, sys; sys.argv[1:] = ['--spec', 'workbench_job.json']; print(workbench.__file__)"
+    out = subprocess.run([sys.executable, "-c", probe + "; from workbench.cloud_entry import main; sys.exit(main())"],
+                         cwd=tmp_path / "job", env=env, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == str(tmp_path / "job" / "workbench" / "__init__.py")
+    events = [json.loads(line) for line in lines[1:] if line.startswith("{")]
+    assert [e["step"] for e in events if e["event"] == "step"] == [1, 2]
+    assert events[-1] == {"event": "end", "status": "completed", "step": 2}
 @pytest.mark.parametrize("name,text", [
     (".env", "TOKEN=x"), ("deploy.pem", "x"), ("svc-service-account.json", "{}"), ("id_rsa", "x"),
     ("settings.py", "KEY = '" + "AKIA" + "ABCDEFGHIJKLMNOP'"),
@@ -61,7 +131,7 @@ def test_credentials_by_name_or_content_are_excluded_and_reported(tmp_path, name
 
 def test_tarball_is_reproducible_and_carries_spec_and_requirements(tmp_path):
     _tree(tmp_path, {"m.py": "x = 1"})
-    spec = load_spec({"name": "t"})
+    spec = load_spec({"name": "t", "backend": {"include": ["m.py"]}})
     one, two = B.build_bundle(spec, tmp_path).tar_gz(), B.build_bundle(spec, tmp_path).tar_gz()
     assert one == two
     with tarfile.open(fileobj=io.BytesIO(one)) as tar:
@@ -74,8 +144,8 @@ def test_tarball_is_reproducible_and_carries_spec_and_requirements(tmp_path):
 def test_too_large_bundle_is_a_config_error(tmp_path, monkeypatch):
     (tmp_path / "big.bin").write_bytes(b"x" * (3 * 2**20))
     monkeypatch.setattr(B, "MAX_BUNDLE_BYTES", 2 * 2**20)
-    with pytest.raises(ConfigError, match=r"3\.\d MiB exceeds 2 MiB\. Largest files: big.bin.*gitignore"):
-        B.build_bundle(load_spec({}), tmp_path)
+    with pytest.raises(ConfigError, match=r"3\.\d MiB exceeds 2 MiB\. Largest files: big.bin.*backend.include"):
+        B.build_bundle(load_spec({"backend": {"include": ["big.bin"]}}), tmp_path)
 
 
 def test_job_names_and_checkpoint_prefixes():

@@ -67,3 +67,15 @@ def test_what_the_runtime_cannot_run_is_refused_before_submission(name):
     spec = load_spec("examples/cloud-spot.yaml").replace(**{"layout.offload": "cpu"})
     with pytest.raises(ConfigError, match="offload=cpu with zero=0"):
         backends.dispatch(spec, backend=name, dry_run=True)
+
+
+@pytest.mark.parametrize("uri,note", [
+    ("ckpt/run", "is relative: on the cluster checkpoints land in the job's temporary working directory"),
+    ("/mnt/shared/run", "every node of the cluster must see the same folder there"),
+    ("s3://bucket/run", None),
+])
+def test_ray_dry_run_says_when_restarted_ranks_may_not_find_the_checkpoints(uri, note):
+    pytest.importorskip("ray")
+    spec = load_spec("examples/cloud-spot.yaml").replace(**{"checkpoint.uri": uri})
+    notes = backends.dispatch(spec, backend="ray", dry_run=True)["request"]["notes"]
+    assert (note is None and notes == []) or (len(notes) == 1 and note in notes[0])
