@@ -37,9 +37,9 @@ _PLACEMENT_WARN_S = 30.0
 
 
 def _package_root() -> str:
-    import workbench
-
-    return str(Path(workbench.__file__).resolve().parent.parent)
+    # backends/ and workbench/ install side by side (pyproject: one distribution, both packages),
+    # so their common parent puts both on the workers' path; no `import workbench` (an import cycle).
+    return str(Path(__file__).resolve().parent.parent)
 
 
 def ensure_ray(num_cpus: int | None = None):
