@@ -137,7 +137,7 @@ class RayClusterJob:
         return "\n".join(self._client.get_job_logs(self.job_id).splitlines()[-tail:])
 
     def metrics(self) -> list[dict]:
-        """The metrics events (DESIGN.md contract) the job printed as JSON lines."""
+        """The metrics events (the contract, docs/architecture.md) the job printed as JSON lines."""
         events = []
         for line in self._client.get_job_logs(self.job_id).splitlines():
             if line.startswith('{"event"'):

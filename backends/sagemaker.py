@@ -25,7 +25,6 @@ DEFAULT_RETRIES = 3
 VOLUME_GB = 100
 
 _PENDING = {"Starting", "Pending", "LaunchingMLInstances", "PreparingTrainingStack", "DownloadingTrainingImage"}
-_RUNNING = {"Downloading", "Training", "Uploading", "Updating", "Stopping"}
 
 
 def _sdk():

@@ -7,7 +7,6 @@ so a pipeline stage that drops blocks (or the embedding, or the head) keeps stab
 from __future__ import annotations
 
 import importlib
-from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 import torch
@@ -195,7 +194,3 @@ def build_model(spec: "JobSpec | dict | str") -> nn.Module:
     model = build_model_meta(spec)
     materialize(model, torch.device("cpu"), seed=spec.train.seed)
     return model
-
-
-def shape_dict(spec: "JobSpec") -> dict:
-    return asdict(spec.model.shape())

@@ -9,14 +9,15 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from workbench.errors import ConfigError
 
-PositiveInt = Field(gt=0)
+if TYPE_CHECKING:
+    from workbench.shapes import ModelShape
 
 
 class _Section(BaseModel):

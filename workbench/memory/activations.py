@@ -58,9 +58,9 @@ def block_tensors(shape, dtype: str, tp: int = 1, sp: bool = False, device: str 
     device: "cpu" (measured here) or "cuda" (GPUs; differs in the norms, see _NORMS).
     """
     c = DTYPE_BYTES[dtype]
-    out = []
+    out: list[tuple[str, float]] = []
     for name, dim, kind, split in _table(shape.family, device):
-        size = _elements(dim, shape) * (c if kind == "c" else 4)
+        size: float = _elements(dim, shape) * (c if kind == "c" else 4)
         if split == "tp" or (split == "sp" and sp):
             size /= tp
         out.append((name, size))

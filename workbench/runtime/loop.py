@@ -1,7 +1,7 @@
 """The per-rank training loop. Launcher-agnostic: it reads rank and world size from
-torch.distributed, so it runs the same under Ray Train, torchrun, a cloud launcher or in-process.
+torch.distributed, so it runs the same under a Ray relay, torchrun, a cloud launcher or in-process.
 
-No Ray import here. Metrics leave through `sink(event: dict)`; see DESIGN.md's metrics contract.
+No Ray import here. Metrics leave through `sink(event: dict)`; see docs/architecture.md, Contracts.
 """
 from __future__ import annotations
 
