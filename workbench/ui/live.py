@@ -6,6 +6,7 @@ one batched message, so builders stay testable and the browser sees one update p
 from __future__ import annotations
 
 import html
+import json
 
 import ipywidgets as w
 import plotly.graph_objects as go
@@ -15,8 +16,38 @@ def figure_widget(fig: go.Figure) -> go.FigureWidget:
     return go.FigureWidget(fig)
 
 
+def show_figure(box: w.Box, fig: go.Figure | None) -> None:
+    """Make `box` show `fig` (None: nothing), drawn from `fig` alone, never from what it showed.
+
+    Only a figure that differs from the shown one in trace data alone (a live run growing) is
+    patched in place; any other change gets a new FigureWidget and the old one is closed. Patching
+    layouts left stale parts behind (the red "does not fit" shading under a "fits" title) and
+    replacing traces of a shown widget broke plotly.js ("Cannot read properties of undefined").
+    """
+    old = box.children[0] if box.children else None
+    if fig is None:
+        box.children = []
+    elif isinstance(old, go.FigureWidget) and getattr(old, "_wb_frame", None) == _frame(fig):
+        sync_figure(old, fig)
+        return
+    else:
+        new = figure_widget(fig)
+        new._wb_frame, new._wb_last = _frame(fig), fig.to_json()
+        box.children = [new]
+    if old is not None:
+        old.close()
+
+
+def _frame(fig: go.Figure) -> str:
+    """Everything of a figure but its traces' data and its title text (a live run's step count)."""
+    layout = fig.layout.to_plotly_json()
+    layout.get("title", {}).pop("text", None)
+    return json.dumps(layout, sort_keys=True, default=str) + repr([(t.type, t.name) for t in fig.data])
+
+
 def sync_figure(widget: go.FigureWidget, fig: go.Figure) -> None:
     """Make `widget` show `fig`: values in one batch_update; traces re-created only if their kinds changed.
+    (`show_figure` is the safe way to follow a changing figure; this patches a shown widget.)
 
     An unchanged figure sends nothing: an update that reaches plotly.js while it is still drawing
     the widget's first view leaves the plot blank, and most spec edits do not change a chart.
