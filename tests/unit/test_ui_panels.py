@@ -38,7 +38,7 @@ def test_random_edit_sequences_always_show_the_final_form():
     rng = random.Random(0)
     wb = Workbench()
     fields = wb.layout_panel.fields
-    for _ in range(12):
+    for _ in range(8):
         for key, values in rng.sample(EDITS, k=4):
             fields[key].value = rng.choice(values)
         chart = shown(wb.memory_panel.fig_box)

@@ -37,6 +37,7 @@ class DispatchPanel:
         self._syncing = False
         self._no_code: str | None = None  # an empty folder: the code root of a job without a factory
         self.backend = w.Dropdown(options=BACKENDS, layout=_FIELD)
+        self.backend.add_class("wb-dispatch-backend")
         self.spot = w.Checkbox(description="spot / preemptible capacity (checkpoints and resumes)", indent=False)
         self.ckpt_uri = w.Text(placeholder="s3://bucket/path, gs://…, az://…, or a local path", layout=_FIELD,
                                continuous_update=False)

@@ -148,7 +148,9 @@ class RunPanel:
 
     # -- state -> widgets ----------------------------------------------------------------
     def _on_state(self, topic: str) -> None:
-        if topic in ("events", "run", "spec"):
+        if topic == "spec" and not self.state.events:  # only Run's availability depends on the spec
+            self.run_button.disabled = self.state.run_state == "running" or self.state.spec is None
+        elif topic in ("events", "run", "spec"):
             self.render()
 
     def render(self) -> None:
