@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.browser, pytest.mark.ray, pytest.mark.slow]
+# generous: the module page starts JupyterLab, a kernel and Ray on a shared 2-core machine
+pytestmark = [pytest.mark.browser, pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
 
 KERNEL = """() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
   const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;

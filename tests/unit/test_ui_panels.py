@@ -4,6 +4,7 @@ import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from workbench.spec import load_spec  # noqa: E402
 from workbench.ui import figures  # noqa: E402
 from workbench.ui.app import Workbench  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[2]
 # (field, values): valid and invalid ones for the quickstart's gpt-tiny (4 heads, 2 layers)
 EDITS = [("layout.dp", [1, 2, 3, 4, 8, 0]), ("layout.tp", [1, 2, 3, 4, 100]), ("layout.pp", [1, 2, 3]),
          ("layout.zero", [0, 1, 2, 3]), ("precision.dtype", ["fp32", "bf16"]),
@@ -23,7 +25,7 @@ EDITS = [("layout.dp", [1, 2, 3, 4, 8, 0]), ("layout.tp", [1, 2, 3, 4, 100]), ("
 
 
 def shown(box):
-    return box.children[0] if box.children else None
+    return box.figure
 
 
 def bars(fig) -> dict:
@@ -66,6 +68,8 @@ def test_the_chart_matches_the_cli_after_an_invalid_edit(tmp_path):
     expected = figures.memory_figure(json.loads(cli.stdout))
     assert bars(shown(wb.memory_panel.fig_box)) == bars(expected)
     assert len(shown(wb.memory_panel.fig_box).data[0].x) == 4
+    assert wb.memory_panel.fig_box.outputs[0]["data"]["application/vnd.plotly.v1+json"]["data"][0]["x"] == [
+        "rank 0", "rank 1", "rank 2", "rank 3"]
 
 
 def test_out_of_range_numbers_are_refused_not_clamped():
@@ -136,3 +140,13 @@ def test_run_history_overlays_and_resume_needs_a_checkpoint(tmp_path):
     assert [t.name for t in fig.data][3:] == ["run 1"] and len(fig.data[0].x) == 0  # old curves only beneath
     panel.log_loss.value = True
     assert shown(panel.run_box).layout.yaxis.type == "log"
+
+
+def test_the_code_bundle_leaves_the_notebook_folder_out(tmp_path, monkeypatch):
+    (tmp_path / "my_notebook.ipynb").write_text("{}")
+    monkeypatch.chdir(tmp_path)  # a notebook's kernel runs in the notebook's folder
+    wb = Workbench(str(ROOT / "examples" / "quickstart.yaml"))
+    d = wb.dispatch_panel
+    d.backend.value = "ray"
+    d.show_request()
+    assert "top_level" in d.request.value and "my_notebook.ipynb" not in d.request.value

@@ -10,7 +10,7 @@ import html
 import ipywidgets as w
 
 from workbench.ui import figures
-from workbench.ui.live import note_html, show_figure
+from workbench.ui.live import FigureBox, note_html
 from workbench.ui.state import WorkbenchState
 
 
@@ -29,12 +29,10 @@ class MemoryPanel:
                                     layout=w.Layout(width="200px", flex="0 0 auto"))
         self.plan_button.on_click(lambda _: self._plan())
         self.plan_box = w.VBox(layout=w.Layout(max_width="100%", overflow="auto"))
-        self.plan_fig_box = w.Box(layout=w.Layout(max_width="100%"))
-        # FigureWidgets are shown by putting them in a box (show_figure), never by display
-        # toggling or tabs, which can leave plotly.js views blank.
-        self.fig_box = w.Box(layout=w.Layout(max_width="100%"))
+        self.plan_fig_box = FigureBox()
+        self.fig_box = FigureBox()
         self.fig_box.add_class("wb-memory-chart")
-        self.schedule_box = w.Box(layout=w.Layout(max_width="100%"))  # the simulated pipeline schedule, pp > 1
+        self.schedule_box = FigureBox()  # the simulated pipeline schedule, pp > 1
         self.widget = w.VBox([self.note, self.fig_box, self.details, self.schedule_box, w.HBox([self.plan_button]),
                               self.plan_box, self.plan_fig_box], layout=w.Layout(max_width="100%"))
         state.observe(self._on_state)
@@ -55,9 +53,9 @@ class MemoryPanel:
             self.note.value = note_html(st.estimate_note or "No estimate.", "info")
         else:
             self.note.value = self._verdict_note(est)
-        show_figure(self.fig_box, figures.memory_figure(est) if est is not None else None)
+        self.fig_box.show(figures.memory_figure(est) if est is not None else None)
         self.details.value = _details(est) if est is not None else ""
-        show_figure(self.schedule_box, self._schedule_figure() if st.spec is not None else None)
+        self.schedule_box.show(self._schedule_figure() if st.spec is not None else None)
         self._show_plan()
 
     def _verdict_note(self, est: dict) -> str:
@@ -101,13 +99,13 @@ class MemoryPanel:
         plan = self.state.plan
         if plan is None:  # none asked for, or the job changed since
             self.plan_box.children = []
-            show_figure(self.plan_fig_box, None)
+            self.plan_fig_box.show(None)
             return
         rows = plan.get("candidates", [])
         if "note" in plan or not rows:
             text = plan.get("note") or "The planner found no layout for these resources."
             self.plan_box.children = [w.HTML(note_html(text, "info"))]
-            show_figure(self.plan_fig_box, None)
+            self.plan_fig_box.show(None)
             return
         header = ["layout", "fits", "peak GiB", "tokens/s", "step s", "MFU", "$/h", "spot $/h", ""]
         cells = [w.HTML(f"<b>{h}</b>") for h in header]
@@ -129,7 +127,7 @@ class MemoryPanel:
             min_width="560px"))
         grid.add_class("wb-plan-table")
         self.plan_box.children = [grid]
-        show_figure(self.plan_fig_box, figures.plan_figure(plan))
+        self.plan_fig_box.show(figures.plan_figure(plan))
 
     @staticmethod
     def _overrides(candidate: dict) -> dict:

@@ -15,7 +15,7 @@ import ipywidgets as w
 
 from workbench.errors import ConfigError, WorkerError
 from workbench.ui import figures
-from workbench.ui.live import note_html, show_figure
+from workbench.ui.live import FigureBox, note_html
 from workbench.ui.state import WorkbenchState
 
 _DONE_KIND = {"completed": "ok", "stopped": "info", "preempted": "info", "failed": "error"}
@@ -52,10 +52,10 @@ class RunPanel:
         self.log_loss = w.Checkbox(value=False, description="log-scale loss", indent=False,
                                    layout=w.Layout(width="auto"))
         self.overlay = w.Checkbox(value=True, description="earlier runs", indent=False, layout=w.Layout(width="auto"))
-        self.run_box = w.Box(layout=w.Layout(max_width="100%"))
+        self.run_box = FigureBox()
         self.run_box.add_class("wb-run-chart")
-        self.mem_box = w.Box(layout=w.Layout(max_width="100%"))  # with the first memory event
-        self.timeline_box = w.Box(layout=w.Layout(max_width="100%"))
+        self.mem_box = FigureBox()  # with the first memory event
+        self.timeline_box = FigureBox()
         self.log = w.HTML()
         self.run_button.on_click(lambda _: self.run())
         self.resume_button.on_click(lambda _: self.run(resume=True))
@@ -173,12 +173,12 @@ class RunPanel:
         self.progress_text.value = html.escape(self._progress_line(steps, running))
         self.note.value = self._note(events, steps, running, can_resume)
         history = [r for r in st.history if self.overlay.value]
-        show_figure(self.run_box, figures.run_figure(events, history=history, smooth=self.smooth.value,
+        self.run_box.show(figures.run_figure(events, history=history, smooth=self.smooth.value,
                                                      log_loss=self.log_loss.value))
         measured = figures.latest_measured(events)
-        show_figure(self.mem_box, self._memory_figure(measured) if measured else None)
+        self.mem_box.show(self._memory_figure(measured) if measured else None)
         has_timeline = any(e.get("event") == "timeline" for e in events)
-        show_figure(self.timeline_box, figures.timeline_figure(events) if has_timeline else None)
+        self.timeline_box.show(figures.timeline_figure(events) if has_timeline else None)
         self.log.value = _log_html(events)
 
     def _progress_line(self, steps: list[dict], running: bool) -> str:
