@@ -58,7 +58,7 @@ class Workbench:
         self.save_button.on_click(lambda _: self._save_clicked())
         self.name.observe(lambda ch: self.state.update({"name": ch["new"] or "job"}), names="value")
         # One page, no tabs: the memory chart answers each edit of the form at once, and the
-        # run's plots sit right under it. (Tabs also blank plotly FigureWidgets in JupyterLab.)
+        # run's plots sit right under it.
         self.dispatch_toggle = w.ToggleButton(description="Dispatch to a cluster or cloud", icon="cloud",
                                               layout=w.Layout(width="260px"))
         self.dispatch_box = w.VBox([])

@@ -1,7 +1,7 @@
 """Pure chart builders: memory estimates and metrics events in, plotly ``go.Figure`` out.
 
 No widgets here, so every chart is tested without Jupyter and reused by the HTML report. The
-widgets copy a fresh figure's data into their FigureWidget (see ``workbench.ui.live``).
+widgets draw each fresh figure whole (``workbench.ui.live.FigureBox``).
 """
 from __future__ import annotations
 
