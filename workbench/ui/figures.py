@@ -25,8 +25,9 @@ MAX_BARS = 32
 
 
 def _base_layout(fig: go.Figure, title: str, height: int) -> go.Figure:
-    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=14)), height=height, font=_FONT,
-                      template="plotly_white", margin=dict(l=60, r=20, t=48, b=40),
+    # The title on top of the box and room under it for a legend wrapped to two rows (narrow columns).
+    fig.update_layout(title=dict(text=title, x=0.01, y=0.99, yref="container", yanchor="top", font=dict(size=14)),
+                      height=height, font=_FONT, template="plotly_white", margin=dict(l=60, r=20, t=78, b=40),
                       legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
     return fig
 
