@@ -45,7 +45,7 @@ OVERFLOW = """() => { const out = [];
   return out; }"""
 SPEC = {"name": "quickstart", "model": {"preset": "gpt-tiny"}, "data": {"source": "text", "seed": 0},
         "train": {"steps": 150, "global_batch": 16, "micro_batch": 4, "lr": 3.0e-3}, "layout": {"dp": 2},
-        "resources": {"gpu": "cpu", "gpus_per_node": 2}}  # the notebook's spec (its first code cell)
+        "resources": {"gpu": "cpu"}}  # the notebook's spec, with the form's "GPUs = dp x tp x pp" ticked
 ROOT = Path(__file__).resolve().parents[2]
 RUN_STEPS = 30
 ALIVE_AFTER_S = 90
