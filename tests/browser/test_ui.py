@@ -220,7 +220,7 @@ def test_dispatch_settings_form(lab, shots):
     root = lab.locator(".wb-root").first
     button(root, "Dispatch to a cluster or cloud").click()
     backend = root.locator(".wb-dispatch-backend select")
-    backend.select_option("sagemaker")
+    backend.select_option(label="SageMaker")
     settle(lab)
     role = root.locator(".wb-sagemaker-role input")
     role.click()
@@ -234,10 +234,10 @@ def test_dispatch_settings_form(lab, shots):
     bucket.fill("my-training-bucket")
     bucket.press("Enter")
     settle(lab)
-    backend.select_option("vertex")
+    backend.select_option(label="Vertex AI")
     settle(lab)
     assert lab.evaluate(PLOT, "Memory per rank (") is not None  # the job stays valid
-    backend.select_option("sagemaker")
+    backend.select_option(label="SageMaker")
     settle(lab)
     assert role.input_value() == "arn:aws:iam::123456789012:role/Training"
     button(root, "Show request").click()
@@ -248,7 +248,7 @@ def test_dispatch_settings_form(lab, shots):
     assert root.locator("button.wb-copy").count() == 1
     assert '"RoleArn": "arn:aws:iam::123456789012:role/Training"' in root.locator(".wb-request").inner_text()
     shot(lab, shots, "05-dispatch")
-    backend.select_option("local")
+    backend.select_option(label="local (Ray on this machine)")
     settle(lab)
 
 
