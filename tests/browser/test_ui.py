@@ -149,7 +149,7 @@ def test_three_runs_back_to_back_and_stop_within_a_step(lab, shots):
         print(f"\nrun {run}: {time.monotonic() - t0:.0f}s")
         if run == 1:
             shot(lab, shots, "03-run-done")
-    assert root.locator(".wb-run-log").count() == 1
+    wait_until(lab, lambda: root.locator(".wb-run-log").count() == 1, "the run's log lines", limit_s=30)
     assert button(root, "Resume").count() == 0 or not button(root, "Resume").is_visible()
 
     # Run 3 trains longer and is stopped: it ends within a step of the step shown when Stop was pressed.
