@@ -22,15 +22,17 @@ _MODULES = {
 }
 
 
-def get_backend(name: str) -> Backend:
+def get_backend(name: str, **options) -> Backend:
+    """The backend called `name`, built with `options` (e.g. root= for the ones that ship code)."""
     if name not in _MODULES:
         raise ConfigError(f"backend {name!r} is unknown. Known backends: {', '.join(_MODULES)}.")
     module, _, cls = _MODULES[name].partition(":")
-    return getattr(importlib.import_module(module), cls)()
+    return getattr(importlib.import_module(module), cls)(**options)
 
 
-def dispatch(spec, backend: str | None = None, dry_run: bool = False):
-    """Submit `spec` to a backend (default: the spec's backend.name).
+def dispatch(spec, backend: str | None = None, dry_run: bool = False, root=None):
+    """Submit `spec` to a backend (default: the spec's backend.name); `root` is the project
+    directory whose code the remote job gets (default: the current directory; local: unused).
 
     Returns:
         A JobHandle, or with dry_run=True the request as ``{"backend": name, "request": {...}}``.
@@ -41,7 +43,7 @@ def dispatch(spec, backend: str | None = None, dry_run: bool = False):
 
     name = backend or load_spec(spec).backend.name
     spec = load_spec(spec, [f"backend.name={name}"])
-    target = get_backend(name)
+    target = get_backend(name, root=root) if root is not None and name != "local" else get_backend(name)
     if dry_run:
         return {"backend": name, "request": target.dry_run(spec)}
     return target.submit(spec)

@@ -43,36 +43,71 @@ def _package_root() -> str:
 
 
 def ensure_ray(num_cpus: int | None = None):
-    """Start (or reuse) the embedded Ray cluster; workers import workbench from this checkout."""
+    """Start (or reuse) the embedded Ray cluster; workers import workbench from this checkout.
+
+    Safe from any thread: Ray forks its gcs_server and raylet with PR_SET_PDEATHSIG, which Linux
+    fires when the *thread* that forked them exits, and the driver dies 60 s later ("Failed to
+    connect to GCS"). Off the main thread (the notebook's Run button) the cluster is therefore
+    started by a thread that lives as long as the process.
+    """
     import ray
 
     if not ray.is_initialized():
-        root = _package_root()
-        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-        for attempt in range(_START_ATTEMPTS):
-            try:
-                ray.init(
-                    # "local": always an embedded cluster, never one a `ray start` left running
-                    # (that is the `ray` backend's job).
-                    address="local",
-                    num_cpus=num_cpus or os.cpu_count() or 1,
-                    include_dashboard=False,
-                    logging_level="ERROR",
-                    log_to_driver=False,
-                    runtime_env={"env_vars": {"PYTHONPATH": path},
-                                 "worker_process_setup_hook": "backends.local_ray.control_plane_setup"},
-                    # Ray runs workers at nice 15 so that its own daemons stay responsive; here
-                    # the workers are the job and should not yield to every daemon wake-up (no
-                    # measurable change on a 2-core VM: docs/benchmarks.md, section a).
-                    _system_config={"worker_niceness": 0},
-                )
-                break
-            except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception on a slow start
-                # Ray gives its raylet a fixed 30 s to register; a loaded machine can miss that.
-                ray.shutdown()
-                if attempt == _START_ATTEMPTS - 1 or "timed out during startup" not in str(e):
-                    raise
+        if threading.current_thread() is threading.main_thread():
+            _init_ray(num_cpus)
+        else:
+            _init_on_owner_thread(num_cpus)
     return ray
+
+
+def _init_on_owner_thread(num_cpus: int | None) -> None:
+    import queue
+
+    outcome: queue.Queue = queue.Queue()
+
+    def own() -> None:
+        try:
+            _init_ray(num_cpus)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            outcome.put(e)
+            return
+        outcome.put(None)
+        threading.Event().wait()  # park: the cluster's daemons live as long as this thread
+
+    threading.Thread(target=own, name="workbench-ray-owner", daemon=True).start()
+    error = outcome.get()
+    if error is not None:
+        raise error
+
+
+def _init_ray(num_cpus: int | None) -> None:
+    import ray
+
+    root = _package_root()
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    for attempt in range(_START_ATTEMPTS):
+        try:
+            ray.init(
+                # "local": always an embedded cluster, never one a `ray start` left running
+                # (that is the `ray` backend's job).
+                address="local",
+                num_cpus=num_cpus or os.cpu_count() or 1,
+                include_dashboard=False,
+                logging_level="ERROR",
+                log_to_driver=False,
+                runtime_env={"env_vars": {"PYTHONPATH": path},
+                             "worker_process_setup_hook": "backends.local_ray.control_plane_setup"},
+                # Ray runs workers at nice 15 so that its own daemons stay responsive; here
+                # the workers are the job and should not yield to every daemon wake-up (no
+                # measurable change on a 2-core VM: docs/benchmarks.md, section a).
+                _system_config={"worker_niceness": 0},
+            )
+            break
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception on a slow start
+            # Ray gives its raylet a fixed 30 s to register; a loaded machine can miss that.
+            ray.shutdown()
+            if attempt == _START_ATTEMPTS - 1 or "timed out during startup" not in str(e):
+                raise
 
 
 _CHILD = "import sys; from backends.local_ray import _rank_main; _rank_main(int(sys.argv[1]))"

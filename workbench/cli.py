@@ -7,6 +7,7 @@ import json
 import sys
 
 from workbench.errors import ConfigError, WorkerError
+from workbench.spec_input import clip
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -92,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _COMMANDS[args.command](args)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        # capped, and printable whatever undecodable bytes (a file name, a --set value) it quotes
+        text = clip(str(e)).encode("utf-8", "backslashreplace").decode("utf-8")
+        print(f"error: {text}", file=sys.stderr)
         return 2
     except WorkerError as e:
         print(f"error: training failed: {e}", file=sys.stderr)

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from workbench.errors import ConfigError
+from workbench.spec_input import check_plain, clip, parse_yaml, read_spec_file
 
 if TYPE_CHECKING:
     from workbench.shapes import ModelShape
@@ -262,15 +263,10 @@ def load_spec(source: "str | Path | dict | JobSpec", overrides: list[str] | None
     elif isinstance(source, dict):
         raw = source
     else:
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"spec file {str(path)!r} does not exist. Pass the path of a YAML spec, e.g. examples/quickstart.yaml.")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raw = read_spec_file(Path(source)) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"a spec must be a mapping of sections (name, model, layout, ...), got {type(raw).__name__}.")
+    check_plain(raw)
     if overrides:
         raw = apply_overrides(raw, overrides)
     raw = _default_gpus(raw)
@@ -308,11 +304,14 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected key.path=value, e.g. --set layout.dp=4.")
+            raise ConfigError(f"--set {clip(item, 200)!r}: expected key.path=value, e.g. --set layout.dp=4.")
         try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
+            value = parse_yaml(text, f"--set {clip(item, 200)!r}")
+        except ConfigError as e:
+            if "not valid YAML" not in str(e):
+                raise  # a bomb or bad text, not merely a plain string
             value = text
+        check_plain(value, f"--set {clip(key.strip(), 200)}")
         node = out
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -320,7 +319,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                raise ConfigError(f"--set {item!r}: {part!r} is a value, not a section.")
+                raise ConfigError(f"--set {clip(item, 200)!r}: {part!r} is a value, not a section.")
             node = child
         node[parts[-1]] = value
     return out
@@ -349,9 +348,9 @@ def _explain(err: ValidationError) -> str:
             lines.append(f"{where}: unknown key.{hint} Known keys here: {', '.join(known)}.")
         else:
             got = e.get("input")
-            got_text = "" if isinstance(got, dict) else f" (got {got!r})"
+            got_text = "" if isinstance(got, dict) else f" (got {clip(repr(got), 80)})"
             lines.append(f"{where}: {e['msg']}{got_text}.")
-    return "invalid spec:\n  " + "\n  ".join(lines)
+    return clip("invalid spec:\n  " + "\n  ".join(lines))
 
 
 def _html_table(d: dict) -> str:

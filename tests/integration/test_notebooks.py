@@ -52,15 +52,15 @@ DRIVE_QUICKSTART = [
     "assert click_s < 2.0, click_s\nassert wb.state.run_state == 'running'",
     # This cell executing while the job runs is the proof that the kernel is not blocked.
     "points = []\nwhile wb.state.run_state == 'running' and time.monotonic() - t0 < 240:\n"
-    "    points.append(len(wb.run_panel.run_fig.data[0].x or ()))\n    time.sleep(0.2)\n"
+    "    points.append(len(wb.run_panel.run_box.figure.data[0].x or ()))\n    time.sleep(0.2)\n"
     "time.sleep(1.5)  # the refresher's last redraw\n"
     "print('points', sorted(set(points)))",
     "assert wb.state.run_state == 'completed', (wb.state.run_state, wb.run_panel.note.value)\n"
-    "assert list(wb.run_panel.run_fig.data[0].x) == list(range(1, 41))\n"
+    "assert list(wb.run_panel.run_box.figure.data[0].x) == list(range(1, 41))\n"
     "assert len({p for p in points if 0 < p < 40}) >= 2, f'no live updates: {sorted(set(points))}'\n"
     "assert wb.run_panel.progress.value == 40 and wb.run_panel.progress_text.value == 'completed at step 40 / 40'\n"
-    "assert wb.run_panel.mem_box.children == (wb.run_panel.mem_fig,)\n"
-    "measured = [t for t in wb.run_panel.mem_fig.data if t.name == 'params']\n"
+    "assert wb.run_panel.mem_box.outputs\n"
+    "measured = [t for t in wb.run_panel.mem_box.figure.data if t.name == 'params']\n"
     "assert measured and all(v and v > 0 for v in measured[0].y if v is not None)",
     # the report cell of the notebook, run again now that there is a run
     "from workbench.ui.report import write_report\n"

@@ -22,6 +22,8 @@ from workbench.ui.state import WorkbenchState
 
 _CSS = """<style>
 .wb-root .widget-label { font-size: 13px; }
+.wb-root .js-plotly-plot, .wb-root .plot-container, .wb-root .svg-container { max-width: 100%; }
+.wb-root .wb-right { min-width: 0; }
 .wb-root .wb-section-title { font-size: 15px; font-weight: 600; margin: 10px 0 2px 0;
   border-bottom: 1px solid #e0e0e0; padding-bottom: 2px; }
 </style>"""
@@ -58,7 +60,7 @@ class Workbench:
         self.save_button.on_click(lambda _: self._save_clicked())
         self.name.observe(lambda ch: self.state.update({"name": ch["new"] or "job"}), names="value")
         # One page, no tabs: the memory chart answers each edit of the form at once, and the
-        # run's plots sit right under it. (Tabs also blank plotly FigureWidgets in JupyterLab.)
+        # run's plots sit right under it.
         self.dispatch_toggle = w.ToggleButton(description="Dispatch to a cluster or cloud", icon="cloud",
                                               layout=w.Layout(width="260px"))
         self.dispatch_box = w.VBox([])
@@ -66,11 +68,13 @@ class Workbench:
         header = w.HBox([w.HTML("<b style='font-size:16px'>workbench</b>", layout=w.Layout(width="110px")),
                          w.Label("name"), self.name, w.Label("YAML"), self.path, self.load_button,
                          self.import_config.widget, self.save_button],
-                        layout=w.Layout(align_items="center", grid_gap="6px"))
+                        layout=w.Layout(align_items="center", grid_gap="6px", flex_flow="row wrap"))
+        # The form and the charts side by side; below 330 + 560 px they stack (flex wrap).
         right = w.VBox([_title("Memory"), self.memory_panel.widget, _title("Run"), self.run_panel.widget,
                         _title("Dispatch"), self.dispatch_toggle, self.dispatch_box],
-                       layout=w.Layout(flex="1 1 auto", min_width="0"))
-        body = w.HBox([self.layout_panel.widget, right], layout=w.Layout(width="100%"))
+                       layout=w.Layout(flex="1 1 560px", min_width="0", max_width="100%"))
+        right.add_class("wb-right")
+        body = w.HBox([self.layout_panel.widget, right], layout=w.Layout(width="100%", flex_flow="row wrap"))
         self.widget = w.VBox([w.HTML(_CSS), header, self.message, body])
         self.widget.add_class("wb-root")
 

@@ -1,88 +1,101 @@
 """Dispatch panel: send the same spec to a Ray cluster or a cloud, or show the exact request first.
 
-"Show request" is the backend's dry run (no credentials, no network). After "Submit" a poller
-thread refreshes the job's status and log tail until it is done.
+Each backend's settings are a form built from its spec section (`backend.<name>`), so every
+backend keeps its own values and no setting can make the job invalid. "Show request" is the
+backend's dry run (no credentials, no network); after "Submit" a poller thread refreshes the
+job's status and log tail until it is done. Every failure is shown in the panel.
 """
 from __future__ import annotations
 
 import html
 import json
+import tempfile
 import threading
 import time
 
 import ipywidgets as w
-import yaml
 
 from workbench.errors import ConfigError
+from workbench.spec import BackendSpec
 from workbench.ui.live import labeled, note_html
 from workbench.ui.state import WorkbenchState
 
 BACKENDS = [("local (Ray on this machine)", "local"), ("Ray cluster", "ray"), ("SageMaker", "sagemaker"),
             ("Vertex AI", "vertex"), ("Azure ML", "azureml")]
-_WIDE = w.Layout(width="420px")
+CLOUDS = {"sagemaker": "aws", "vertex": "gcp", "azureml": "azure"}  # backend -> price table's cloud
+_FIELD = w.Layout(width="auto", flex="1 1 240px", min_width="160px", max_width="460px")
+_LABEL = "130px"
 
 
 class DispatchPanel:
-    """Backend choice and settings, dry run, submit, status and logs; `.widget` to display."""
+    """Backend choice and its settings form, dry run, submit, status and logs; `.widget` to display."""
 
     def __init__(self, state: WorkbenchState, poll_s: float = 5.0):
         self.state = state
         self.poll_s = poll_s
         self.handle = None
         self._syncing = False
-        self.backend = w.Dropdown(options=BACKENDS, layout=_WIDE)
-        self.address = w.Text(placeholder="http://head-node:8265", layout=_WIDE)
+        self._no_code: str | None = None  # an empty folder: the code root of a job without a factory
+        self.backend = w.Dropdown(options=BACKENDS, layout=_FIELD)
+        self.backend.add_class("wb-dispatch-backend")
         self.spot = w.Checkbox(description="spot / preemptible capacity (checkpoints and resumes)", indent=False)
-        self.ckpt_uri = w.Text(placeholder="s3://bucket/path, gs://…, az://…, or a local path", layout=_WIDE)
-        self.ckpt_every = w.BoundedIntText(min=0, max=10**7, layout=w.Layout(width="120px"))
-        self.settings = w.Textarea(layout=w.Layout(width="420px", height="110px"))
+        self.ckpt_uri = w.Text(placeholder="s3://bucket/path, gs://…, az://…, or a local path", layout=_FIELD,
+                               continuous_update=False)
+        self.ckpt_every = w.IntText(layout=w.Layout(width="120px"))
+        # One form per backend, from its spec section: {backend: {field: Text}}
+        self.forms: dict[str, dict[str, w.Text]] = {name: _fields(name) for name in ("ray", *CLOUDS)}
+        self.form_boxes = {name: w.VBox([labeled(t, k.replace("_", " "), _LABEL) for k, t in fields.items()])
+                           for name, fields in self.forms.items()}
+        self.settings = w.VBox()
         self.show_button = w.Button(description="Show request", icon="eye", layout=w.Layout(width="140px"))
         self.submit_button = w.Button(description="Submit", icon="cloud-upload", button_style="primary",
                                       layout=w.Layout(width="140px"))
         self.cancel_button = w.Button(description="Cancel job", icon="stop", disabled=True,
                                       layout=w.Layout(width="140px"))
         self.note = w.HTML()
+        self.note.add_class("wb-dispatch-note")
+        self.summary = w.HTML()
         self.request = w.HTML()
         self.status = w.HTML()
         self.logs = w.Textarea(disabled=True, placeholder="log tail", layout=w.Layout(width="100%", height="160px"))
         self.show_button.on_click(lambda _: self.show_request())
         self.submit_button.on_click(lambda _: self.submit())
         self.cancel_button.on_click(lambda _: self.cancel())
-        for widget in (self.backend, self.address, self.spot, self.ckpt_uri, self.ckpt_every):
+        for widget in (self.backend, self.spot, self.ckpt_uri, self.ckpt_every):
             widget.observe(lambda _: self._on_change(), names="value")
-        self.settings.observe(lambda _: self._on_change(), names="value")
-        self.settings_row = labeled(self.settings, "settings (YAML)", "130px")
-        self.address_row = labeled(self.address, "Ray address", "130px")
+        for fields in self.forms.values():
+            for text in fields.values():
+                text.observe(lambda _: self._on_change(), names="value")
         self.widget = w.VBox([
-            labeled(self.backend, "backend", "130px"), self.address_row, self.settings_row,
-            labeled(self.spot, "capacity", "130px"), labeled(self.ckpt_uri, "checkpoint URI", "130px"),
-            labeled(self.ckpt_every, "every N steps", "130px"),
-            w.HBox([self.show_button, self.submit_button, self.cancel_button]),
-            self.note, self.status, self.request, self.logs])
+            labeled(self.backend, "backend", _LABEL), self.settings,
+            labeled(self.spot, "capacity", _LABEL), labeled(self.ckpt_uri, "checkpoint URI", _LABEL),
+            labeled(self.ckpt_every, "every N steps", _LABEL),
+            w.HBox([self.show_button, self.submit_button, self.cancel_button],
+                   layout=w.Layout(flex_flow="row wrap", grid_gap="4px")),
+            self.note, self.status, self.summary, self.request, self.logs], layout=w.Layout(max_width="100%"))
         state.observe(lambda topic: self.sync() if topic == "spec" else None)
         self.sync()
 
     # -- state <-> widgets ---------------------------------------------------------------
     def sync(self) -> None:
+        """Show the state's backend settings; a field being edited keeps its text."""
         raw = self.state.raw
         backend = raw.get("backend") or {}
         name = backend.get("name", "local")
+        ckpt = raw.get("checkpoint") or {}
         self._syncing = True
         try:
-            self.backend.value = name
-            self.address.value = (backend.get("ray") or {}).get("address", "http://127.0.0.1:8265")
-            self.spot.value = bool(backend.get("spot", False))
-            ckpt = raw.get("checkpoint") or {}
-            self.ckpt_uri.value = ckpt.get("uri") or ""
-            self.ckpt_every.value = int(ckpt.get("every_steps", 0))
-            if name in ("sagemaker", "vertex", "azureml"):
-                section = backend.get(name) or {}
-                self.settings.value = yaml.safe_dump(section, sort_keys=False) if section else ""
+            _set(self.backend, name)
+            _set(self.spot, bool(backend.get("spot", False)))
+            _set(self.ckpt_uri, ckpt.get("uri") or "")
+            _set(self.ckpt_every, int(ckpt.get("every_steps", 0) or 0))
+            for section, fields in self.forms.items():
+                values = backend.get(section) or {}
+                for key, text in fields.items():
+                    _set(text, str(values.get(key) or ""))
         finally:
             self._syncing = False
-        self.address_row.layout.display = "" if name == "ray" else "none"
-        self.settings_row.layout.display = "" if name in ("sagemaker", "vertex", "azureml") else "none"
-        self.note.value = note_html(self.state.error, "error") if self.state.error else ""
+        self.settings.children = [self.form_boxes[name]] if name in self.forms else []
 
     def _on_change(self) -> None:
         if self._syncing:
@@ -90,66 +103,80 @@ class DispatchPanel:
         name = self.backend.value
         overrides = {"backend.name": name, "backend.spot": self.spot.value,
                      "checkpoint.uri": self.ckpt_uri.value.strip() or None,
-                     "checkpoint.every_steps": self.ckpt_every.value}
-        if name == "ray":
-            overrides["backend.ray.address"] = self.address.value.strip() or None
-        if name in ("sagemaker", "vertex", "azureml"):
-            try:
-                section = yaml.safe_load(self.settings.value) or {}
-            except yaml.YAMLError as e:
-                self.note.value = note_html(f"settings: not valid YAML: {e}", "error")
-                return
-            if not isinstance(section, dict):
-                self.note.value = note_html("settings: expected key: value lines, e.g. region: us-east-1", "error")
-                return
-            overrides[f"backend.{name}"] = section
+                     "checkpoint.every_steps": max(0, self.ckpt_every.value)}
+        for section, fields in self.forms.items():  # every backend keeps its own values
+            for key, text in fields.items():
+                overrides[f"backend.{section}.{key}"] = text.value.strip() or None
+        self.settings.children = [self.form_boxes[name]] if name in self.forms else []
+        self.note.value = self.summary.value = self.request.value = ""  # they described other settings
         self.state.update(overrides)
 
     # -- actions -------------------------------------------------------------------------
     def _dispatch(self, dry_run: bool):
-        """backends.dispatch with every user-fixable failure turned into an inline note."""
+        """backends.dispatch with every failure turned into a note in this panel."""
         st = self.state
         if st.spec is None:
-            self.note.value = note_html(st.error or "invalid spec", "error")
+            self.note.value = note_html("Fix the job first: " + (st.error or "invalid spec"), "error")
             return None
         try:
             from backends import dispatch
 
-            return dispatch(st.spec, backend=self.backend.value, dry_run=dry_run)
+            return dispatch(st.spec, backend=self.backend.value, dry_run=dry_run, root=self._code_root(st.spec))
         except ConfigError as e:
             self.note.value = note_html(str(e), "error")
         except ImportError as e:
             missing = getattr(e, "name", None) or str(e)
             self.note.value = note_html(
                 f"The {self.backend.value} backend needs {missing!s}, which is not installed here. "
-                "Install the matching extra: pip install 'workbench[aws]' / '[gcp]' / '[azure]'.")
+                "Install the matching extra: pip install 'workbench[aws]' / '[gcp]' / '[azure]'.", "error")
+        except Exception as e:  # noqa: BLE001 - credentials, network, the cloud's refusal: the user must see it
+            self.note.value = note_html(f"{self.backend.value} refused the job: {type(e).__name__}: {e}", "error")
         return None
+
+    def _code_root(self, spec) -> str:
+        """The directory whose files the remote job gets: the factory's project, else an empty one
+        (the workbench packages, the spec and the requirements always go), never the notebook's folder."""
+        root = _factory_root(spec.model.factory) if spec.model.factory else None
+        if root is None:
+            self._no_code = self._no_code or tempfile.mkdtemp(prefix="workbench-no-code-")
+        return root or self._no_code
 
     def show_request(self) -> None:
         """Show the backend's exact request (dry run: no credentials, no network)."""
         out = self._dispatch(dry_run=True)
         if out is None:
-            self.request.value = ""
+            self.summary.value = self.request.value = ""
             return
         self.note.value = note_html(f"Dry run for {out['backend']}: nothing was sent.", "ok")
-        body = html.escape(json.dumps(out, indent=2, default=str))
-        self.request.value = (f"<pre class='wb-request' style='max-height:320px;overflow:auto;background:#f7f7f7;"
-                              f"padding:8px;font-size:12px'>{body}</pre>")
+        self.summary.value = _summary_html(self.state.spec, out["backend"])
+        body = json.dumps(out, indent=2, default=str)
+        self.request.value = (
+            "<button class='wb-copy' style='margin:2px 0' onclick=\"navigator.clipboard.writeText("
+            "this.nextElementSibling.innerText)\">Copy request</button>"
+            f"<pre class='wb-request' style='max-height:320px;overflow:auto;background:#f7f7f7;"
+            f"padding:8px;font-size:12px;white-space:pre'>{html.escape(body)}</pre>")
 
     def submit(self) -> None:
         self.submit_button.disabled = True
-        handle = self._dispatch(dry_run=False)
-        if handle is None:
+        self.note.value = note_html(f"Submitting to {self.backend.value}…", "info")
+        try:
+            handle = self._dispatch(dry_run=False)
+        finally:
             self.submit_button.disabled = False
+        if handle is None:
             return
         self.handle = handle
-        self.cancel_button.disabled = False
+        self.submit_button.disabled, self.cancel_button.disabled = True, False
         self.note.value = note_html(f"Submitted {handle.job_id} to {self.backend.value}.", "ok")
         threading.Thread(target=self._poll, args=(handle,), name="workbench-ui-dispatch", daemon=True).start()
 
     def cancel(self) -> None:
         if self.handle is not None:
-            self.handle.cancel()
+            try:
+                self.handle.cancel()
+            except Exception as e:  # noqa: BLE001 - shown, not raised into the kernel
+                self.note.value = note_html(f"Cancel failed: {type(e).__name__}: {e}", "error")
+                return
             self.cancel_button.disabled = True
 
     def _poll(self, handle) -> None:
@@ -168,3 +195,71 @@ class DispatchPanel:
                 self.cancel_button.disabled = True
                 return
             time.sleep(self.poll_s)
+
+
+def _fields(section: str) -> dict[str, w.Text]:
+    """One text field per key of `backend.<section>`, its default as the placeholder."""
+    model = BackendSpec.model_fields[section].annotation
+    out = {}
+    for key, field in model.model_fields.items():
+        text = w.Text(placeholder=str(field.default) if field.default is not None else "", layout=_FIELD,
+                      tooltip=field.description, continuous_update=False)
+        text.add_class(f"wb-{section}-{key}")
+        out[key] = text
+    return out
+
+
+def _set(widget, value) -> None:
+    if widget.value != value:
+        widget.value = value
+
+
+def _factory_root(factory: str) -> str | None:
+    """The folder holding the factory's top-level module or package ("pkg.mod:fn" -> pkg's parent)."""
+    import importlib.util
+    from pathlib import Path
+
+    found = importlib.util.find_spec(factory.partition(":")[0].split(".")[0])
+    if found is None or not found.origin:
+        return None
+    origin = Path(found.origin)
+    return str(origin.parent.parent if origin.name == "__init__.py" else origin.parent)
+
+
+def _summary_html(spec, backend: str) -> str:
+    """Instance, GPUs, spot, price per hour and checkpoint URI of the request, above it."""
+    res, nodes = spec.resources, spec.resources.nodes
+    rows = [("GPUs", f"{nodes} × {res.gpus_per_node} {res.gpu}"), ("spot", "yes" if spec.backend.spot else "no")]
+    if backend in CLOUDS:
+        rows.insert(0, ("instance", f"{_instance(spec, backend)} × {nodes}"))
+        rows.append(("price / h", _price(spec, backend)))
+    rows.append(("checkpoint URI", spec.checkpoint.uri or f"(default) <bucket>/workbench/{spec.name}/checkpoints/"))
+    cells = "".join(f"<tr><th style='text-align:left;padding-right:12px'>{k}</th><td>{html.escape(str(v))}</td></tr>"
+                    for k, v in rows)
+    return f"<table class='wb-request-summary' style='font-size:13px;margin:4px 0'>{cells}</table>"
+
+
+def _instance(spec, backend: str) -> str:
+    from backends import instances
+
+    res = spec.resources
+    try:
+        if backend == "sagemaker":
+            return spec.backend.sagemaker.instance_type or instances.sagemaker_instance(res.gpu, res.gpus_per_node,
+                                                                                       res.nodes)
+        if backend == "vertex":
+            return spec.backend.vertex.machine_type or instances.vertex_machine(res.gpu, res.gpus_per_node,
+                                                                               res.nodes).machine_type
+        return instances.azure_vm_size(res.gpu, res.gpus_per_node, res.nodes)
+    except ConfigError:
+        return "?"
+
+
+def _price(spec, backend: str) -> str:
+    from workbench.prices import load_prices
+
+    price = load_prices().get(spec.resources.gpu, {}).get(CLOUDS[backend])
+    if price is None:
+        return "not in the price table"
+    per_gpu = price.spot if spec.backend.spot else price.on_demand
+    return f"${per_gpu * spec.resources.num_gpus:,.2f} ({'spot' if spec.backend.spot else 'on demand'}, list price)"

@@ -1,7 +1,7 @@
 """Pure chart builders: memory estimates and metrics events in, plotly ``go.Figure`` out.
 
 No widgets here, so every chart is tested without Jupyter and reused by the HTML report. The
-widgets copy a fresh figure's data into their FigureWidget (see ``workbench.ui.live``).
+widgets draw each fresh figure whole (``workbench.ui.live.FigureBox``).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ COLORS = {
     "loss": "#4C78A8", "tokens_per_s": "#54A24B", "step_time_s": "#F58518", "val_loss": "#E45756", "lr": "#B279A2",
     "device": "#222222", "overflow": "#D62728", "F": "#4C78A8", "B": "#F58518", "W": "#54A24B",
 }
+_PAST = ("#9e9e9e", "#bcbd22", "#17becf", "#e377c2")  # earlier runs' loss, beneath the current one
 MEASURED = ("params", "grads", "master", "optimizer", "activations")
 _FONT = dict(family="DejaVu Sans, Arial, sans-serif", size=12)
 # Above this many ranks, identical (pp, tp) positions are drawn once with a count.
@@ -24,8 +25,9 @@ MAX_BARS = 32
 
 
 def _base_layout(fig: go.Figure, title: str, height: int) -> go.Figure:
-    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=14)), height=height, font=_FONT,
-                      template="plotly_white", margin=dict(l=60, r=20, t=48, b=40),
+    # The title on top of the box and room under it for a legend wrapped to two rows (narrow columns).
+    fig.update_layout(title=dict(text=title, x=0.01, y=0.99, yref="container", yanchor="top", font=dict(size=14)),
+                      height=height, font=_FONT, template="plotly_white", margin=dict(l=60, r=20, t=78, b=40),
                       legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
     return fig
 
@@ -141,22 +143,37 @@ def latest_measured(events: list[dict]) -> dict[int, dict]:
     return out
 
 
-def run_figure(events: list[dict], height: int = 320) -> go.Figure:
+def smoothed(values: list[float], weight: float) -> list[float]:
+    """Exponential moving average (TensorBoard's smoothing): weight 0 keeps the values."""
+    out, avg = [], None
+    for v in values:
+        avg = v if avg is None or v is None else weight * avg + (1 - weight) * v
+        out.append(avg)
+    return out
+
+
+def run_figure(events: list[dict], height: int = 320, *, history: list[dict] = (), smooth: float = 0.0,
+               log_loss: bool = False) -> go.Figure:
     """Loss, throughput (tokens/s) and step time (s) against the optimizer step.
 
     Args:
         events: metrics events (DESIGN.md contract); only "step", "eval", "restart" and "checkpoint" are read.
         height: figure height in pixels.
+        history: earlier runs, ``{"label": str, "events": [...]}``, whose loss is drawn thin beneath.
+        smooth: exponential-moving-average weight for the loss curves (0: raw).
+        log_loss: draw the loss on a log axis.
     Returns:
-        A go.Figure with three side-by-side panels; always three traces, empty before the first step,
-        and a fourth (the held-out loss, dashed, on the loss panel) once there are "eval" events.
+        A go.Figure with three side-by-side panels; three traces (one per panel, the first ones),
+        empty before the first step, then the held-out loss (dashed, on the loss panel) once there
+        are "eval" events, then one loss trace per earlier run.
     """
     steps = [e for e in events if e.get("event") == "step"]
     x = [e["step"] for e in steps]
     fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.07,
                         subplot_titles=("loss", "throughput (tokens/s)", "step time (s)"))
     for col, key in enumerate(("loss", "tokens_per_s", "step_time_s"), start=1):
-        fig.add_trace(go.Scatter(x=x, y=[e.get(key) for e in steps], mode="lines+markers", name=key,
+        y = [e.get(key) for e in steps]
+        fig.add_trace(go.Scatter(x=x, y=smoothed(y, smooth) if key == "loss" else y, mode="lines+markers", name=key,
                                  line=dict(color=COLORS[key], width=2), marker=dict(size=4), showlegend=False,
                                  hovertemplate=f"step %{{x}}<br>{key}: %{{y:.4g}}<extra></extra>"),
                       row=1, col=col)
@@ -171,12 +188,22 @@ def run_figure(events: list[dict], height: int = 320) -> go.Figure:
                                  customdata=[e["perplexity"] for e in evals],
                                  hovertemplate="step %{x}<br>val loss: %{y:.4g}<br>perplexity: %{customdata:.4g}"
                                                "<extra></extra>"), row=1, col=1)
+    for i, run in enumerate(history):
+        past = [e for e in run["events"] if e.get("event") == "step"]
+        fig.add_trace(go.Scatter(x=[e["step"] for e in past], y=smoothed([e["loss"] for e in past], smooth),
+                                 mode="lines", name=run["label"], showlegend=False, opacity=0.55,
+                                 line=dict(color=_PAST[i % len(_PAST)], width=1.2, dash="dot"),
+                                 hovertemplate=f"{run['label']}<br>step %{{x}}<br>loss %{{y:.4g}}<extra></extra>"),
+                      row=1, col=1)
+    if log_loss:
+        fig.update_yaxes(type="log", row=1, col=1)
     for e in events:
         if e.get("event") == "restart":
             fig.add_vline(x=e.get("step", 0), line=dict(color=COLORS["overflow"], dash="dot"))
-    if not steps:
+    if not steps and not history:
         fig.update_xaxes(range=[0, 10])
         fig.update_yaxes(showticklabels=False)
+    if not steps:
         fig.add_annotation(text="no steps yet: press Run", xref="paper", yref="paper", x=0.5, y=0.45,
                            showarrow=False, font=dict(size=14, color="#888"))
     last = steps[-1] if steps else None

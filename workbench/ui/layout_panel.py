@@ -9,7 +9,7 @@ import ipywidgets as w
 
 from workbench.catalog import DEVICES
 from workbench.spec import JobSpec
-from workbench.ui.live import figure_widget, labeled, note_html, section, sync_figure
+from workbench.ui.live import FigureBox, labeled, note_html, section
 from workbench.ui.state import WorkbenchState
 
 SHAPE_KEYS = ("layers", "hidden", "heads", "seq_len")
@@ -24,6 +24,20 @@ def _get(d: dict, key: str):
     return d
 
 
+# Where an error is shown: under the first section its text names (the key, or a degree like "dp(2)").
+_SECTION_KEYS = {
+    "model": ("model.", "model:"), "resources": ("resources.", "GPUs"),
+    "layout": ("layout.", "dp(", "tp(", "pp(", "zero"), "train": ("train.", "precision.", "micro_batch"),
+    "spec": (),
+}
+
+
+def _section_of(error: str) -> str:
+    """The form section an error belongs to: the one whose key appears first in its text."""
+    hits = [(error.find(k), name) for name, keys in _SECTION_KEYS.items() for k in keys if k in error]
+    return min(hits)[1] if hits else "spec"
+
+
 class LayoutPanel:
     """Form for the spec's model, resources, layout, precision and batch; `.widget` to display."""
 
@@ -36,44 +50,50 @@ class LayoutPanel:
         presets = list(PRESETS) + (["custom"] if "custom" not in PRESETS else [])
         self.fields: dict[str, w.ValueWidget] = {
             "model.preset": w.Dropdown(options=presets, layout=_FIELD),
-            **{f"model.{k}": w.BoundedIntText(min=1, max=10**7, layout=_FIELD) for k in SHAPE_KEYS},
+            **{f"model.{k}": w.IntText(layout=_FIELD) for k in SHAPE_KEYS},
             "resources.gpu": w.Dropdown(options=list(DEVICES), layout=_FIELD),
-            "resources.nodes": w.BoundedIntText(min=1, max=4096, layout=_FIELD),
-            "resources.gpus_per_node": w.BoundedIntText(min=1, max=64, layout=_FIELD),
-            "layout.dp": w.BoundedIntText(min=1, max=65536, layout=_FIELD),
-            "layout.tp": w.BoundedIntText(min=1, max=64, layout=_FIELD),
-            "layout.pp": w.BoundedIntText(min=1, max=256, layout=_FIELD),
+            "resources.nodes": w.IntText(layout=_FIELD),
+            "resources.gpus_per_node": w.IntText(layout=_FIELD),
+            "layout.dp": w.IntText(layout=_FIELD),
+            "layout.tp": w.IntText(layout=_FIELD),
+            "layout.pp": w.IntText(layout=_FIELD),
             "layout.zero": w.ToggleButtons(options=[0, 1, 2, 3], style={"button_width": "34px"}),
             "layout.offload": w.Dropdown(options=["none", "cpu", "nvme"], layout=_FIELD),
             "layout.activation_checkpointing": w.Dropdown(options=["none", "selective", "full"], layout=_FIELD),
             "layout.pp_schedule": w.Dropdown(options=["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"], layout=_FIELD),
             "precision.dtype": w.ToggleButtons(options=["fp32", "bf16", "fp16"], style={"button_width": "52px"}),
-            "train.micro_batch": w.BoundedIntText(min=1, max=65536, layout=_FIELD),
-            "train.global_batch": w.BoundedIntText(min=1, max=10**7, layout=_FIELD),
-            "train.steps": w.BoundedIntText(min=1, max=10**8, layout=_FIELD),
+            "train.micro_batch": w.IntText(layout=_FIELD),
+            "train.global_batch": w.IntText(layout=_FIELD),
+            "train.steps": w.IntText(layout=_FIELD),
         }
         self.follow = w.Checkbox(value=True, description="GPUs = dp × tp × pp", indent=False)
         self.summary = w.HTML()
-        self.error = w.HTML()
-        self.lr_fig = figure_widget(_lr_figure(JobSpec().train))  # the spec's learning-rate schedule
+        # No bounds on the number fields (they would clamp silently, tp=100 -> 64): load_spec says
+        # what is wrong, under the section the error names.
+        self.errors = {name: w.HTML() for name in _SECTION_KEYS}
+        self.lr_box = FigureBox()  # the spec's learning-rate schedule
+        self.lr_box.show(_lr_figure(JobSpec().train))
         for key, field in self.fields.items():
             field.add_class("wb-" + key.replace(".", "-"))  # stable hooks for the browser test and CSS
             field.observe(lambda ch, key=key: self._on_change(key), names="value")
         self.follow.observe(lambda ch: self._on_change("follow"), names="value")
         f = self.fields
+        e = self.errors
         self.widget = w.VBox([
+            e["spec"],
             section("Model", labeled(f["model.preset"], "preset"),
-                    *[labeled(f[f"model.{k}"], k.replace("_", " ")) for k in SHAPE_KEYS]),
+                    *[labeled(f[f"model.{k}"], k.replace("_", " ")) for k in SHAPE_KEYS], e["model"]),
             section("GPUs", labeled(f["resources.gpu"], "type"), self.follow,
-                    labeled(f["resources.nodes"], "nodes"), labeled(f["resources.gpus_per_node"], "per node")),
+                    labeled(f["resources.nodes"], "nodes"), labeled(f["resources.gpus_per_node"], "per node"),
+                    e["resources"]),
             section("Parallel layout", labeled(f["layout.dp"], "data (dp)"), labeled(f["layout.tp"], "tensor (tp)"),
                     labeled(f["layout.pp"], "pipeline (pp)"), labeled(f["layout.pp_schedule"], "pp schedule"),
                     labeled(f["layout.zero"], "ZeRO stage"), labeled(f["layout.offload"], "offload"),
-                    labeled(f["layout.activation_checkpointing"], "act. ckpt")),
+                    labeled(f["layout.activation_checkpointing"], "act. ckpt"), e["layout"]),
             section("Numerics and batch", labeled(f["precision.dtype"], "precision"),
                     labeled(f["train.micro_batch"], "micro-batch"), labeled(f["train.global_batch"], "global batch"),
-                    labeled(f["train.steps"], "steps")),
-            self.summary, self.error, section("Learning rate", self.lr_fig),
+                    labeled(f["train.steps"], "steps"), e["train"]),
+            self.summary, section("Learning rate", self.lr_box),
         ], layout=w.Layout(width="330px", min_width="330px", padding="0 12px 0 0"))
         state.observe(self._on_state)
         self.sync()
@@ -108,7 +128,9 @@ class LayoutPanel:
 
     def _show_status(self) -> None:
         st = self.state
-        self.error.value = note_html(st.error, "error")
+        where = _section_of(st.error) if st.error else None
+        for name, box in self.errors.items():
+            box.value = note_html(st.error, "error") if name == where else ""
         self.fields["resources.gpus_per_node"].disabled = self.follow.value
         self.fields["layout.pp_schedule"].disabled = self.fields["layout.pp"].value == 1
         if st.spec is None:
@@ -127,7 +149,7 @@ class LayoutPanel:
             f"{lay.world_size} ranks = dp {lay.dp} × tp {lay.tp} × pp {lay.pp} on "
             f"{res.nodes} × {res.gpus_per_node} {res.gpu}<br>{micro} micro-batch(es) of {s.train.micro_batch} "
             f"per dp rank per step</div>")
-        sync_figure(self.lr_fig, _lr_figure(s.train))
+        self.lr_box.show(_lr_figure(s.train))
 
     # -- widgets -> state ------------------------------------------------------------------
     def _on_change(self, key: str) -> None:
@@ -165,5 +187,5 @@ def _lr_figure(train):
     from workbench.ui.figures import lr_figure
 
     fig = lr_figure(train, height=170)
-    fig.update_layout(width=310, margin=dict(l=50, r=10, t=40, b=36), title_font_size=12)
+    fig.update_layout(margin=dict(l=50, r=10, t=40, b=36), title_font_size=12)
     return fig

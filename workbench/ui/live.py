@@ -1,7 +1,7 @@
-"""Small helpers shared by the panels: live FigureWidgets and inline notes.
+"""Small helpers shared by the panels: figure boxes and inline notes.
 
-A panel rebuilds a figure with a pure builder and `sync_figure` copies it into the widget in
-one batched message, so builders stay testable and the browser sees one update per refresh.
+A panel rebuilds a figure with a pure builder from the state and `FigureBox.show` draws it, so
+builders stay testable and no view is ever patched from an earlier one.
 """
 from __future__ import annotations
 
@@ -9,32 +9,32 @@ import html
 
 import ipywidgets as w
 import plotly.graph_objects as go
+import plotly.io as pio
 
 
-def figure_widget(fig: go.Figure) -> go.FigureWidget:
-    return go.FigureWidget(fig)
+class FigureBox(w.Output):
+    """Shows one plotly figure, drawn whole from each new `go.Figure` by JupyterLab's plotly
+    renderer (the jupyterlab-plotly extension that ships with plotly).
 
-
-def sync_figure(widget: go.FigureWidget, fig: go.Figure) -> None:
-    """Make `widget` show `fig`: values in one batch_update; traces re-created only if their kinds changed.
-
-    An unchanged figure sends nothing: an update that reaches plotly.js while it is still drawing
-    the widget's first view leaves the plot blank, and most spec edits do not change a chart.
+    Never patched from what it showed: a FigureWidget patched in place kept stale parts (the red
+    "does not fit" shading under a "fits" title), broke in plotly.js when its traces changed
+    ("Cannot read properties of undefined") and drew blank or 700 px wide inside a Box. The
+    renderer fits its column and follows resizes. Safe to call from a background thread.
     """
-    key = fig.to_json()
-    if getattr(widget, "_wb_last", None) == key:
-        return
-    widget._wb_last = key
-    same = len(widget.data) == len(fig.data) and all(a.type == b.type for a, b in zip(widget.data, fig.data))
-    if not same:
-        widget.data = ()
-        widget.add_traces(list(fig.data))
-        widget.layout = fig.layout
-        return
-    with widget.batch_update():
-        for old, new in zip(widget.data, fig.data):
-            old.update(new.to_plotly_json(), overwrite=True)
-        widget.layout.update(fig.layout.to_plotly_json(), overwrite=True)
+
+    def __init__(self, **kwargs):
+        super().__init__(layout=w.Layout(width="100%", max_width="100%"), **kwargs)
+        self.figure: go.Figure | None = None
+        self._shown: str | None = None
+
+    def show(self, fig: go.Figure | None) -> None:
+        """Draw `fig` (None: nothing); an identical figure sends nothing."""
+        key = fig.to_json() if fig is not None else None
+        if key == self._shown:
+            return
+        self.figure, self._shown = fig, key
+        data = {} if fig is None else pio.renderers["plotly_mimetype"].to_mimebundle(fig)
+        self.outputs = ({"output_type": "display_data", "data": data, "metadata": {}},) if data else ()
 
 
 def note_html(text: str | None, kind: str = "info") -> str:

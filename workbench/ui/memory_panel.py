@@ -10,70 +10,73 @@ import html
 import ipywidgets as w
 
 from workbench.ui import figures
-from workbench.ui.live import figure_widget, note_html, sync_figure
+from workbench.ui.live import FigureBox, note_html
 from workbench.ui.state import WorkbenchState
 
+
 class MemoryPanel:
-    """Stacked per-rank memory bars vs the device line, and a planner table; `.widget` to display."""
+    """Stacked per-rank memory bars vs the device line, and a planner table; `.widget` to display.
+
+    `render` draws every part from the state alone (note, chart, schedule, planner table, button),
+    so no sequence of edits can leave a part showing an earlier spec.
+    """
 
     def __init__(self, state: WorkbenchState):
         self.state = state
-        self.fig = figure_widget(figures.memory_figure(figures.empty_estimate()))
         self.note = w.HTML()
+        self.details = w.HTML()
         self.plan_button = w.Button(description="Find layouts that fit", icon="search", button_style="info",
-                                    layout=w.Layout(width="200px"))
+                                    layout=w.Layout(width="200px", flex="0 0 auto"))
         self.plan_button.on_click(lambda _: self._plan())
-        self.plan_box = w.VBox()
-        # The figure leaves the box while there is no estimate. FigureWidgets are shown by adding
-        # them to a box, not by display toggling or tabs, which can leave plotly.js views blank.
-        self.fig_box = w.Box([])
-        self.schedule_box = w.VBox()  # the simulated pipeline schedule, for pp > 1
-        self.widget = w.VBox([self.note, self.fig_box, self.schedule_box, w.HBox([self.plan_button]), self.plan_box])
+        self.plan_box = w.VBox(layout=w.Layout(max_width="100%", overflow="auto"))
+        self.plan_fig_box = FigureBox()
+        self.fig_box = FigureBox()
+        self.fig_box.add_class("wb-memory-chart")
+        self.schedule_box = FigureBox()  # the simulated pipeline schedule, pp > 1
+        self.widget = w.VBox([self.note, self.fig_box, self.details, self.schedule_box, w.HBox([self.plan_button]),
+                              self.plan_box, self.plan_fig_box], layout=w.Layout(max_width="100%"))
         state.observe(self._on_state)
-        self.refresh()
+        self.render()
 
     def _on_state(self, topic: str) -> None:
-        if topic == "spec":
-            self.refresh()
-        elif topic == "plan":
-            self._show_plan()
+        if topic in ("spec", "plan"):
+            self.render()
 
-    def refresh(self) -> None:
+    def render(self) -> None:
         st = self.state
-        if st.error:
-            self.note.value = note_html("Fix the layout to see its memory: " + st.error, "error")
-            self.fig_box.children = []
-            return
-        if st.estimate is None:
+        est = st.estimate if st.spec is not None else None
+        self.plan_button.disabled = st.spec is None
+        self.plan_button.tooltip = "Fix the layout first" if st.spec is None else "Ask the planner for layouts"
+        if st.spec is None:
+            self.note.value = note_html("No memory chart while the form shows an error (see the form).", "info")
+        elif est is None:
             self.note.value = note_html(st.estimate_note or "No estimate.", "info")
-            self.fig_box.children = []
-            return
-        est = st.estimate
-        bad = [r["rank"] for r in est["per_rank"] if r["total"] > est["device_memory"]]
-        if bad:
-            self.note.value = note_html(
-                f"{len(bad)} of {est['world_size']} ranks need more than the device's "
-                f"{est['device_memory'] / 2**30:.1f} GiB. Try ZeRO 3, activation checkpointing, a smaller "
-                "micro-batch, more tp/pp, or \"Find layouts that fit\".", "error")
         else:
-            self.note.value = note_html(st.estimate_note, "info")
-        sync_figure(self.fig, figures.memory_figure(est))
-        if not self.fig_box.children:
-            self.fig_box.children = [self.fig]  # after the update: a new view draws the final figure
-        self._show_schedule()
+            self.note.value = self._verdict_note(est)
+        self.fig_box.show(figures.memory_figure(est) if est is not None else None)
+        self.details.value = _details(est) if est is not None else ""
+        self.schedule_box.show(self._schedule_figure() if st.spec is not None else None)
+        self._show_plan()
 
-    def _show_schedule(self) -> None:
+    def _verdict_note(self, est: dict) -> str:
+        bad = [r["rank"] for r in est["per_rank"] if r["total"] > est["device_memory"]]
+        if not bad:
+            return note_html(self.state.estimate_note, "info")
+        return note_html(
+            f"{len(bad)} of {est['world_size']} ranks need more than the device's "
+            f"{est['device_memory'] / 2**30:.1f} GiB. Try ZeRO 3, activation checkpointing, a smaller "
+            "micro-batch, more tp/pp, or \"Find layouts that fit\".", "error")
+
+    def _schedule_figure(self):
         """For pp > 1: the schedule's order of work per rank (simulated with backward = 2 x forward)."""
         spec = self.state.spec
         lay = spec.layout
         if lay.pp == 1:
-            self.schedule_box.children = []
-            return
+            return None
         try:
             from workbench.timeline import bubble_fraction, simulate, timeline_figure
         except ImportError:
-            self.schedule_box.children = []
-            return
+            return None
         micro = spec.train.global_batch // (lay.dp * spec.train.micro_batch)
         events = simulate(lay.pp_schedule, lay.pp, micro, lay.virtual_stages)
         title = (f"{lay.pp_schedule} schedule, pp={lay.pp}, {micro} micro-batches: bubble "
@@ -81,10 +84,7 @@ class MemoryPanel:
         fig = timeline_figure(events, title=title)
         fig.update_layout(height=120 + 36 * lay.pp, template="plotly_white", margin=dict(l=60, r=20, t=48, b=40),
                           xaxis_title="time (units of one forward)")
-        if self.schedule_box.children:
-            sync_figure(self.schedule_box.children[0], fig)
-        else:
-            self.schedule_box.children = [figure_widget(fig)]
+        return fig
 
     def _plan(self) -> None:
         self.plan_button.disabled = True
@@ -92,37 +92,53 @@ class MemoryPanel:
         try:
             self.state.run_plan()
         finally:
-            self.plan_button.disabled = False
             self.plan_button.description = "Find layouts that fit"
+            self.plan_button.disabled = self.state.spec is None
 
     def _show_plan(self) -> None:
-        plan = self.state.plan or {}
-        if "note" in plan:
-            self.plan_box.children = [w.HTML(note_html(plan["note"], "info"))]
+        plan = self.state.plan
+        if plan is None:  # none asked for, or the job changed since
+            self.plan_box.children = []
+            self.plan_fig_box.show(None)
             return
         rows = plan.get("candidates", [])
-        if not rows:
-            self.plan_box.children = [w.HTML(note_html("The planner found no layout for these resources.", "info"))]
+        if "note" in plan or not rows:
+            text = plan.get("note") or "The planner found no layout for these resources."
+            self.plan_box.children = [w.HTML(note_html(text, "info"))]
+            self.plan_fig_box.show(None)
             return
         header = ["layout", "fits", "peak GiB", "tokens/s", "step s", "MFU", "$/h", "spot $/h", ""]
         cells = [w.HTML(f"<b>{h}</b>") for h in header]
         for c in rows:
             ok = "<span style='color:#54A24B'>yes</span>" if c["fits"] else "<span style='color:#D62728'>no</span>"
-            values = [html.escape(figures.layout_label(c["layout"], c.get("micro_batch"))), ok,
-                      f"{c['peak_bytes'] / 2**30:.1f}", f"{c['tokens_per_s']:,.0f}", f"{c['step_time_s']:.3g}",
-                      f"{c.get('mfu', 0):.0%}", f"{c.get('usd_per_hour', 0):.2f}", f"{c.get('usd_per_hour_spot', 0):.2f}"]
-            use = w.Button(description="Use", layout=w.Layout(width="60px", height="26px"))
+            refused = c.get("not_runnable") if c.get("runnable") is False else None
+            label = html.escape(figures.layout_label(c["layout"], c.get("micro_batch")))
+            if refused:
+                label += f"<br><span style='color:#888;font-size:11px'>plan only: {html.escape(refused)}</span>"
+            values = [label, ok, f"{c['peak_bytes'] / 2**30:.1f}", f"{c['tokens_per_s']:,.0f}",
+                      f"{c['step_time_s']:.3g}", f"{c.get('mfu', 0):.0%}", f"{c.get('usd_per_hour', 0):.2f}",
+                      f"{c.get('usd_per_hour_spot', 0):.2f}"]
+            use = w.Button(description="Use", layout=w.Layout(width="52px", height="26px"),
+                           tooltip=f"Cannot run here: {refused}" if refused else "Write this layout into the form")
             use.on_click(lambda _, c=c: self.apply(c))
             cells += [w.HTML(v) for v in values] + [use]
         grid = w.GridBox(cells, layout=w.Layout(
-            grid_template_columns="minmax(220px, 2.5fr) repeat(7, minmax(60px, 1fr)) 70px", grid_gap="2px 10px"))
-        self.plan_box.children = [w.HTML(given_html(plan)), grid, figure_widget(figures.plan_figure(plan))]
+            grid_template_columns="minmax(150px, 2.5fr) repeat(7, minmax(44px, 1fr)) 56px", grid_gap="2px 8px",
+            min_width="560px"))
+        grid.add_class("wb-plan-table")
+        self.plan_box.children = [w.HTML(given_html(plan)), grid]
+        self.plan_fig_box.show(figures.plan_figure(plan))
 
-    def apply(self, candidate: dict) -> None:
-        """Write a planner candidate's layout (and micro-batch) into the spec."""
+    @staticmethod
+    def _overrides(candidate: dict) -> dict:
         overrides = {f"layout.{k}": v for k, v in candidate["layout"].items()}
         if candidate.get("micro_batch"):
             overrides["train.micro_batch"] = candidate["micro_batch"]
+        return overrides
+
+    def apply(self, candidate: dict) -> None:
+        """Write a planner candidate's layout (and micro-batch) into the spec."""
+        overrides = self._overrides(candidate)
         overrides["resources.gpus_per_node"] = None  # the planner keeps the GPU count; let the layout set it
         self.state.update(overrides)
 
@@ -137,3 +153,15 @@ def given_html(plan: dict) -> str:
     return (f"<p><b>Your layout</b> {html.escape(figures.layout_label(g['layout'], g.get('micro_batch')))}: {fits}, "
             f"peak {g['peak_bytes'] / 2**30:.1f} GiB, {g['tokens_per_s']:,.0f} tokens/s, step {g['step_time_s']:.3g} s, "
             f"MFU {g['mfu']:.0%}, ${g['usd_per_hour']:.2f}/h (spot ${g['usd_per_hour_spot']:.2f}/h)</p>")
+
+
+def _details(est: dict) -> str:
+    """What the bars alone do not say: the estimate's notes and bytes offloaded to the host."""
+    lines = [html.escape(n) for n in est.get("notes", [])]
+    offloaded = max((r.get("offloaded_bytes", 0) for r in est["per_rank"]), default=0)
+    if offloaded:
+        lines.insert(0, f"<b>{offloaded / 2**30:.2f} GiB per rank offloaded to "
+                        f"{html.escape(est.get('offloaded_to', 'host memory'))}</b> (not in the bars)")
+    if not lines:
+        return ""
+    return "<div style='font-size:12px;color:#555;line-height:1.45'>" + "<br>".join(lines) + "</div>"

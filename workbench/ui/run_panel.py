@@ -1,167 +1,263 @@
-"""Run panel: run the spec on local Ray and watch loss, throughput, step time and memory live.
+"""Run panel: Run / Stop / Resume on local Ray, live figures, the run's log, history and report.
 
-`workbench.launch.start` runs the job in a background thread and calls `state.add_event` from
-there; the state's refresher thread redraws at most every `refresh_s`, so the kernel stays free
-for other cells while the job runs.
+Each button only starts work; the job is followed on a background thread, and every figure and
+text is drawn from the state (`render`), so the kernel stays free for other cells while the job
+runs. Ray itself is started by a thread that outlives the run (`backends.local_ray.ensure_ray`).
 """
 from __future__ import annotations
 
+import html
 import threading
+import time
+from pathlib import Path
 
 import ipywidgets as w
 
 from workbench.errors import ConfigError, WorkerError
 from workbench.ui import figures
-from workbench.ui.live import figure_widget, note_html, sync_figure
+from workbench.ui.live import FigureBox, note_html
 from workbench.ui.state import WorkbenchState
 
 _DONE_KIND = {"completed": "ok", "stopped": "info", "preempted": "info", "failed": "error"}
+_LOGGED = ("note", "warning", "checkpoint", "restart", "error", "end")  # events shown as log lines
+_BUTTON = dict(flex="0 0 auto", width="auto", min_width="84px")
 
 
 class RunPanel:
-    """Run/Stop buttons, progress, and the live figures; `.widget` to display."""
+    """Run/Stop/Resume buttons, progress, the live figures, log, history and report; `.widget` to display."""
 
     def __init__(self, state: WorkbenchState):
         self.state = state
         self.handle = None
         self._error: str | None = None
         self._stop_requested = False
+        self._phase = ""  # start-up progress until the first step
+        self._t0 = 0.0
+        self._render_lock = threading.Lock()  # the refresher thread and the kernel's thread both render
         self.run_button = w.Button(description="Run", icon="play", button_style="success",
-                                   tooltip="Train this spec on local Ray", layout=w.Layout(width="110px"))
+                                   tooltip="Train this spec on local Ray", layout=w.Layout(**_BUTTON))
         self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger", disabled=True,
-                                    layout=w.Layout(width="110px"))
-        self.progress = w.IntProgress(value=0, min=0, max=1, bar_style="info", layout=w.Layout(width="320px"))
-        self.progress_text = w.Label("idle")
+                                    tooltip="Stop after the current step", layout=w.Layout(**_BUTTON))
+        self.resume_button = w.Button(description="Resume", icon="step-forward", tooltip=(
+            "Continue from the newest checkpoint"), layout=w.Layout(display="none", **_BUTTON))
+        self.report_button = w.Button(description="Export report", icon="download", disabled=True,
+                                      tooltip="Write this run as one offline HTML file", layout=w.Layout(**_BUTTON))
+        self.progress = w.IntProgress(value=0, min=0, max=1, bar_style="info",
+                                      layout=w.Layout(flex="1 1 160px", min_width="120px", max_width="320px"))
+        self.progress_text = w.HTML("idle")
+        self.progress_text.add_class("wb-run-progress")
         self.note = w.HTML()
-        self.run_fig = figure_widget(figures.run_figure([]))
-        self.mem_fig = figure_widget(figures.memory_figure(figures.empty_estimate(), height=320))
-        self.timeline_fig = figure_widget(figures.timeline_figure([]))
-        self.mem_box = w.Box([])  # gets mem_fig with the first memory event
-        self.timeline_box = w.VBox()
+        self.smooth = w.FloatSlider(value=0.0, min=0.0, max=0.95, step=0.05, description="smoothing",
+                                    readout_format=".2f", layout=w.Layout(width="260px"))
+        self.log_loss = w.Checkbox(value=False, description="log-scale loss", indent=False,
+                                   layout=w.Layout(width="auto"))
+        self.overlay = w.Checkbox(value=True, description="earlier runs", indent=False, layout=w.Layout(width="auto"))
+        self.run_box = FigureBox()
+        self.run_box.add_class("wb-run-chart")
+        self.mem_box = FigureBox()  # with the first memory event
+        self.timeline_box = FigureBox()
+        self.log = w.HTML()
         self.run_button.on_click(lambda _: self.run())
+        self.resume_button.on_click(lambda _: self.run(resume=True))
         self.stop_button.on_click(lambda _: self.stop())
+        self.report_button.on_click(lambda _: self.export_report())
+        for toggle in (self.smooth, self.log_loss, self.overlay):
+            toggle.observe(lambda _: self.render(), names="value")
+        wrap = dict(flex_flow="row wrap", align_items="center", grid_gap="6px 8px")
         self.widget = w.VBox([
-            w.HBox([self.run_button, self.stop_button, self.progress, self.progress_text],
-                   layout=w.Layout(align_items="center", grid_gap="8px")),
-            self.note, self.run_fig, self.mem_box, self.timeline_box])
+            w.HBox([self.run_button, self.stop_button, self.resume_button, self.progress, self.progress_text],
+                   layout=w.Layout(**wrap)),
+            self.note, self.run_box,
+            w.HBox([self.smooth, self.log_loss, self.overlay, self.report_button], layout=w.Layout(**wrap)),
+            self.mem_box, self.timeline_box, self.log], layout=w.Layout(max_width="100%"))
         state.observe(self._on_state)
+        self.render()
 
     # -- actions -------------------------------------------------------------------------
-    def run(self) -> None:
+    def run(self, resume: bool = False) -> None:
         """Start the spec on local Ray; errors in the spec are shown inline, never raised."""
         st = self.state
         if st.spec is None:
             self.note.value = note_html("Fix the layout first: " + (st.error or ""), "error")
             return
         try:
+            from workbench.launch import start
             from workbench.validate import check_runnable
 
             check_runnable(st.spec)
-            from workbench.launch import start
         except ConfigError as e:
             self.note.value = note_html(str(e), "error")
-            return
-        except ImportError:
-            self.note.value = note_html("Local runs need workbench.launch, which is not installed in this build yet.")
             return
         est = st.estimate
         if est is not None and not est["fits"]:
             self.note.value = note_html(
                 f"Predicted not to fit: the largest rank needs {max(r['total'] for r in est['per_rank']) / 2**30:.1f} GiB "
-                f"of {est['device_memory'] / 2**30:.1f} GiB. Change the layout (see the Memory tab) before running.",
-                "error")
+                f"of {est['device_memory'] / 2**30:.1f} GiB. Change the layout (see Memory) before running.", "error")
             return
-        self._error, self.handle = None, None
-        self.progress_text.value = "starting Ray…"
+        self._error, self.handle, self._stop_requested = None, None, False
+        self._t0 = time.monotonic()
+        self._phase = "starting Ray…" if not _ray_started() else f"starting {st.spec.world_size} rank(s)…"
         self.note.value = note_html(f"Starting {st.spec.world_size} worker(s) on local Ray…", "info")
         self.progress.max, self.progress.value = st.spec.train.steps, 0
-        st.start_events()
-        self.run_button.disabled, self.stop_button.disabled = True, False
-        self._stop_requested = False
-        # Starting Ray takes seconds: do it off the kernel's thread so the notebook stays usable.
-        threading.Thread(target=self._start_and_follow, args=(start, st.spec), name="workbench-ui-run",
+        label = f"run {len(st.history) + 1}" + (" (resumed)" if resume else "")
+        st.start_events(label)
+        threading.Thread(target=self._start_and_follow, args=(start, st.spec, resume), name="workbench-ui-run",
                          daemon=True).start()
 
-    def _start_and_follow(self, start, spec) -> None:
+    def _start_and_follow(self, start, spec, resume: bool) -> None:
         try:
-            self.handle = start(spec, on_event=self.state.add_event)
+            self.handle = start(spec, on_event=self.state.add_event, resume=resume)
         except Exception as e:  # noqa: BLE001 - on this thread nothing else would show it
             text = str(e) if isinstance(e, (ConfigError, WorkerError)) else f"{type(e).__name__}: {e}"
             self._error = f"the run did not start: {text}"
-            self.note.value = note_html(self._error, "error")
             self.state.finish("failed")
             return
+        self._phase = f"starting {spec.world_size} rank(s) (importing torch)…"
+        self.state.touch()
         if self._stop_requested:
             self.handle.cancel()
-        self._wait(self.handle)
-
-    def stop(self) -> None:
-        """Ask the workers to stop after the current step (the run ends "preempted", resumable)."""
-        self.stop_button.disabled = True
-        self.progress_text.value = "stopping after this step…"
-        self._stop_requested = True  # honoured as soon as the job exists, if it is still starting
-        if self.handle is not None:
-            threading.Thread(target=self.handle.cancel, name="workbench-ui-stop", daemon=True).start()
-
-    def _wait(self, handle) -> None:
-        """Follow the job on this thread: it pumps the events into the state until the job ends."""
         try:
-            status = handle.wait()
+            status = self.handle.wait()
             state, message = status.state.value, status.message
         except Exception as e:  # noqa: BLE001 - shown in the panel, never raised into the kernel
             state, message = "failed", f"{type(e).__name__}: {e}"
         if state == "failed":
             self._error = message or "the run failed (see the Ray logs)"
-            self.note.value = note_html(f"Run failed: {self._error}", "error")
         self.state.finish("failed" if state == "failed" else "completed")
+
+    def stop(self) -> None:
+        """Ask the workers to stop after the current step (the run ends "preempted", resumable)."""
+        self.stop_button.disabled = True
+        self._stop_requested = True  # honoured as soon as the job exists, if it is still starting
+        self._phase = "stopping after this step…"
+        if self.handle is not None:
+            self.handle.cancel()  # sets a flag: the driver's poll sends it to the ranks
+        self.render()
+
+    def export_report(self) -> Path | None:
+        """Write the shown run as a self-contained HTML report next to the notebook."""
+        from workbench.ui.report import write_report
+
+        spec, events = self.state.spec, self.state.snapshot()
+        if spec is None or not events:
+            return None
+        path = Path(f"{spec.name}-report.html")
+        write_report(events, spec, path)
+        self.note.value = note_html(f"Report written: {path.resolve()}", "ok")
+        return path
 
     # -- state -> widgets ----------------------------------------------------------------
     def _on_state(self, topic: str) -> None:
-        if topic == "events":
-            self.redraw(self.state.snapshot())
-        elif topic == "run":
-            self._show_run_state()
-        elif topic == "spec" and self.state.run_state != "running":
-            self.run_button.disabled = self.state.spec is None
+        if topic == "spec" and not self.state.events:  # only Run's availability depends on the spec
+            self.run_button.disabled = self.state.run_state == "running" or self.state.spec is None
+        elif topic in ("events", "run", "spec"):
+            self.render()
 
-    def redraw(self, events: list[dict]) -> None:
-        """Redraw every live figure from the events so far (one batched message per figure)."""
-        sync_figure(self.run_fig, figures.run_figure(events))
+    def render(self) -> None:
+        """Draw buttons, progress, note, figures and log from the state and this run's outcome."""
+        with self._render_lock:
+            self._render()
+
+    def _render(self) -> None:
+        st = self.state
+        events, running = st.snapshot(), st.run_state == "running"
         steps = [e for e in events if e.get("event") == "step"]
-        if steps:
-            self.progress.value = min(steps[-1]["step"], self.progress.max)
-            self.progress_text.value = f"step {steps[-1]['step']} / {self.progress.max}"
+        self.run_button.disabled = running or st.spec is None
+        self.stop_button.disabled = not running or self._stop_requested
+        self.report_button.disabled = running or not steps
+        can_resume = not running and st.run_state in ("preempted", "stopped", "failed") and _has_checkpoint(st.spec)
+        self.resume_button.layout.display = "" if can_resume else "none"
+        self.progress.max = max(self.progress.max, 1)
+        self.progress.value = min(steps[-1]["step"], self.progress.max) if steps else 0
+        self.progress.bar_style = {"completed": "success", "failed": "danger"}.get(st.run_state, "info")
+        self.progress_text.value = html.escape(self._progress_line(steps, running))
+        self.note.value = self._note(events, steps, running, can_resume)
+        history = [r for r in st.history if self.overlay.value]
+        self.run_box.show(figures.run_figure(events, history=history, smooth=self.smooth.value,
+                                                     log_loss=self.log_loss.value))
         measured = figures.latest_measured(events)
-        if measured:
-            spec = self.state.spec
-            device = _device_bytes(spec.resources.gpu) if spec is not None else None
-            fig = figures.memory_figure(self.state.estimate, measured, device_memory=device, height=320)
-            title = "Memory per rank: measured beside predicted" if self.state.estimate else "Memory per rank: measured"
-            fig.update_layout(title_text=title)
-            sync_figure(self.mem_fig, fig)
-            if not self.mem_box.children:
-                self.mem_box.children = [self.mem_fig]  # after the update: a new view draws the final figure
-        if any(e.get("event") == "timeline" for e in events):
-            sync_figure(self.timeline_fig, figures.timeline_figure(events))
-            if not self.timeline_box.children:
-                self.timeline_box.children = [self.timeline_fig]
-        restarts = [e for e in events if e.get("event") == "restart"]
-        if restarts and self.state.run_state == "running":
-            self.note.value = note_html(f"Restarted {len(restarts)} time(s); resumed from the last checkpoint.")
-        elif steps and self.state.run_state == "running":
-            self.note.value = ""
+        self.mem_box.show(self._memory_figure(measured) if measured else None)
+        has_timeline = any(e.get("event") == "timeline" for e in events)
+        self.timeline_box.show(figures.timeline_figure(events) if has_timeline else None)
+        self.log.value = _log_html(events)
 
-    def _show_run_state(self) -> None:
+    def _progress_line(self, steps: list[dict], running: bool) -> str:
         state = self.state.run_state
-        running = state == "running"
-        self.run_button.disabled, self.stop_button.disabled = running or self.state.spec is None, not running
-        self.progress.bar_style = {"completed": "success", "failed": "danger"}.get(state, "info")
-        if not running and state != "idle":
-            step = max((e.get("step", 0) for e in self.state.snapshot() if e.get("event") == "step"), default=0)
-            self.progress_text.value = f"{state} at step {step} / {self.progress.max}"
-            if self._error is None:
-                extra = " Resume it with resume=True / workbench run --resume." if state == "preempted" else ""
-                self.note.value = note_html(f"Run {state} after {step} step(s).{extra}", _DONE_KIND.get(state, "info"))
+        if state == "idle":
+            return "idle"
+        step = steps[-1]["step"] if steps else 0
+        if not running:
+            return f"{state} at step {step} / {self.progress.max}"
+        elapsed = time.monotonic() - self._t0
+        if self._stop_requested:
+            return f"stopping after step {step}… ({elapsed:.0f} s)"
+        if not steps:
+            return f"{self._phase} {elapsed:.0f} s"
+        eta = ""
+        if len(steps) >= 2:
+            per_step = (steps[-1]["time"] - steps[0]["time"]) / (len(steps) - 1) if "time" in steps[0] else None
+            if per_step:
+                eta = f", ETA {per_step * (self.progress.max - step):.0f} s"
+        return f"step {step} / {self.progress.max} · {elapsed:.0f} s elapsed{eta}"
+
+    def _note(self, events: list[dict], steps: list[dict], running: bool, can_resume: bool) -> str:
+        state = self.state.run_state
+        if self._error is not None:
+            return note_html(f"Run failed: {self._error}", "error")
+        if running:
+            restarts = sum(1 for e in events if e.get("event") == "restart")
+            if restarts:
+                return note_html(f"Restarted {restarts} time(s); resumed from the last checkpoint.")
+            return "" if steps else self.note.value
+        if state == "idle":
+            return self.note.value
+        step = steps[-1]["step"] if steps else 0
+        extra = ""
+        if state in ("preempted", "stopped"):
+            extra = (" Resume continues from its newest checkpoint." if can_resume else
+                     " It cannot be resumed: no checkpoint was written (set a checkpoint URI and interval under "
+                     "Dispatch to make runs resumable).")
+        return note_html(f"Run {state} after {step} step(s).{extra}", _DONE_KIND.get(state, "info"))
+
+    def _memory_figure(self, measured: dict):
+        spec = self.state.spec
+        device = _device_bytes(spec.resources.gpu) if spec is not None else None
+        fig = figures.memory_figure(self.state.estimate, measured, device_memory=device, height=320)
+        title = "Memory per rank: measured beside predicted" if self.state.estimate else "Memory per rank: measured"
+        return fig.update_layout(title_text=title)
+
+
+def _log_html(events: list[dict]) -> str:
+    lines = []
+    for e in events:
+        if e.get("event") in _LOGGED:
+            rest = {k: v for k, v in e.items() if k != "event"}
+            text = rest.pop("message", None) or ", ".join(f"{k}={v}" for k, v in rest.items())
+            lines.append(f"[{e['event']}] {text}")
+    if not lines:
+        return ""
+    body = html.escape("\n".join(lines[-200:]))
+    return (f"<details class='wb-run-log'><summary style='font-size:12px'>log ({len(lines)} lines)</summary>"
+            f"<pre style='max-height:180px;overflow:auto;font-size:11px;background:#f7f7f7;padding:6px;"
+            f"white-space:pre-wrap'>{body}</pre></details>")
+
+
+def _ray_started() -> bool:
+    import sys
+
+    ray = sys.modules.get("ray")
+    return bool(ray and ray.is_initialized())
+
+
+def _has_checkpoint(spec) -> bool:
+    if spec is None or not spec.checkpoint.uri:
+        return False
+    from workbench.runtime.checkpoint_store import Store
+
+    try:
+        return Store(spec.checkpoint.uri).latest_manifest() is not None
+    except Exception:  # noqa: BLE001 - an unreachable store means: nothing to resume from here
+        return False
 
 
 def _device_bytes(gpu: str) -> int | None:

@@ -30,8 +30,11 @@ class WorkbenchState:
         self.estimate: dict | None = None
         self.estimate_note: str | None = None
         self.plan: dict | None = None
+        self._plan_key: str | None = None  # the job the plan answers, without the layout it picks
         self.events: list[dict] = []
+        self.history: list[dict] = []  # earlier runs of this session: {"label", "status", "events"}
         self.run_state = "idle"  # idle | running | completed | failed | stopped | preempted
+        self._label = ""
         self.refresh_s = refresh_s
         self._observers: list[Observer] = []
         self._lock = threading.Lock()
@@ -60,6 +63,8 @@ class WorkbenchState:
         except ConfigError as e:
             self.spec, self.error = None, str(e)
         self._estimate()
+        if self.plan is not None and _plan_key(raw) != self._plan_key:
+            self.plan = None  # it answered another job
         self.notify("spec")
 
     def update(self, overrides: dict[str, Any]) -> None:
@@ -105,6 +110,7 @@ class WorkbenchState:
                 self.plan = plan(self.spec).to_dict(top=top)
             except ConfigError as e:
                 self.plan = {"note": str(e)}
+        self._plan_key = _plan_key(self.raw)
         self.notify("plan")
 
     # -- run events (called from the runtime's thread) -----------------------------------
@@ -119,24 +125,34 @@ class WorkbenchState:
         with self._lock:
             return list(self.events)
 
-    def start_events(self) -> None:
-        """Forget the previous run's events and start the throttled refresher thread."""
+    def start_events(self, label: str) -> None:
+        """Move the previous run's events to `history`, and start the throttled refresher thread."""
         with self._lock:
-            self.events = []
+            if self.events:
+                self.history.append({"label": self._label, "status": self.run_state, "events": self.events})
+            self.events, self._label = [], label
             self.run_state = "running"
         self.notify("run")
-        if self._refresher is None or not self._refresher.is_alive():
+        self.notify("events")  # the previous run's curves go at once, not with the new run's first step
+        if self._refresher is None:
             self._refresher = threading.Thread(target=self._refresh_loop, name="workbench-ui-refresh", daemon=True)
             self._refresher.start()
 
+    def touch(self) -> None:
+        """Ask for a redraw without a new event (e.g. the run's start-up moved on)."""
+        self._dirty.set()
+
     def _refresh_loop(self) -> None:
+        """Lives as long as the state (a thread that ended between two runs would miss the next)."""
+        shown = self.run_state
         while True:
-            self._dirty.wait()
+            # at least once a second while running: the elapsed time moves on
+            self._dirty.wait(timeout=1.0 if self.run_state == "running" else None)
             self._dirty.clear()
             self.notify("events")
-            if self.run_state != "running" and not self._dirty.is_set():
+            if self.run_state != shown:
+                shown = self.run_state
                 self.notify("run")
-                return
             time.sleep(self.refresh_s)  # throttle: at most one redraw per refresh_s
 
     def finish(self, status: str) -> None:
@@ -152,6 +168,16 @@ def default_spec_dict() -> dict:
     return {"name": "quickstart", "model": {"preset": "gpt-tiny"},
             "train": {"steps": 20, "global_batch": 16, "micro_batch": 4},
             "layout": {"dp": 2}, "resources": {"gpu": "cpu", "gpus_per_node": 2, "nodes": 1}}
+
+
+def _plan_key(raw: dict) -> str:
+    """What a plan depends on: the spec but the layout, micro-batch and per-node GPUs the planner sets."""
+    import json
+
+    rest = {k: v for k, v in raw.items() if k != "layout"}
+    rest["train"] = {k: v for k, v in (raw.get("train") or {}).items() if k != "micro_batch"}
+    rest["resources"] = {k: v for k, v in (raw.get("resources") or {}).items() if k != "gpus_per_node"}
+    return json.dumps(rest, sort_keys=True, default=str)
 
 
 def _copy(d: dict) -> dict:

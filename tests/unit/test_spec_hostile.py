@@ -1,0 +1,136 @@
+"""Hostile specs: every malformed file, encoding and --set value is a short ConfigError (CLI exit 2),
+never a traceback, a hang or a huge message; a hypothesis fuzz over the CLI and `load_spec`."""
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from workbench.cli import main
+from workbench.errors import ConfigError
+from workbench.spec import JobSpec, load_spec
+from workbench.spec_input import MAX_MESSAGE_CHARS
+
+QUICKSTART = "examples/quickstart.yaml"
+_ANCHORS = "abcdefghij"
+
+
+def alias_bomb(levels: int = 9, flow: bool = False) -> str:
+    """Billion laughs: each level lists the previous one 9 times (9**levels values)."""
+    items = [f"&a [{', '.join(['x'] * 9)}]"] + [
+        f"&{_ANCHORS[i]} [{', '.join(['*' + _ANCHORS[i - 1]] * 9)}]" for i in range(1, levels)]
+    if flow:
+        return "[" + ", ".join(items) + "]"
+    return "".join(f"l{i}: {item}\n" for i, item in enumerate(items)) + f"name: *{_ANCHORS[levels - 1]}\n"
+
+
+def cli(capsys, *args) -> tuple[int, str]:
+    code = main(list(args))
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err
+
+
+@pytest.mark.parametrize("encoding, ok", [("latin-1", False), ("utf-16", True), ("utf-8-sig", True)])
+def test_file_encodings(tmp_path, capsys, encoding, ok):
+    path = tmp_path / "s.yaml"
+    path.write_text("name: café\nlayout: {dp: 2}\n", encoding=encoding)
+    code, err = cli(capsys, "validate", str(path))
+    assert code == (0 if ok else 2)
+    if not ok:
+        assert "not UTF-8 text" in err and "save a spec file as UTF-8" in err
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("!!binary aGVsbG8=", "binary data (5 bytes) is not a spec value"),
+    ("!!timestamp 2024-01-01", "a date (2024-01-01) is not a spec value"),
+    ("caf\udce9", "not UTF-8 text"),  # what argv holds for a Latin-1 byte
+    ("[" * 1000 + "]" * 1000, "nested more than 32 levels deep"),
+    (alias_bomb(flow=True), "aliases expand to more than"),
+    ("&a [*a]", "refers to its own anchor"),
+])
+def test_set_values(capsys, value, needle):
+    for key in ("name", "model.kwargs.x", "unknown"):
+        t0 = time.perf_counter()
+        code, err = cli(capsys, "validate", QUICKSTART, "--set", f"{key}={value}")
+        assert time.perf_counter() - t0 < 1.0
+        assert code == 2 and needle in err, err
+
+
+def test_a_bare_date_is_a_name():
+    assert load_spec(QUICKSTART, ["name=2024-01-01"]).name == "2024-01-01"
+
+
+@pytest.mark.parametrize("text, needle", [
+    (alias_bomb(), "aliases expand to more than 20,000 values"),
+    ("name: job\nmodel: {preset: gpt-tiny, kwargs: {x: " + "[" * 1000 + "]" * 1000 + "}}\n", "nested more than"),
+    ("name: job\n" + "a:\n" + "".join("  " * i + " b:\n" for i in range(1, 300)), "nested more than"),
+    ("name: !!python/object:os.system ls\n", "not valid YAML"),
+    ("? [a]\n: b\n", "not valid YAML"),
+    ("1: 2\n", "keys must be text"),
+])
+def test_files(tmp_path, capsys, text, needle):
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    t0 = time.perf_counter()
+    code, err = cli(capsys, "memory", str(path))
+    assert time.perf_counter() - t0 < 1.0
+    assert code == 2 and needle in err, err
+
+
+def test_messages_are_capped(tmp_path, capsys):
+    code, err = cli(capsys, "validate", QUICKSTART, "--set", "layout.dp=" + "x" * 10**6,
+                    "--set", "name=" + "[" + "1," * 10**5 + "1]")
+    assert code == 2 and len(err) < MAX_MESSAGE_CHARS + 200
+
+
+def test_python_dicts_get_the_same_checks():
+    shared: list = ["x"] * 10
+    for _ in range(8):
+        shared = [shared] * 10  # a DAG of 10**9 leaves built in microseconds
+    with pytest.raises(ConfigError, match="more than 20,000 values"):
+        load_spec({"name": "job", "model": {"preset": "gpt-tiny", "kwargs": {"x": shared}}})
+    with pytest.raises(ConfigError, match=r"name: binary data"):
+        load_spec({"name": b"job"})
+
+
+# -- fuzz: the families above, mixed with arbitrary text and bytes ---------------------------------
+
+_KEYS = st.sampled_from(["name", "layout.dp", "layout.zero", "train.steps", "model.preset", "model.kwargs.k",
+                         "resources.gpu", "backend.sagemaker.role", "checkpoint.uri", "zzz", "layout", "a.b.c"])
+_VALUES = st.one_of(
+    st.text(max_size=40),
+    st.sampled_from(["!!binary aGk=", "2024-01-01", "2024-01-01T10:00:00", "!!set {a}", "~", ".nan", "-.inf",
+                     "1e400", "10" * 30, "caf\udce9", "&a [*a]", "[" * 200, "{a: [" * 50, alias_bomb(flow=True),
+                     "!!python/name:os.system", "\x00", "\ufeffname", "- a\n- b"]),
+    st.integers(min_value=2, max_value=2000).map(lambda n: "[" * n + "]" * n),
+)
+_FILES = st.one_of(
+    st.binary(max_size=200),
+    st.text(max_size=200).flatmap(lambda t: st.sampled_from(["utf-8", "utf-16", "utf-16-le", "latin-1", "utf-32"])
+                                  .map(lambda enc: t.encode(enc, "replace"))),
+    st.sampled_from([alias_bomb().encode(), b"name: \xff\xfe\n", b"\xef\xbb\xbfname: x\n", b"- 1\n- 2\n"]),
+)
+_COMMANDS = st.sampled_from(["validate", "memory", "plan", "dispatch"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(command=_COMMANDS, sets=st.lists(st.tuples(_KEYS, _VALUES), max_size=3))
+def test_fuzz_cli_set_values(capsys, command, sets):
+    extra = ["--dry-run", "--backend", "local"] if command == "dispatch" else []
+    t0 = time.perf_counter()
+    code, err = cli(capsys, command, QUICKSTART, *extra, *[a for k, v in sets for a in ("--set", f"{k}={v}")])
+    assert time.perf_counter() - t0 < 5.0
+    assert code in (0, 2) and len(err) < MAX_MESSAGE_CHARS + 200
+    assert code == 0 or err.startswith("error: ")
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=_FILES)
+def test_fuzz_load_spec_files(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("fuzz") / "s.yaml"
+    path.write_bytes(data)
+    try:
+        assert isinstance(load_spec(path), JobSpec)
+    except ConfigError as e:
+        assert len(str(e)) < MAX_MESSAGE_CHARS + 100

@@ -1,0 +1,140 @@
+"""Hostile-input guards for specs: bounded YAML parsing and a check that a raw spec is plain data.
+
+A spec is a few dozen keys, so anything far larger is a mistake or an attack: YAML aliases that
+expand to billions of nodes ("billion laughs"), lists nested a thousand deep, bytes, dates,
+undecodable text. Each becomes a short ConfigError before pydantic, json or a repr walks it.
+"""
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import yaml
+
+from workbench.errors import ConfigError
+
+MAX_DEPTH = 32  # sections are 3 deep; factory kwargs get the rest
+MAX_NODES = 20_000  # values after alias expansion; a full spec has ~150
+MAX_FILE_BYTES = 1 << 20
+MAX_MESSAGE_CHARS = 2_000
+
+
+def clip(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """`text` cut to `limit` characters, saying how much was left out."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text) - limit} more characters)"
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """SafeLoader bounded in depth and in expanded size while it composes, so a bomb is refused
+    before it is built; dates stay strings (a job named 2024-01-01 is a name, not a date)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+        self._weight: dict[int, int] = {}  # id(node) -> its node count with aliases expanded
+
+    def compose_node(self, parent, index):
+        is_alias = self.check_event(yaml.AliasEvent)
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark
+                raise ConfigError(f"nested more than {MAX_DEPTH} levels deep (line {mark.line + 1}). "
+                                  "A spec is a few sections of key: value pairs.")
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        if is_alias:
+            if id(node) not in self._weight:  # the anchor is still being composed: a cycle
+                raise ConfigError("a YAML alias refers to its own anchor (a cycle). Write the values out.")
+            return node
+        children = node.value if isinstance(node, yaml.SequenceNode) else (
+            [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else [])
+        weight = 1 + sum(self._weight[id(c)] for c in children)
+        if weight > MAX_NODES:
+            raise ConfigError(f"YAML aliases expand to more than {MAX_NODES:,} values (an alias bomb?). "
+                              "A spec is a few dozen keys; write the values out instead of nesting aliases.")
+        self._weight[id(node)] = weight
+        return node
+
+
+_SpecLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+
+def parse_yaml(text: str | bytes, where: str):
+    """Parse spec YAML (bytes: UTF-8, or UTF-16 with a BOM). Raises ConfigError naming `where`."""
+    try:
+        return yaml.load(text, Loader=_SpecLoader)
+    except ConfigError as e:  # a bound of _SpecLoader
+        raise ConfigError(f"{where}: {e}") from None
+    except yaml.reader.ReaderError as e:
+        raise ConfigError(f"{where}: not UTF-8 text ({clip(str(e.reason), 200)} at position {e.position}). "
+                          "Use UTF-8 (save a spec file as UTF-8; UTF-16 needs its byte-order mark).") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML: {clip(str(e), 500)}") from None
+    except RecursionError:  # a parser stage deeper than our composer bound (e.g. flow collections)
+        raise ConfigError(f"{where}: nested too deeply; a spec is a few sections of key: value pairs.") from None
+
+
+def read_spec_file(path: Path):
+    """The parsed YAML/JSON of a spec file. Raises ConfigError for a missing, huge or binary file."""
+    if not path.is_file():
+        raise ConfigError(f"spec file {clip(str(path), 300)!r} does not exist. "
+                          "Pass the path of a YAML spec, e.g. examples/quickstart.yaml.")
+    try:
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise ConfigError(f"{path}: {size / 2**20:.1f} MiB is not a spec (they are a few KiB; "
+                              f"the limit is {MAX_FILE_BYTES >> 20} MiB).")
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it: {e.strerror or e}.") from None
+    return parse_yaml(data, str(path))
+
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def check_plain(raw, where: str = "spec") -> None:
+    """Raise ConfigError unless `raw` is JSON-like data of bounded size: dicts with string keys,
+    lists, strings (valid Unicode), numbers, booleans and nulls; `where` names its place in errors."""
+    stack, seen = [(raw, where, 0)], 0
+    while stack:
+        value, path, depth = stack.pop()
+        seen += 1
+        if seen > MAX_NODES or depth > MAX_DEPTH:
+            what = f"more than {MAX_NODES:,} values" if seen > MAX_NODES else f"nesting deeper than {MAX_DEPTH}"
+            raise ConfigError(f"{clip(path, 200)}: {what}; a spec is a few sections of key: value pairs.")
+        if isinstance(value, dict):
+            for key, child in value.items():
+                if not isinstance(key, str):
+                    raise ConfigError(f"{clip(path, 200)}: keys must be text, got {_describe(key)}.")
+                _check_text(key, path)
+                stack.append((child, f"{path}.{key}" if path != "spec" else key, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((child, f"{path}[{i}]", depth + 1) for i, child in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(value, path)
+        elif not isinstance(value, _SCALARS):
+            raise ConfigError(f"{clip(path, 200)}: {_describe(value)} is not a spec value; use text, a number, "
+                              "true/false, a list or a mapping (quote it to keep it as text).")
+
+
+def _check_text(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # lone surrogates: bytes that were not UTF-8 (argv, os.fsdecode)
+        raise ConfigError(f"{clip(path, 200)}: not valid UTF-8 text (undecodable byte at character {e.start}). "
+                          "Use UTF-8.") from None
+
+
+def _describe(value) -> str:
+    if isinstance(value, (bytes, bytearray)):
+        return f"binary data ({len(value)} bytes)"
+    if isinstance(value, (datetime.date, datetime.datetime)):
+        return f"a date ({value.isoformat()})"
+    return f"a {type(value).__name__}"
