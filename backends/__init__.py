@@ -5,13 +5,9 @@ Each backend module imports its SDK lazily, so `import backends` costs nothing.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
 
 from backends.base import Backend, JobHandle, JobState, JobStatus
 from workbench.errors import ConfigError
-
-if TYPE_CHECKING:
-    from workbench.spec import JobSpec
 
 _MODULES = {
     "local": "backends.local_ray:LocalRayBackend",

@@ -46,7 +46,7 @@ def _sdk():
     return ml
 
 
-def check(spec: "JobSpec") -> None:
+def check(spec: JobSpec) -> None:
     """Azure-specific rules, before anything is built or sent. Raises ConfigError."""
     check_runnable(spec)  # what the job could not run is refused here, not after the machines start
     az = spec.backend.azureml
@@ -60,7 +60,7 @@ def check(spec: "JobSpec") -> None:
                           "like 00000000-0000-0000-0000-000000000000); see `az account show --query id`.")
 
 
-def build_job(spec: "JobSpec", name: str, code_dir: str, ckpt_uri: str):
+def build_job(spec: JobSpec, name: str, code_dir: str, ckpt_uri: str):
     """The azure-ai-ml command job for the spec (no network).
 
     Returns:
@@ -111,13 +111,13 @@ class AzureMLBackend:
         self._credential = credential  # default: azure.identity.DefaultAzureCredential()
         self._root = root
 
-    def _prepare(self, spec: "JobSpec"):
+    def _prepare(self, spec: JobSpec):
         check(spec)
         ckpt, note = checkpoint_uri(spec, "azureml://", DEFAULT_DATASTORE, "Azure ML")
         run_spec = spec.replace(**{"checkpoint.uri": ckpt})
         return run_spec, ckpt, job_name(spec, max_len=100), [note] if note else []
 
-    def dry_run(self, spec: "JobSpec") -> dict:
+    def dry_run(self, spec: JobSpec) -> dict:
         """The REST body of the job PUT; no credentials, no network."""
         run_spec, ckpt, name, notes = self._prepare(spec)
         bundle = build_bundle(run_spec, self._root)
@@ -131,7 +131,7 @@ class AzureMLBackend:
                          **bundle.summary()},
                 "notes": notes + more}
 
-    def submit(self, spec: "JobSpec") -> "AzureMLJob":
+    def submit(self, spec: JobSpec) -> AzureMLJob:
         """Upload the bundle as a code asset and create the job in the workspace."""
         ml = _sdk()
         run_spec, ckpt, name, _ = self._prepare(spec)

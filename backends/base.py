@@ -63,7 +63,7 @@ class JobHandle(Protocol):
 class Backend(Protocol):
     name: str
 
-    def dry_run(self, spec: "JobSpec") -> dict:
+    def dry_run(self, spec: JobSpec) -> dict:
         """The exact request submit() would send: JSON-serializable, no secrets, no network."""
 
-    def submit(self, spec: "JobSpec") -> JobHandle: ...
+    def submit(self, spec: JobSpec) -> JobHandle: ...

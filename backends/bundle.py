@@ -9,8 +9,8 @@ cloud job never needs your keys, it gets its own identity from the cloud.
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -191,7 +191,7 @@ def _left_out(path: Path, root: Path) -> bool:
     return False
 
 
-def named_files(spec: "JobSpec", root: Path) -> list[str]:
+def named_files(spec: JobSpec, root: Path) -> list[str]:
     """The project files and folders the spec names, relative to `root`: model.factory's top-level
     module or package, data.path (and data.tokenizer where the spec has one), and every match of
     backend.include's globs.
@@ -227,7 +227,7 @@ def named_files(spec: "JobSpec", root: Path) -> list[str]:
     return named
 
 
-def build_bundle(spec: "JobSpec", root: str | Path | None = None) -> Bundle:
+def build_bundle(spec: JobSpec, root: str | Path | None = None) -> Bundle:
     """The code bundle for a remote job, by allow-list: the workbench packages, the spec,
     requirements.txt and the project files the spec names (`named_files`).
 
@@ -277,14 +277,14 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "job"
 
 
-def job_name(spec: "JobSpec", max_len: int = 63) -> str:
+def job_name(spec: JobSpec, max_len: int = 63) -> str:
     """A unique, cloud-safe job name: the spec name (letters, digits, '-') and a UTC timestamp."""
     base = re.sub(r"[^a-zA-Z0-9]+", "-", spec.name).strip("-") or "job"
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     return f"{base[: max_len - len(stamp) - 1].strip('-')}-{stamp}"
 
 
-def checkpoint_uri(spec: "JobSpec", scheme: str, default_root: str, cloud: str) -> tuple[str, str]:
+def checkpoint_uri(spec: JobSpec, scheme: str, default_root: str, cloud: str) -> tuple[str, str]:
     """The checkpoint prefix for a cloud job, always ending in '/'.
 
     A URI of the cloud's scheme is used as given; no URI or a local path (a spec written for local

@@ -30,7 +30,7 @@ def groups_that_fit(nodes: list[dict], bundle: dict[str, float]) -> int:
                for n in nodes if n.get("Alive"))
 
 
-def _resources(spec: "JobSpec", world: int) -> dict:
+def _resources(spec: JobSpec, world: int) -> dict:
     """resources.* for `world` ranks: whole nodes of gpus_per_node where they divide, else one node."""
     per_node = spec.resources.gpus_per_node
     if world % per_node == 0:
@@ -38,7 +38,7 @@ def _resources(spec: "JobSpec", world: int) -> dict:
     return {"resources.nodes": 1, "resources.gpus_per_node": world}
 
 
-def shrink(spec: "JobSpec", groups: int) -> "JobSpec | None":
+def shrink(spec: JobSpec, groups: int) -> JobSpec | None:
     """The spec at the largest dp the cluster's `groups` tp groups hold, or None when it fits as is.
 
     Args:
@@ -78,7 +78,7 @@ def shrink(spec: "JobSpec", groups: int) -> "JobSpec | None":
         f"(e.g. {every}, a multiple of lcm(1..{lay.dp}) x micro_batch), or add nodes.")
 
 
-def describe(old: "JobSpec", new: "JobSpec", groups: int) -> str:
+def describe(old: JobSpec, new: JobSpec, groups: int) -> str:
     """The warning a shrink emits: what changed and what stays the same."""
     t = old.train
 

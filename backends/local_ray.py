@@ -24,8 +24,8 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from backends.base import JobState, JobStatus
 from backends.elastic import describe, groups_that_fit, shrink

@@ -27,7 +27,7 @@ _STATES = {"PENDING": JobState.PENDING, "RUNNING": JobState.RUNNING, "SUCCEEDED"
            "FAILED": JobState.FAILED, "STOPPED": JobState.STOPPED}
 
 
-def check(spec: "JobSpec") -> None:
+def check(spec: JobSpec) -> None:
     """Ray-cluster rules. Raises ConfigError."""
     check_runnable(spec)  # what the job could not run is refused here, not after the machines start
     address = spec.backend.ray.address
@@ -36,7 +36,7 @@ def check(spec: "JobSpec") -> None:
                           "e.g. http://head-node:8265.")
 
 
-def _notes(spec: "JobSpec") -> list[str]:
+def _notes(spec: JobSpec) -> list[str]:
     uri, ck = spec.checkpoint.uri, spec.checkpoint
     saving = ck.every_steps > 0 or ck.every_minutes > 0
     if saving and (not uri or "://" not in uri and not uri.startswith("/")):
@@ -50,7 +50,7 @@ def _notes(spec: "JobSpec") -> list[str]:
     return []
 
 
-def build_request(spec: "JobSpec", name: str, working_dir: str) -> dict:
+def build_request(spec: JobSpec, name: str, working_dir: str) -> dict:
     """The Jobs API submission (JobSubmissionClient.submit_job keyword arguments)."""
     return {
         "entrypoint": ENTRYPOINT,
@@ -78,7 +78,7 @@ class RayClusterBackend:
     def __init__(self, root=None):
         self._root = root  # project directory to bundle; default: the current directory
 
-    def dry_run(self, spec: "JobSpec") -> dict:
+    def dry_run(self, spec: JobSpec) -> dict:
         """The Jobs API request (POST /api/jobs/), the bundle standing in for working_dir."""
         check(spec)
         bundle = build_bundle(spec, self._root)
@@ -87,11 +87,11 @@ class RayClusterBackend:
                 "body": request, "code": {"sha256": sha256(bundle.tar_gz()), **bundle.summary()},
                 "notes": _notes(spec)}
 
-    def submit(self, spec: "JobSpec") -> "RayClusterJob":
+    def submit(self, spec: JobSpec) -> RayClusterJob:
         """Upload the bundle and start the job; returns a handle that follows it."""
         return self.submit_entrypoint(spec, ENTRYPOINT)
 
-    def submit_entrypoint(self, spec: "JobSpec", entrypoint: str) -> "RayClusterJob":
+    def submit_entrypoint(self, spec: JobSpec, entrypoint: str) -> RayClusterJob:
         """Submit the spec's bundle with another entrypoint (e.g. a smoke-test command)."""
         from ray.job_submission import JobSubmissionClient
 

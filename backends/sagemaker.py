@@ -36,11 +36,11 @@ def _sdk():
     return boto3, botocore
 
 
-def _bucket(spec: "JobSpec") -> str:
+def _bucket(spec: JobSpec) -> str:
     return (spec.backend.sagemaker.bucket or "").removeprefix("s3://").strip("/")
 
 
-def check(spec: "JobSpec") -> None:
+def check(spec: JobSpec) -> None:
     """SageMaker-specific rules, before anything is built or sent. Raises ConfigError."""
     check_runnable(spec)  # what the job could not run is refused here, not after the machines start
     sm, b = spec.backend.sagemaker, spec.backend
@@ -62,7 +62,7 @@ def check(spec: "JobSpec") -> None:
                           "with 'ml.', e.g. ml.p5.48xlarge.")
 
 
-def build_request(spec: "JobSpec", name: str, code_uri: str, ckpt_uri: str) -> tuple[dict, list[str]]:
+def build_request(spec: JobSpec, name: str, code_uri: str, ckpt_uri: str) -> tuple[dict, list[str]]:
     """CreateTrainingJob parameters for the spec (pure: no SDK, no network).
 
     Returns:
@@ -118,7 +118,7 @@ class SageMakerBackend:
         self._session = session  # a boto3.Session; default: the standard credential chain
         self._root = root  # project directory to bundle; default: the current directory
 
-    def _prepare(self, spec: "JobSpec"):
+    def _prepare(self, spec: JobSpec):
         check(spec)
         ckpt, note = checkpoint_uri(spec, "s3://", f"s3://{_bucket(spec)}", "SageMaker")
         run_spec = spec.replace(**{"checkpoint.uri": ckpt})
@@ -128,7 +128,7 @@ class SageMakerBackend:
         params, notes = build_request(run_spec, name, code_uri, ckpt)
         return run_spec, params, code_key, notes + ([note] if note else [])
 
-    def dry_run(self, spec: "JobSpec") -> dict:
+    def dry_run(self, spec: JobSpec) -> dict:
         """The validated, serialized CreateTrainingJob request; no credentials, no network."""
         _, botocore = _sdk()
         from botocore.awsrequest import AWSResponse
@@ -155,7 +155,7 @@ class SageMakerBackend:
         return {"operation": "CreateTrainingJob", "endpoint": captured["url"], "target": captured["target"],
                 "body": captured["body"], "code": code, "notes": notes}
 
-    def submit(self, spec: "JobSpec") -> "SageMakerJob":
+    def submit(self, spec: JobSpec) -> SageMakerJob:
         """Upload the code bundle to S3 and create the training job.
 
         Raises:

@@ -39,11 +39,11 @@ def _sdk():
     return aiplatform_v1
 
 
-def _bucket(spec: "JobSpec") -> str:
+def _bucket(spec: JobSpec) -> str:
     return (spec.backend.vertex.bucket or "").removeprefix("gs://").strip("/")
 
 
-def check(spec: "JobSpec") -> None:
+def check(spec: JobSpec) -> None:
     """Vertex-specific rules, before anything is built or sent. Raises ConfigError."""
     check_runnable(spec)  # what the job could not run is refused here, not after the machines start
     vx = spec.backend.vertex
@@ -59,7 +59,7 @@ def check(spec: "JobSpec") -> None:
     instances.check_region("vertex", vx.region)
 
 
-def _labels(spec: "JobSpec") -> dict:
+def _labels(spec: JobSpec) -> dict:
     return {"workbench": "true", "workbench-job": re.sub(r"[^a-z0-9_-]", "-", spec.name.lower())[:63]}
 
 
@@ -70,7 +70,7 @@ def _entry_script(code_path: str) -> str:
             f"exec python -m workbench.cloud_entry --spec {SPEC_FILE}")
 
 
-def build_body(spec: "JobSpec", name: str, code_key: str, ckpt_uri: str) -> tuple[dict, list[str]]:
+def build_body(spec: JobSpec, name: str, code_key: str, ckpt_uri: str) -> tuple[dict, list[str]]:
     """The CreateCustomJob REST body (camelCase JSON) for the spec. Pure: no SDK, no network."""
     vx, b, res = spec.backend.vertex, spec.backend, spec.resources
     notes = []
@@ -120,7 +120,7 @@ class VertexBackend:
         self._credentials = credentials  # default: Application Default Credentials
         self._api_endpoint, self._storage_endpoint, self._root = api_endpoint, storage_endpoint, root
 
-    def _prepare(self, spec: "JobSpec"):
+    def _prepare(self, spec: JobSpec):
         check(spec)
         ckpt, note = checkpoint_uri(spec, "gs://", f"gs://{_bucket(spec)}", "Vertex AI")
         run_spec = spec.replace(**{"checkpoint.uri": ckpt})
@@ -130,10 +130,10 @@ class VertexBackend:
         job = _sdk().CustomJob.from_json(json.dumps(body))  # validates names, enums and types
         return run_spec, job, code_key, notes + ([note] if note else [])
 
-    def _parent(self, spec: "JobSpec") -> str:
+    def _parent(self, spec: JobSpec) -> str:
         return f"projects/{spec.backend.vertex.project}/locations/{spec.backend.vertex.region}"
 
-    def dry_run(self, spec: "JobSpec") -> dict:
+    def dry_run(self, spec: JobSpec) -> dict:
         """The validated CreateCustomJob request; no credentials, no network."""
         aiplatform_v1 = _sdk()
         run_spec, job, code_key, notes = self._prepare(spec)
@@ -147,7 +147,7 @@ class VertexBackend:
                 "code": {"upload": f"gs://{_bucket(spec)}/{code_key}", "sha256": sha256(bundle), **data.summary()},
                 "notes": notes}
 
-    def submit(self, spec: "JobSpec") -> "VertexJob":
+    def submit(self, spec: JobSpec) -> VertexJob:
         """Upload the code bundle to the bucket and create the CustomJob."""
         aiplatform_v1 = _sdk()
         from google.api_core.client_options import ClientOptions

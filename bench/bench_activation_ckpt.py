@@ -68,7 +68,7 @@ def run(quick: bool = False) -> dict:
         rows[mode] = {"step_s": stats(step_s[mode]), "wall_step_s": stats(wall[mode]), "activations": max(memory[mode]),
                       "predicted_activations": _predicted(job_spec(cfg, mode))}
     base = rows["none"]
-    for mode, r in rows.items():
+    for r in rows.values():
         if "step_s" in r and "step_s" in base:
             r["memory_saved"] = 1 - r["activations"] / base["activations"]
             r["time_added"] = r["step_s"]["median"] / base["step_s"]["median"] - 1

@@ -46,8 +46,8 @@ def run(quick: bool = False, pool=None) -> dict:
     """Run every (schedule, m) on a pp-rank SpawnPool; rounds alternate the schedules."""
     from workbench.errors import ConfigError
     from workbench.runtime.spawn import SpawnPool
-    from workbench.validate import check_runnable
     from workbench.spec import LayoutSpec, load_spec
+    from workbench.validate import check_runnable
 
     cfg = config(quick)
     p = cfg["pp"]

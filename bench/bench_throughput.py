@@ -23,7 +23,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import ROOT, interleave, median_ci, paired_ratios, stats, steady_tokens_per_s, table, tiny_spec, write_result
+from bench.common import (
+    ROOT,
+    interleave,
+    median_ci,
+    paired_ratios,
+    stats,
+    steady_tokens_per_s,
+    table,
+    tiny_spec,
+    write_result,
+)
 
 GOAL = 0.97
 RAY_START_ATTEMPTS = 6

@@ -19,7 +19,6 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from workbench.memory.accuracy import THRESHOLDS, measure  # noqa: E402
 
-
 NOTES = [
     "FSDP2 (zero 2/3) all-gathers parameters that the layers then save for backward; they are "
     "transient gathers (`buffers` in the contract), not activations. The meter must skip them: "

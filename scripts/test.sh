@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up .venv (CPU torch from local disk, every extra) and the headless browser, then run the
-# whole test suite. Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not browser"`.
+# Set up .venv (CPU torch from local disk, every extra) and the headless browser, then lint,
+# type-check the core and run the whole test suite. Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not browser"`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -15,4 +15,6 @@ if ! command -v chromium >/dev/null; then
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q torch==2.13.0 -e '.[all,dev]' -c requirements/constraints.txt 2>&1 | { grep -v '^WARNING: Location' || true; }
+.venv/bin/ruff check workbench backends bench tests  # lint (pyproject: [tool.ruff])
+.venv/bin/mypy  # types of the torch-free core (pyproject: [tool.mypy])
 exec .venv/bin/python -m pytest "$@"

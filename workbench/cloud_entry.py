@@ -10,9 +10,9 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 if __name__ == "__main__" and __package__ in (None, ""):
     # Started as a script (SageMaker's launcher runs `torchrun workbench/cloud_entry.py`): make the

@@ -29,7 +29,7 @@ def checkpoint_dir(uri: str) -> tuple[str, dict]:
     Raises:
         ConfigError: no complete checkpoint there.
     """
-    from workbench.runtime.checkpoint_store import MANIFEST, Store, _STEP_RE
+    from workbench.runtime.checkpoint_store import _STEP_RE, MANIFEST, Store
 
     name = uri.rstrip("/").rsplit("/", 1)[-1]
     m = _STEP_RE.match(name)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from workbench.errors import WorkerError
 from workbench.runtime.checkpoint_store import RESUME_OR_FRESH

@@ -150,7 +150,7 @@ class GPT(nn.Module):
 # -- building -----------------------------------------------------------------------------
 
 
-def build_model_meta(spec: "JobSpec") -> nn.Module:
+def build_model_meta(spec: JobSpec) -> nn.Module:
     """The model with parameters on the meta device (no memory), ready to be parallelized."""
     m = spec.model
     if m.params is not None:
@@ -179,7 +179,7 @@ def call_factory(path: str, kwargs: dict) -> nn.Module:
     return model
 
 
-def build_model(spec: "JobSpec | dict | str") -> nn.Module:
+def build_model(spec: JobSpec | dict | str) -> nn.Module:
     """The model materialized on CPU with the spec's deterministic initialization.
 
     Args:

@@ -69,7 +69,7 @@ class Price:
     source: str
 
 
-def load_prices(override: "str | dict | None" = None) -> dict[str, dict[str, Price]]:
+def load_prices(override: str | dict | None = None) -> dict[str, dict[str, Price]]:
     """device -> cloud -> Price per GPU-hour.
 
     Args:

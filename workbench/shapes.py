@@ -101,7 +101,7 @@ PRESETS: dict[str, dict] = {
 SHAPE_FIELDS = ("family", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len", "tie_embeddings")
 
 
-def resolve_shape(m: "ModelSpec") -> ModelShape:
+def resolve_shape(m: ModelSpec) -> ModelShape:
     """Merge a preset with explicit fields into a full ModelShape.
 
     Raises:

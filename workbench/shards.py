@@ -12,8 +12,8 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -182,7 +182,7 @@ def _bar(total: int, enabled: bool):
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="tokenizing", file=sys.stderr)
 
 
-def _encode_into(tok, batch: list[tuple[str, bool]], writer: "_ShardWriter", bar) -> int:
+def _encode_into(tok, batch: list[tuple[str, bool]], writer: _ShardWriter, bar) -> int:
     if not batch:
         return 0
     ids = tok.encode_batch([t for t, _ in batch])

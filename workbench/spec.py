@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -37,23 +37,23 @@ class ModelSpec(_Section):
     ``{preset: gpt-tiny, layers: 8}``.
     """
 
-    preset: Optional[str] = Field(None, description="Named model shape, e.g. gpt-tiny, gpt2-124m, llama-7b.")
-    family: Optional[Literal["gpt", "llama"]] = Field(
+    preset: str | None = Field(None, description="Named model shape, e.g. gpt-tiny, gpt2-124m, llama-7b.")
+    family: Literal["gpt", "llama"] | None = Field(
         None, description="gpt: LayerNorm, GELU 4h MLP, learned positions, tied head. "
         "llama: RMSNorm, SwiGLU MLP, rotary positions, untied head, no biases.")
-    layers: Optional[int] = Field(None, gt=0, description="Number of transformer blocks.")
-    hidden: Optional[int] = Field(None, gt=0, description="Model width (d_model).")
-    heads: Optional[int] = Field(None, gt=0, description="Attention heads.")
-    kv_heads: Optional[int] = Field(None, gt=0, description="Key/value heads (grouped-query attention); default = heads.")
-    ffn_hidden: Optional[int] = Field(None, gt=0, description="MLP inner width; default 4*hidden (gpt).")
-    vocab: Optional[int] = Field(None, gt=0, description="Vocabulary size.")
-    seq_len: Optional[int] = Field(None, gt=0, description="Sequence length (tokens per sample).")
-    tie_embeddings: Optional[bool] = Field(None, description="Share the embedding and output head weights.")
-    params: Optional[float] = Field(None, gt=0, description="A size alone (e.g. 7.5e9): planning of model states only, nothing to run.")
-    factory: Optional[str] = Field(None, description="'pkg.module:function' returning an nn.Module (forward(tokens) -> logits).")
+    layers: int | None = Field(None, gt=0, description="Number of transformer blocks.")
+    hidden: int | None = Field(None, gt=0, description="Model width (d_model).")
+    heads: int | None = Field(None, gt=0, description="Attention heads.")
+    kv_heads: int | None = Field(None, gt=0, description="Key/value heads (grouped-query attention); default = heads.")
+    ffn_hidden: int | None = Field(None, gt=0, description="MLP inner width; default 4*hidden (gpt).")
+    vocab: int | None = Field(None, gt=0, description="Vocabulary size.")
+    seq_len: int | None = Field(None, gt=0, description="Sequence length (tokens per sample).")
+    tie_embeddings: bool | None = Field(None, description="Share the embedding and output head weights.")
+    params: float | None = Field(None, gt=0, description="A size alone (e.g. 7.5e9): planning of model states only, nothing to run.")
+    factory: str | None = Field(None, description="'pkg.module:function' returning an nn.Module (forward(tokens) -> logits).")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the factory.")
 
-    def shape(self) -> "ModelShape":
+    def shape(self) -> ModelShape:
         """The resolved architecture (preset + overrides). Raises ConfigError if incomplete."""
         from workbench.shapes import resolve_shape
 
@@ -64,9 +64,9 @@ class DataSpec(_Section):
     """Where the tokens come from. Batches depend only on seed, step and global_batch."""
 
     source: Literal["synthetic", "text", "tokens"] = Field("synthetic", description="synthetic: a seeded, learnable token stream; text: a local file through a byte-level tokenizer; tokens: shards from `workbench data prepare`, read by memmap.")
-    path: Optional[str] = Field(None, description="Text file for source=text (default: the small public-domain text shipped with workbench); the shards' directory or fsspec URI for source=tokens.")
+    path: str | None = Field(None, description="Text file for source=text (default: the small public-domain text shipped with workbench); the shards' directory or fsspec URI for source=tokens.")
     seed: int = Field(0, ge=0, description="Seed of the data order; the same seed gives the same batches under every layout.")
-    tokenizer: Optional[str] = Field(None, description="source=tokens: a tokenizer.json to decode with (sample, export); default: the one saved with the shards.")
+    tokenizer: str | None = Field(None, description="source=tokens: a tokenizer.json to decode with (sample, export); default: the one saved with the shards.")
     val_fraction: float = Field(0.0, ge=0, lt=1, description="The last fraction of the text / token stream held out for evaluation (train.eval_every).")
 
 
@@ -133,7 +133,7 @@ class CheckpointSpec(_Section):
 
     every_steps: int = Field(0, ge=0, description="Save every N optimizer steps; 0 disables step-based saving.")
     every_minutes: float = Field(0.0, ge=0, description="Also save when this many minutes passed since the last save; 0 disables.")
-    uri: Optional[str] = Field(None, description="Local path or s3:// gs:// az:// URI. Clouds default to <bucket>/workbench/<name>/checkpoints/.")
+    uri: str | None = Field(None, description="Local path or s3:// gs:// az:// URI. Clouds default to <bucket>/workbench/<name>/checkpoints/.")
     keep: int = Field(3, gt=0, description="Complete checkpoints to keep.")
     async_save: bool = Field(False, description="Write in the background so training does not wait on storage.")
 
@@ -141,8 +141,8 @@ class CheckpointSpec(_Section):
 class TrackingSpec(_Section):
     """Experiment trackers that receive the same step, eval and memory numbers (from rank 0)."""
 
-    tensorboard: Optional[str] = Field(None, description="Directory for TensorBoard event files.")
-    mlflow: Optional[str] = Field(None, description="MLflow tracking URI, e.g. file:./mlruns or http://host:5000.")
+    tensorboard: str | None = Field(None, description="Directory for TensorBoard event files.")
+    mlflow: str | None = Field(None, description="MLflow tracking URI, e.g. file:./mlruns or http://host:5000.")
 
 
 class RaySection(_Section):
@@ -150,29 +150,29 @@ class RaySection(_Section):
 
 
 class SageMakerSection(_Section):
-    role: Optional[str] = Field(None, description="IAM role ARN the training job assumes.")
+    role: str | None = Field(None, description="IAM role ARN the training job assumes.")
     region: str = Field("us-east-1", description="AWS region.")
-    bucket: Optional[str] = Field(None, description="S3 bucket for code, checkpoints and output.")
-    image: Optional[str] = Field(None, description="Training image URI; default: the PyTorch training image for our torch version.")
-    instance_type: Optional[str] = Field(None, description="Override the instance type derived from resources.")
+    bucket: str | None = Field(None, description="S3 bucket for code, checkpoints and output.")
+    image: str | None = Field(None, description="Training image URI; default: the PyTorch training image for our torch version.")
+    instance_type: str | None = Field(None, description="Override the instance type derived from resources.")
 
 
 class VertexSection(_Section):
-    project: Optional[str] = Field(None, description="GCP project id.")
+    project: str | None = Field(None, description="GCP project id.")
     region: str = Field("us-central1", description="GCP region.")
-    bucket: Optional[str] = Field(None, description="gs:// bucket for staging, output and checkpoints.")
-    image: Optional[str] = Field(None, description="Container image; default: Vertex's PyTorch training image.")
-    machine_type: Optional[str] = Field(None, description="Override the machine type derived from resources.")
-    service_account: Optional[str] = Field(None, description="Service account the job runs as.")
+    bucket: str | None = Field(None, description="gs:// bucket for staging, output and checkpoints.")
+    image: str | None = Field(None, description="Container image; default: Vertex's PyTorch training image.")
+    machine_type: str | None = Field(None, description="Override the machine type derived from resources.")
+    service_account: str | None = Field(None, description="Service account the job runs as.")
 
 
 class AzureMLSection(_Section):
-    subscription_id: Optional[str] = Field(None, description="Azure subscription id.")
-    resource_group: Optional[str] = Field(None, description="Resource group of the workspace.")
-    workspace: Optional[str] = Field(None, description="Azure ML workspace name.")
-    compute: Optional[str] = Field(None, description="Compute cluster name.")
-    image: Optional[str] = Field(None, description="Environment image; default: a curated ACPT PyTorch environment.")
-    environment: Optional[str] = Field(None, description="Registered environment 'name:version' or 'azureml:...'; overrides image.")
+    subscription_id: str | None = Field(None, description="Azure subscription id.")
+    resource_group: str | None = Field(None, description="Resource group of the workspace.")
+    workspace: str | None = Field(None, description="Azure ML workspace name.")
+    compute: str | None = Field(None, description="Compute cluster name.")
+    image: str | None = Field(None, description="Environment image; default: a curated ACPT PyTorch environment.")
+    environment: str | None = Field(None, description="Registered environment 'name:version' or 'azureml:...'; overrides image.")
 
 
 class BackendSpec(_Section):
@@ -218,7 +218,7 @@ class JobSpec(_Section):
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_yaml())
 
-    def replace(self, **overrides: Any) -> "JobSpec":
+    def replace(self, **overrides: Any) -> JobSpec:
         """A validated copy with dotted-key overrides, e.g. ``replace(**{"layout.dp": 4})``."""
         return load_spec(apply_overrides(self.to_dict(), [f"{k}={json.dumps(v)}" for k, v in overrides.items()]))
 
@@ -244,7 +244,7 @@ class JobSpec(_Section):
 
 # -- loading --------------------------------------------------------------------------------
 
-def load_spec(source: "str | Path | dict | JobSpec", overrides: list[str] | None = None, *,
+def load_spec(source: str | Path | dict | JobSpec, overrides: list[str] | None = None, *,
               layout: bool = True) -> JobSpec:
     """Load, override and validate a spec.
 

@@ -6,7 +6,7 @@ models, so `workbench sample` decodes with exactly what the run trained on.
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from workbench.errors import ConfigError
 

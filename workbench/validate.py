@@ -24,7 +24,7 @@ def _factorizations(n: int) -> str:
     return "; ".join(out[:3])
 
 
-def validate_spec(spec: "JobSpec", layout: bool = True) -> None:
+def validate_spec(spec: JobSpec, layout: bool = True) -> None:
     """Raise ConfigError for the first rule the spec breaks (structure is checked by pydantic).
 
     layout=False skips the rules of the layout itself (for `plan`, which searches layouts).
@@ -38,7 +38,7 @@ def validate_spec(spec: "JobSpec", layout: bool = True) -> None:
     _check_training(spec)
 
 
-def _check_model(spec: "JobSpec") -> None:
+def _check_model(spec: JobSpec) -> None:
     m = spec.model
     kinds = [k for k, v in (("preset", m.preset), ("params", m.params), ("factory", m.factory)) if v is not None]
     if "params" in kinds and len(kinds) > 1 or "factory" in kinds and "preset" in kinds:
@@ -53,7 +53,7 @@ def _check_model(spec: "JobSpec") -> None:
     m.shape()  # raises ConfigError for unknown presets / incomplete shapes
 
 
-def _check_resources(spec: "JobSpec", layout: bool = True) -> None:
+def _check_resources(spec: JobSpec, layout: bool = True) -> None:
     r = spec.resources
     if r.gpu not in DEVICES:
         import difflib
@@ -71,7 +71,7 @@ def _check_resources(spec: "JobSpec", layout: bool = True) -> None:
         )
 
 
-def _check_layout(spec: "JobSpec") -> None:
+def _check_layout(spec: JobSpec) -> None:
     lay, m = spec.layout, spec.model
     if m.params is not None:
         return
@@ -110,7 +110,7 @@ def _check_layout(spec: "JobSpec") -> None:
 _MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")  # schedules with virtual_stages per pipeline rank
 
 
-def _check_batch(spec: "JobSpec") -> None:
+def _check_batch(spec: JobSpec) -> None:
     t, lay = spec.train, spec.layout
     per_step = lay.dp * t.micro_batch
     if t.global_batch % per_step:
@@ -137,7 +137,7 @@ def _check_batch(spec: "JobSpec") -> None:
         )
 
 
-def _check_backend(spec: "JobSpec") -> None:
+def _check_backend(spec: JobSpec) -> None:
     b = spec.backend
     if b.spot and b.name in ("sagemaker", "vertex", "azureml"):
         if spec.checkpoint.every_steps == 0 and spec.checkpoint.every_minutes == 0:
@@ -152,7 +152,7 @@ def _check_backend(spec: "JobSpec") -> None:
             )
 
 
-def check_runnable(spec: "JobSpec") -> None:
+def check_runnable(spec: JobSpec) -> None:
     """Rules for running (not just planning) a spec in this release."""
     if spec.model.params is not None:
         raise ConfigError(
@@ -167,7 +167,7 @@ def check_runnable(spec: "JobSpec") -> None:
         build_token_source(spec)
 
 
-def _check_dp_combinations(spec: "JobSpec") -> None:
+def _check_dp_combinations(spec: JobSpec) -> None:
     """ZeRO / offload / precision combinations the runtime cannot do (docs/strategies.md)."""
     lay = spec.layout
     if lay.offload == "cpu" and lay.zero < 2:
@@ -188,7 +188,7 @@ def _check_dp_combinations(spec: "JobSpec") -> None:
         )
 
 
-def _check_model_parallel_runnable(spec: "JobSpec") -> None:
+def _check_model_parallel_runnable(spec: JobSpec) -> None:
     """What tensor/pipeline parallel cannot run with, each with the reason and a fix."""
     lay = spec.layout
     if lay.tp == 1 and lay.pp == 1:
@@ -223,7 +223,7 @@ def zero_bubble_refused(pp: int, zero: int, schedule: str) -> bool:
     return pp > 1 and zero == 3 and schedule == "zero-bubble"
 
 
-def check_resume(spec: "JobSpec", old: "JobSpec") -> list[str]:
+def check_resume(spec: JobSpec, old: JobSpec) -> list[str]:
     """Can `spec` continue from a checkpoint written by the spec `old`?
 
     The model's shape and the optimizer must match (their state is what the checkpoint holds);
@@ -255,7 +255,7 @@ def check_resume(spec: "JobSpec", old: "JobSpec") -> list[str]:
     return notes
 
 
-def _model_identity(old: "JobSpec", new: "JobSpec") -> list[tuple[str, object, object]]:
+def _model_identity(old: JobSpec, new: JobSpec) -> list[tuple[str, object, object]]:
     """Differences between the two specs' model architectures: [(field, old, new)]."""
     if old.model.factory or new.model.factory:
         a = (old.model.factory, old.model.kwargs)
@@ -265,7 +265,7 @@ def _model_identity(old: "JobSpec", new: "JobSpec") -> list[tuple[str, object, o
     return [(f, getattr(sa, f), getattr(sb, f)) for f in sa.__dataclass_fields__ if getattr(sa, f) != getattr(sb, f)]
 
 
-def _check_training(spec: "JobSpec") -> None:
+def _check_training(spec: JobSpec) -> None:
     """Schedule, evaluation and tracking rules (workbench/schedule.py, docs/training.md)."""
     from urllib.parse import urlsplit
 

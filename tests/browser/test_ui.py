@@ -145,7 +145,7 @@ def test_three_runs_back_to_back_and_stop_within_a_step(lab, shots):
             plot = lab.evaluate(PLOT, "Training")
             return plot and [plot["traces"][0]["n"], len(plot["traces"])]
 
-        wait_until(lab, lambda: curves() == [RUN_STEPS, 3 + run - 1], f"run {run}'s curves", limit_s=30)
+        wait_until(lab, lambda: curves() == [RUN_STEPS, 3 + run - 1], f"run {run}'s curves", limit_s=30)  # noqa: B023 (waited on here)
         print(f"\nrun {run}: {time.monotonic() - t0:.0f}s")
         if run == 1:
             shot(lab, shots, "03-run-done")
@@ -209,7 +209,7 @@ def test_random_edit_sequences_match_the_cli(lab, tmp_path):
                     t["y"] = [round(v, 6) for v in t["y"]]
             return got
 
-        wait_until(lab, lambda: drawn() == want, f"the chart of sequence {seq} ({done}); want {want}", limit_s=30)
+        wait_until(lab, lambda: drawn() == want, f"the chart of sequence {seq} ({done}); want {want}", limit_s=30)  # noqa: B023
     for key, value in (("layout.dp", 2), ("layout.tp", 1), ("layout.zero", 0), ("precision.dtype", "fp32"),
                        ("train.micro_batch", 4), ("resources.gpu", "cpu")):
         set_field(lab, root, key, value)

@@ -2,8 +2,8 @@
 and one 8-rank dp2 x tp2 x pp2, each reproducing the single-process fp32 run."""
 import pytest
 import torch
-
 from test_parity_tp_pp import BASE, assert_matches, losses
+
 from workbench.runtime.loop import train, train_with_state
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]

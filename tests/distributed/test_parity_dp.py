@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from workbench import build_model
 from tests.helpers.state import assert_same_state
+from workbench import build_model
 from workbench.runtime.loop import train, train_with_state
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]

@@ -37,7 +37,7 @@ def losses(events):
 
 
 @pytest.fixture
-def bucket(aws_env):
+def bucket(aws_env):  # noqa: F811 (the fixture imported above)
     import boto3
     import fsspec
 

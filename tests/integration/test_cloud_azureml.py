@@ -115,7 +115,7 @@ def test_submit_uploads_code_and_puts_spot_pytorch_job(tmp_path, capsys):
     assert all(FAKE_TOKEN.encode() not in data for data in fake.blobs.values())
 
     # The token went only to ARM, in Authorization headers, never to the SAS-signed blob URLs.
-    for method, url, headers in calls:
+    for _method, url, headers in calls:
         if "blob.core.windows.net" in url:
             assert FAKE_TOKEN not in headers.get("Authorization", "")
     assert [s.state for s in states] == [JobState.PENDING, JobState.RUNNING, JobState.RESTARTING, JobState.RUNNING,

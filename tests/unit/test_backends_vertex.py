@@ -22,7 +22,7 @@ def test_body_validates_against_the_v1_proto():
     job = aiplatform_v1.CustomJob.from_json(json.dumps(body))
     assert job.job_spec.scheduling.strategy == aiplatform_v1.Scheduling.Strategy.SPOT
     assert job.job_spec.worker_pool_specs[0].machine_spec.accelerator_type == aiplatform_v1.AcceleratorType.NVIDIA_TESLA_T4
-    with pytest.raises(Exception):  # a misspelt field is refused by the proto, before any network
+    with pytest.raises(Exception):  # noqa: B017 (protobuf's ParseError) a misspelt field is refused by the proto, before any network
         aiplatform_v1.CustomJob.from_json(json.dumps({**body, "jobSpec": {**body["jobSpec"], "schedulng": {}}}))
 
 

@@ -1,7 +1,17 @@
 """The benchmark helpers: statistics, alternation, steady-state throughput, results files."""
 import pytest
 
-from bench.common import interleave, median_ci, paired_ratios, read_result, stats, steady_tokens_per_s, table, tiny_spec, write_result
+from bench.common import (
+    interleave,
+    median_ci,
+    paired_ratios,
+    read_result,
+    stats,
+    steady_tokens_per_s,
+    table,
+    tiny_spec,
+    write_result,
+)
 
 
 def test_stats_median_and_spread():

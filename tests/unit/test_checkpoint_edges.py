@@ -16,12 +16,12 @@ import yaml
 from tests.helpers.stores import register as register_norename
 from workbench.cli import main as cli_main
 from workbench.errors import ConfigError
+from workbench.models import build_model_meta
+from workbench.parallel.apply import parallelize
 from workbench.runtime.checkpoint import Checkpointer, CheckpointError, build_checkpointer
 from workbench.runtime.checkpoint_lease import LEASE
 from workbench.runtime.checkpoint_store import RESUME_OR_FRESH, Store
 from workbench.runtime.loop import build_train_step, train
-from workbench.models import build_model_meta
-from workbench.parallel.apply import parallelize
 from workbench.spec import load_spec
 
 STEPS = 4

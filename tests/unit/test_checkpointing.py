@@ -65,8 +65,8 @@ def test_selective_recomputes_the_attention_core_only(family):
         seen = {}
 
         def pack(t):
-            if t.untyped_storage().data_ptr() not in skip:
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            if t.untyped_storage().data_ptr() not in skip:  # noqa: B023 (used within the iteration)
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()  # noqa: B023
             return t
 
         x = torch.randn(3, shape.seq_len, shape.hidden, generator=torch.Generator().manual_seed(0), requires_grad=True)

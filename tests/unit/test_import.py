@@ -8,6 +8,6 @@ HEAVY = ["ray", "plotly", "ipywidgets", "anywidget", "boto3", "sagemaker_core", 
 
 def test_import_workbench_is_light():
     code = ("import sys, workbench, workbench.spec, workbench.cli, backends; "
-            "print(','.join(m for m in %r if m in sys.modules))" % HEAVY)
+            f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""

@@ -10,15 +10,16 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 from workbench.errors import ConfigError
-from workbench.interop import detect_format, export_config, import_config, import_text
-from workbench.interop import accelerate as acc_mod, common, megatron as meg_mod, torchtitan as tt_mod
+from workbench.interop import common, detect_format, export_config, import_config, import_text
+from workbench.interop import megatron as meg_mod
+from workbench.interop import torchtitan as tt_mod
 from workbench.spec import load_spec
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "interop"

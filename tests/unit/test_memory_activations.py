@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from workbench.memory import Layout, activations as act
-from workbench.memory import estimate_stage
+from workbench.memory import Layout, estimate_stage
+from workbench.memory import activations as act
 from workbench.models import GPT, resolve_shape
 from workbench.runtime.materialize import materialize
 from workbench.spec import ModelSpec

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from workbench import ConfigError, estimate_memory, load_spec
-from workbench.memory import Layout, activations as act, estimate_stage
+from workbench.memory import Layout, estimate_stage
+from workbench.memory import activations as act
 from workbench.memory.params import fsdp_shard_numel, rank_params, rank_tensors, stage_blocks
 
 TINY = {"model": {"preset": "gpt-tiny"}, "train": {"global_batch": 16, "micro_batch": 2}}
@@ -69,8 +70,9 @@ def test_stage_split_is_the_runtimes():
     pp = pytest.importorskip("workbench.parallel.pp")
     if not hasattr(pp, "balance_blocks"):
         pytest.skip("runtime without pipeline split")
-    from workbench.models import GPT
     import torch
+
+    from workbench.models import GPT
 
     for preset, stages in (("gpt-mini", 4), ("gpt-tiny", 3), ("llama-7b", 6)):
         shape = load_spec({**TINY, "model": {"preset": preset}}).model.shape()

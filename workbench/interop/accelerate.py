@@ -9,8 +9,8 @@ from __future__ import annotations
 import yaml
 
 from workbench.errors import ConfigError
-from workbench.spec import TrainSpec
 from workbench.interop.common import Notes, batch_split, flatten, set_path, unexpressed_fields
+from workbench.spec import TrainSpec
 
 # Launcher details of one machine that change nothing about the job at these values.
 _NEUTRAL = {"compute_environment": "LOCAL_MACHINE", "machine_rank": 0, "main_training_function": "main",

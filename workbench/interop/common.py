@@ -7,7 +7,8 @@ Torch-free on purpose: importing a config must not need the training stack.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 # The optimizer and loss-scaler constants our runtime uses (workbench/parallel/step.py and
 # precision.DynamicLossScaler). Kept here as plain numbers so this package never imports torch;

@@ -10,8 +10,19 @@ import json
 import math
 
 from workbench.errors import ConfigError
-from workbench.interop.common import (ADAM_BETAS, ADAM_EPS, LOSS_SCALE_WINDOW, SCHEDULE_WHY, SGD_MOMENTUM, Notes,
-                                      batch_split, flatten, set_path, unexpressed_fields)
+from workbench.interop.common import (
+    ADAM_BETAS,
+    ADAM_EPS,
+    LOSS_SCALE_WINDOW,
+    SCHEDULE_WHY,
+    SGD_MOMENTUM,
+    Notes,
+    batch_split,
+    flatten,
+    set_path,
+    unexpressed_fields,
+)
+
 
 def parse(text: str) -> dict:
     try:

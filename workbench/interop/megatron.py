@@ -13,8 +13,17 @@ import re
 import shlex
 
 from workbench.errors import ConfigError
-from workbench.interop.common import (ADAM_BETAS, ADAM_EPS, LOSS_SCALE_WINDOW, SCHEDULE_WHY, SGD_MOMENTUM, Notes,
-                                      batch_split, set_path, unexpressed_fields)
+from workbench.interop.common import (
+    ADAM_BETAS,
+    ADAM_EPS,
+    LOSS_SCALE_WINDOW,
+    SCHEDULE_WHY,
+    SGD_MOMENTUM,
+    Notes,
+    batch_split,
+    set_path,
+    unexpressed_fields,
+)
 
 # Flags that take no value (store_true in Megatron's parser, or torchrun's).
 _SWITCHES = {"--bf16", "--fp16", "--sequence-parallel", "--use-distributed-optimizer", "--use-torch-fsdp2",

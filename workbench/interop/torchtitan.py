@@ -9,6 +9,7 @@ data_parallel_shard_degree = -1 ("the rest") leaves dp to --set.
 from __future__ import annotations
 
 import math
+
 import tomllib
 
 from workbench.errors import ConfigError

@@ -8,7 +8,7 @@ norm + head on the last, so parameter names (and so the initialization) match th
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn

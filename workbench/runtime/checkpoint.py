@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -19,12 +19,23 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from workbench.errors import ConfigError
-from workbench.runtime.checkpoint_state import (rng_state, set_rng_state, stage, state_bytes, state_dict_options,
-                                                 union_module)
-from workbench.runtime.checkpoint_reshard import (fill_optim, home, layout_diff, load_canonical,
-                                                   local_part, master_state)
-from workbench.runtime.checkpoint_store import (Store, manifest_or_problem, all_rejected, describe_error, disk_full,
-                                                 new_manifest)
+from workbench.runtime.checkpoint_reshard import fill_optim, home, layout_diff, load_canonical, local_part, master_state
+from workbench.runtime.checkpoint_state import (
+    rng_state,
+    set_rng_state,
+    stage,
+    state_bytes,
+    state_dict_options,
+    union_module,
+)
+from workbench.runtime.checkpoint_store import (
+    Store,
+    all_rejected,
+    describe_error,
+    disk_full,
+    manifest_or_problem,
+    new_manifest,
+)
 
 # DCP says this on every single-process save/load, which is what we mean there.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")

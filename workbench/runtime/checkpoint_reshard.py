@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 MOMENTS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 

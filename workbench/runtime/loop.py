@@ -9,8 +9,8 @@ import contextlib
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -20,10 +20,10 @@ from workbench.data import build_token_source
 from workbench.models import build_model_meta
 from workbench.parallel.apply import Parallelized, parallelize
 from workbench.parallel.layout import build_mesh, coords
-from workbench.runtime.checkpoint import build_checkpointer
-from workbench.runtime.checkpoint_store import RESUME_OR_FRESH
 from workbench.parallel.precision import DynamicLossScaler, autocast
 from workbench.parallel.step import TrainStep
+from workbench.runtime.checkpoint import build_checkpointer
+from workbench.runtime.checkpoint_store import RESUME_OR_FRESH
 from workbench.runtime.meter import MemoryMeter
 from workbench.runtime.preemption import PreemptionNotice
 from workbench.runtime.tracking import tracked

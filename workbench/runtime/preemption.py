@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on purpose; a checkpoint was written; resume with --resume
 DEFAULT_GRACE_S = 30.0  # the shortest of the clouds' notices

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 Sink = Callable[[dict], None]
 _STEP_KEYS = ("loss", "lr", "tokens_per_s", "step_time_s")

@@ -5,8 +5,8 @@ line, as `workbench import` prints them (workbench/interop, docs/interop.md).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import ipywidgets as w
 

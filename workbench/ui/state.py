@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from workbench.errors import ConfigError
 from workbench.spec import JobSpec, load_spec
