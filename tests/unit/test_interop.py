@@ -201,12 +201,11 @@ def test_accelerate_fsdp1_and_fsdp2_sharding_names(fsdp, zero, warned):
     assert any("hybrid sharding" in w for w in warnings) == warned
 
 
-def test_megatron_gpt3_command_line_is_refused_clearly_then_maps_with_overrides():
+def test_megatron_gpt3_command_line_keeps_the_tie_under_pp_and_maps_with_overrides():
     path = FIXTURES / "megatron_gpt3_175b.sh"  # NVIDIA/Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh
-    with pytest.raises(ConfigError, match="tie_embeddings"):  # pp=16 cannot share the embedding with the head
-        import_config(path)
-    s, warnings = import_config(path, overrides=["model.tie_embeddings=false", "resources.nodes=16",
-                                                 "resources.gpus_per_node=8"])
+    tied, _ = import_config(path)  # Megatron ties embedding and head; pp=16 keeps the tie (parallel/tied.py)
+    assert tied.model.shape().tie_embeddings and tied.layout.pp == 16
+    s, warnings = import_config(path, overrides=["resources.nodes=16", "resources.gpus_per_node=8"])
     assert (s.layout.tp, s.layout.pp, s.train.micro_batch, s.train.global_batch) == (8, 16, 1, 1536)
     assert (s.precision.dtype, s.precision.initial_loss_scale, s.train.weight_decay) == ("fp16", 2.0**32, 0.1)
     shape = s.model.shape()
