@@ -131,6 +131,94 @@ def test_llama3_flavor_widths_match_torchtitans_formula():
     assert [tt_mod.FLAVORS[f]["ffn_hidden"] for f in ("debugmodel", "8B", "70B", "405B")] == [768, 14336, 28672, 53248]
 
 
+# Learning-rate schedules (workbench/schedule.py) each engine can say, with warmup and min_lr.
+SCHEDULES = [{"schedule": "constant", "warmup_steps": 10}, {"schedule": "linear", "warmup_steps": 10},
+             {"schedule": "linear", "warmup_steps": 10, "min_lr": 1e-4}, {"schedule": "cosine", "warmup_steps": 10, "min_lr": 1e-4},
+             {"schedule": "cosine", "min_lr": 3e-5}, {"schedule": "wsd", "warmup_steps": 10, "min_lr": 1e-5},
+             {"schedule": "linear"}, {"schedule": "wsd"}]
+CAN_SAY = {"deepspeed": lambda t: t["schedule"] != "wsd" and t.get("warmup_steps", 0) >= 2
+           and (t["schedule"] != "linear" or not t.get("min_lr")),
+           "megatron": lambda t: True, "torchtitan": lambda t: True}
+
+
+@pytest.mark.parametrize("engine", list(CAN_SAY))
+@pytest.mark.parametrize("sched", SCHEDULES, ids=str)
+def test_schedule_round_trip(engine, sched):
+    train = {"lr": 1e-3, "optimizer": "adamw", **sched}
+    if engine != "deepspeed" or sched["schedule"] != "constant":  # DeepSpeed says the length only by a decay's end
+        train["steps"] = 100
+    model = DEBUG_LLAMA if engine == "torchtitan" else {"preset": "gpt-tiny"}  # DeepSpeed's export has no model
+    original = spec({"dp": 2}, "bf16", train=train, model=model)
+    text, out_w = export_config(original, engine)
+    if not CAN_SAY[engine](sched):  # the nearest is written and the difference named
+        assert any(w.startswith("spec train.") for w in out_w), out_w
+        return
+    assert not [w for w in out_w if w.startswith("spec train.")], out_w
+    back, in_w = import_text(text, engine)
+    if engine == "deepspeed":
+        assert back.train == original.train
+    else:
+        assert_same_job(original, back)
+    assert not [w for w in in_w if "not mapped" in w], in_w
+
+
+@pytest.mark.parametrize("params,expect,warned", [
+    ({"type": "WarmupLR", "params": {"warmup_num_steps": 20, "warmup_type": "linear", "warmup_max_lr": 1e-3}},
+     ("constant", 20, 0.0, 1000), []),
+    ({"type": "WarmupLR", "params": {"warmup_num_steps": 20, "warmup_min_lr": 1e-5}}, ("constant", 20, 0.0, 1000),
+     ["scheduler.params.warmup_type", "scheduler.params.warmup_min_lr"]),
+    ({"type": "WarmupCosineLR", "params": {"total_num_steps": 300, "warmup_num_steps": 30, "warmup_type": "linear",
+                                           "cos_min_ratio": 0.1}}, ("cosine", 30, 1e-4, 300), []),
+    ({"type": "WarmupCosineLR", "params": {"total_num_steps": 300, "warmup_min_ratio": 0.1, "warmup_type": "linear",
+                                           "warmup_num_steps": 30}}, ("cosine", 30, 1e-7, 300), ["scheduler.params.warmup_min_ratio"]),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4}}, ("constant", 0, 0.0, 1000),
+     ["scheduler.type", "scheduler.params.cycle_min_lr"]),
+])
+def test_deepspeed_schedulers(params, expect, warned):
+    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "scheduler": params}
+    s, warnings = import_text(json.dumps(cfg), "deepspeed", overrides=["train.steps=1000"]
+                              if params["type"] == "WarmupLR" or params["type"] == "OneCycle" else None)
+    assert (s.train.schedule, s.train.warmup_steps, s.train.min_lr, s.train.steps) == expect
+    assert sorted(re.findall(r"key '([^']+)'", " ".join(w for w in warnings if "not mapped" in w))) == sorted(warned)
+    if not warned:  # theirs -> ours -> theirs keeps the scheduler
+        back = json.loads(export_config(s, "deepspeed")[0])["scheduler"]
+        assert back["type"] == params["type"]
+        assert {k: back["params"][k] for k in params["params"]} == pytest.approx(params["params"])
+
+
+@pytest.mark.parametrize("flags,expect,warned", [
+    ("--lr-decay-style WSD --lr-wsd-decay-style linear --lr-wsd-decay-iters 40 --min-lr 1e-5 --lr-warmup-iters 10",
+     ("wsd", 10, 1e-5), []),
+    ("--lr-decay-style WSD --lr-wsd-decay-iters 50", ("wsd", 0, 0.0), ["--lr-wsd-decay-style", "--lr-wsd-decay-iters"]),
+    ("--lr-warmup-iters 5", ("linear", 5, 0.0), []),  # Megatron's default style is linear
+    ("--lr-decay-style inverse-square-root", ("constant", 0, 0.0), ["--lr-decay-style"]),
+    ("--lr-decay-style cosine --lr-decay-iters 150 --lr-warmup-init 1e-6 --lr-warmup-iters 5", ("cosine", 5, 0.0),
+     ["--lr-decay-iters", "--lr-warmup-init"]),
+])
+def test_megatron_schedules(flags, expect, warned):
+    s, warnings = import_text(f"pretrain_gpt.py --micro-batch-size 1 --train-iters 200 --lr 1e-3 {flags}", "megatron")
+    assert (s.train.schedule, s.train.warmup_steps, s.train.min_lr) == expect
+    assert sorted(re.findall(r"key '([^']+)'", " ".join(w for w in warnings if "not mapped" in w))) == sorted(warned)
+
+
+@pytest.mark.parametrize("section,expect,warned", [
+    ("warmup_steps = 0\ndecay_ratio = 0.0", ("constant", 0, 0.0), []),
+    ("warmup_steps = 5\ndecay_type = \"cosine\"\nmin_lr_factor = 0.1", ("cosine", 5, 1e-4), []),
+    ("warmup_steps = 5\ndecay_ratio = 0.2", ("wsd", 5, 0.0), []),
+    ("warmup_steps = 5\ndecay_ratio = 0.5\ndecay_type = \"sqrt\"", ("wsd", 5, 0.0),
+     ["lr_scheduler.decay_ratio", "lr_scheduler.decay_type"]),
+])
+def test_torchtitan_schedules(section, expect, warned):
+    s, warnings = import_text(f"[training]\nsteps = 100\n[optimizer]\nlr = 1e-3\nbeta2 = 0.999\n[lr_scheduler]\n{section}\n",
+                              "torchtitan")
+    assert (s.train.schedule, s.train.warmup_steps, s.train.min_lr) == expect
+    assert sorted(set(re.findall(r"key '([^']+)'", " ".join(w for w in warnings if "not mapped" in w)))) == sorted(warned)
+    if not warned:
+        back = tomllib.loads(export_config(s, "torchtitan")[0])["lr_scheduler"]
+        original = tomllib.loads(f"[s]\n{section}\n")["s"]
+        assert {k: back[k] for k in original} == pytest.approx(original)
+
+
 # -- what cannot be said is named, never dropped ------------------------------------------------
 
 def test_exports_name_what_the_engine_cannot_express():
@@ -157,10 +245,15 @@ def test_deepspeed_zero3_offload_bf16_config_round_trip():
     s, warnings = import_config(FIXTURES / "ds_zero3_offload_bf16.json")
     assert (s.layout.dp, s.layout.zero, s.layout.offload, s.precision.dtype) == (8, 3, "cpu", "bf16")
     assert (s.train.global_batch, s.train.micro_batch, s.train.lr, s.train.weight_decay) == (256, 4, 2e-4, 0.1)
-    for key in ("scheduler.type", "steps_per_print", "zero_optimization.overlap_comm",
+    # WarmupDecayLR maps (linear decay to warmup_min_lr at total_num_steps); its default log warmup is named.
+    assert (s.train.schedule, s.train.warmup_steps, s.train.min_lr, s.train.steps) == ("linear", 500, 0.0, 10000)
+    assert not any("'scheduler.type'" in w for w in warnings)
+    for key in ("scheduler.params.warmup_type", "steps_per_print", "zero_optimization.overlap_comm",
                 "zero_optimization.offload_param.pin_memory"):
         assert sum(f"'{key}'" in w for w in warnings) == 1, key
     back = json.loads(export_config(s, "deepspeed")[0])
+    assert back["scheduler"] == {"type": "WarmupDecayLR",
+                                 "params": {**original["scheduler"]["params"], "warmup_type": "linear"}}
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                 "gradient_clipping", "bf16", "optimizer"):
         assert back[key] == original[key], key
@@ -210,14 +303,19 @@ def test_megatron_gpt3_command_line_keeps_the_tie_under_pp_and_maps_with_overrid
     assert (s.precision.dtype, s.precision.initial_loss_scale, s.train.weight_decay) == ("fp16", 2.0**32, 0.1)
     shape = s.model.shape()
     assert (shape.layers, shape.hidden, shape.heads, shape.seq_len, shape.vocab) == (96, 12288, 96, 2048, 51200)
-    for flag in ("--lr-decay-style", "--adam-beta2", "--loss-scale-window", "--data-path", "--attention-backend"):
+    # cosine to --min-lr after 0.001 x 430000 warmup iterations; decaying over 430000 of 500000 iterations is named.
+    assert (s.train.schedule, s.train.min_lr, s.train.warmup_steps) == ("cosine", 6e-6, 430)
+    assert not any(f"'{flag}'" in w for w in warnings for flag in ("--lr-decay-style", "--min-lr", "--lr-warmup-fraction"))
+    for flag in ("--lr-decay-iters", "--adam-beta2", "--loss-scale-window", "--data-path", "--attention-backend"):
         assert sum(f"'{flag}'" in w for w in warnings) == 1, flag
     back = meg_mod.parse(export_config(s, "megatron")[0])
     original = meg_mod.parse(path.read_text())
     for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--micro-batch-size",
                  "--global-batch-size", "--train-iters", "--num-layers", "--hidden-size", "--num-attention-heads",
-                 "--seq-length", "--max-position-embeddings", "--fp16", "--save-interval"):
-        assert float(back[flag]) == float(original[flag]), flag
+                 "--seq-length", "--max-position-embeddings", "--fp16", "--save-interval", "--lr-decay-style",
+                 "--min-lr"):
+        assert back[flag] == original[flag] or float(back[flag]) == float(original[flag]), flag
+    assert back["--lr-warmup-iters"] == "430" and back["--lr-decay-iters"] == "500000"
     assert float(back["--lr"]) == 6e-5 and float(back["--weight-decay"]) == 0.1 and float(back["--clip-grad"]) == 1.0
 
 
@@ -238,12 +336,16 @@ def test_torchtitan_llama3_8b_toml_round_trip():
     assert any("'activation_checkpoint.selective_ac_option' = 'op'" in w for w in warnings)
     assert any("'optimizer.beta2' = 0.95" in w for w in warnings)  # torchtitan's default, ours is 0.999
     assert not any("'checkpoint." in w for w in warnings)  # checkpointing is off: its keys are inert
+    # [lr_scheduler] warmup_steps = 200 and torchtitan's defaults: linear decay to 0 after the warmup.
+    assert (s.train.schedule, s.train.warmup_steps, s.train.min_lr) == ("linear", 200, 0.0)
+    assert not any("'lr_scheduler" in w for w in warnings)
     back = tomllib.loads(export_config(s, "torchtitan")[0])
     original = tomllib.loads(path.read_text())
     for section, key in (("model", "name"), ("model", "flavor"), ("optimizer", "lr"), ("optimizer", "eps"),
                          ("training", "local_batch_size"), ("training", "seq_len"), ("training", "max_norm"),
                          ("training", "steps"), ("parallelism", "tensor_parallel_degree"),
-                         ("parallelism", "pipeline_parallel_degree"), ("parallelism", "data_parallel_replicate_degree")):
+                         ("parallelism", "pipeline_parallel_degree"), ("parallelism", "data_parallel_replicate_degree"),
+                         ("lr_scheduler", "warmup_steps")):
         assert back[section][key] == original[section][key], (section, key)
     assert back["parallelism"]["data_parallel_shard_degree"] == 64
 

@@ -16,7 +16,16 @@ from typing import Any
 ADAM_BETAS, ADAM_EPS, SGD_MOMENTUM = (0.9, 0.999), 1e-8, 0.9
 LOSS_SCALE_WINDOW = 2000  # steps without overflow before the fp16 loss scale doubles; halves on any overflow
 
-SCHEDULE_WHY = "the spec's learning rate is constant (no train.schedule in this spec)"
+
+def scaled(ratio: float, lr: float) -> float:
+    """ratio x lr without the last-digit noise of the product (min_lr from an engine's min-lr ratio)."""
+    return float(f"{ratio * lr:.12g}")
+
+
+def lag_note(engine: str, counter: str) -> str:
+    """The one difference every mapped decaying or warming schedule keeps: which step the formula is read at."""
+    return (f"the learning-rate schedule is the same formula, but {engine} evaluates it at {counter}, "
+            "so its rate can trail ours by a step or two")
 ENGINES = ("deepspeed", "accelerate", "megatron", "torchtitan")
 _SECRET = re.compile(r"(token|key|secret|password|passwd|credentials?)$|secret|password", re.I)
 
@@ -113,6 +122,8 @@ def _inert(spec) -> set[str]:
         out |= {"layout.pp_schedule", "layout.virtual_stages"}
     elif lay.pp_schedule not in ("interleaved-1f1b", "zero-bubble"):
         out.add("layout.virtual_stages")
+    if spec.train.schedule == "constant":
+        out.add("train.min_lr")  # a constant rate never decays to it
     if spec.precision.dtype != "fp16":
         out.add("precision.initial_loss_scale")
     if lay.dp == 1 or lay.zero >= 2:

@@ -14,11 +14,12 @@ from workbench.interop.common import (
     ADAM_BETAS,
     ADAM_EPS,
     LOSS_SCALE_WINDOW,
-    SCHEDULE_WHY,
     SGD_MOMENTUM,
     Notes,
     batch_split,
     flatten,
+    lag_note,
+    scaled,
     set_path,
     unexpressed_fields,
 )
@@ -56,7 +57,8 @@ def to_spec(cfg: dict, dp: int | None = None) -> tuple[dict, list[str]]:
     _optimizer(get, raw, notes, flat)
     if get("gradient_clipping"):
         set_path(raw, "train.grad_clip", float(flat["gradient_clipping"]))
-    notes.unmapped_rest(flat, used, {"scheduler": SCHEDULE_WHY})
+    _scheduler(get, raw, notes, flat)
+    notes.unmapped_rest(flat, used)
     return raw, notes.lines
 
 
@@ -142,6 +144,93 @@ def _optimizer(get, raw: dict, notes: Notes, flat: dict) -> None:
             notes.unmapped(f"optimizer.params.{key}", value, f"the spec's {name} uses {key}={ours}")
 
 
+_SCHEDULERS = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
+
+
+def _scheduler(get, raw: dict, notes: Notes, flat: dict) -> None:
+    """DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR (runtime/lr_schedules.py) -> train.schedule.
+
+    Theirs: warmup gamma = i / warmup_num_steps (warmup_type linear) from warmup_min_lr (WarmupCosineLR:
+    warmup_min_ratio x lr) to the peak; WarmupLR then holds, WarmupDecayLR decays linearly back to
+    warmup_min_lr at total_num_steps, WarmupCosineLR decays by cosine to cos_min_ratio x lr.
+    """
+    kind = get("scheduler.type")
+    if kind is None:
+        return
+    if kind not in _SCHEDULERS:
+        notes.unmapped("scheduler.type", kind, "the spec's schedules are DeepSpeed's WarmupLR, WarmupDecayLR and "
+                       "WarmupCosineLR; the learning rate stays constant")
+        return
+    schedule = _SCHEDULERS[kind]
+    p = "scheduler.params."
+    warmup = get(p + "warmup_num_steps", 1000)
+    set_path(raw, "train.schedule", schedule)
+    set_path(raw, "train.warmup_steps", max(2, int(warmup)))  # DeepSpeed warms up at least 2 steps
+    if warmup < 2:
+        notes.note(f"scheduler.params.warmup_num_steps={warmup}: DeepSpeed uses max(2, it); warmup_steps=2")
+    wtype = get(p + "warmup_type", "log")
+    if wtype != "linear":
+        notes.unmapped(p + "warmup_type", wtype, "the spec's warmup rises linearly; mapped to linear warmup")
+    if schedule == "cosine":
+        from workbench.spec import TrainSpec
+
+        lr = raw.get("train", {}).get("lr", TrainSpec().lr)  # WarmupCosineLR scales the optimizer's lr
+        start = get(p + "warmup_min_ratio", 0.0)
+        if start:
+            notes.unmapped(p + "warmup_min_ratio", start, "the spec's warmup starts from 0; mapped as 0")
+        set_path(raw, "train.min_lr", scaled(float(get(p + "cos_min_ratio", 0.0001)), lr))
+    else:
+        peak = get(p + "warmup_max_lr", 0.001 if schedule == "linear" else None)  # their defaults
+        if peak is not None:
+            optimizer_lr = raw.get("train", {}).get("lr")
+            if optimizer_lr is not None and float(peak) != optimizer_lr:
+                notes.note(f"scheduler.params.warmup_max_lr={peak} overrides optimizer.params.lr={optimizer_lr} "
+                           "as the peak: train.lr takes it")
+            set_path(raw, "train.lr", float(peak))
+        start = float(get(p + "warmup_min_lr", 0.0))
+        if schedule == "linear":
+            set_path(raw, "train.min_lr", start)
+        if start:
+            notes.unmapped(p + "warmup_min_lr", start, "DeepSpeed's warmup starts from it; the spec's starts from "
+                           "0" + (" (it is kept as train.min_lr, where the decay ends)" if schedule == "linear" else ""))
+    total = get(p + "total_num_steps")
+    if schedule != "constant" and total is not None:
+        set_path(raw, "train.steps", int(total))  # the decay ends there: the run's length
+    elif schedule != "constant":
+        notes.note(f"{kind} without scheduler.params.total_num_steps: the decay ends at train.steps (--set it)")
+    notes.note(lag_note("DeepSpeed", "the count of scheduler steps already taken"))
+
+
+def _scheduler_out(tr, notes: Notes, expressed: list[str]) -> dict | None:
+    if tr.schedule == "constant" and not tr.warmup_steps:
+        expressed += ["train.schedule", "train.warmup_steps", "train.min_lr"]
+        return None
+    if tr.schedule == "wsd":
+        notes.unexpressed("train.schedule", "wsd", "DeepSpeed's schedulers have no stable-then-decay form; "
+                          "no scheduler written (constant learning rate)")
+        return None
+    params: dict = {"warmup_num_steps": tr.warmup_steps, "warmup_type": "linear"}
+    if tr.warmup_steps < 2:
+        notes.unexpressed("train.warmup_steps", tr.warmup_steps, "DeepSpeed warms up at least 2 steps "
+                          "(max(2, warmup_num_steps))")
+    else:
+        expressed.append("train.warmup_steps")
+    expressed.append("train.schedule")
+    if tr.schedule == "cosine":
+        params.update(total_num_steps=tr.steps, warmup_min_ratio=0.0, cos_min_ratio=tr.min_lr / tr.lr)
+        expressed += ["train.steps", "train.min_lr"]
+        return {"type": "WarmupCosineLR", "params": params}
+    params.update(warmup_min_lr=0.0, warmup_max_lr=tr.lr)
+    if tr.schedule == "constant":
+        return {"type": "WarmupLR", "params": params}
+    params["total_num_steps"] = tr.steps
+    expressed.append("train.steps")
+    if tr.min_lr:
+        notes.unexpressed("train.min_lr", tr.min_lr, "WarmupDecayLR decays to warmup_min_lr, where its warmup also "
+                          "starts; written as 0")
+    return {"type": "WarmupDecayLR", "params": params}
+
+
 def from_spec(spec) -> tuple[dict, list[str]]:
     """A validated JobSpec -> (ds_config dict, warnings)."""
     notes, lay, tr = Notes("deepspeed"), spec.layout, spec.train
@@ -162,12 +251,15 @@ def from_spec(spec) -> tuple[dict, list[str]]:
         "optimizer": _optimizer_out(tr),
         "zero_optimization": zero,
     }
+    expressed = ["train.global_batch", "train.micro_batch", "layout.dp", "train.grad_clip", "train.optimizer",
+                 "train.lr", "train.weight_decay", "layout.zero", "precision"]
+    scheduler = _scheduler_out(tr, notes, expressed)
+    if scheduler:
+        cfg["scheduler"] = scheduler
     if spec.precision.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif spec.precision.dtype == "fp16":
         cfg["fp16"] = _fp16_out(spec.precision.initial_loss_scale, notes)
-    expressed = ["train.global_batch", "train.micro_batch", "layout.dp", "train.grad_clip", "train.optimizer",
-                 "train.lr", "train.weight_decay", "layout.zero", "precision"]
     if lay.offload == "cpu":
         expressed.append("layout.offload")
     unexpressed_fields(spec, expressed, notes, {

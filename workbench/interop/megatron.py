@@ -17,10 +17,10 @@ from workbench.interop.common import (
     ADAM_BETAS,
     ADAM_EPS,
     LOSS_SCALE_WINDOW,
-    SCHEDULE_WHY,
     SGD_MOMENTUM,
     Notes,
     batch_split,
+    lag_note,
     set_path,
     unexpressed_fields,
 )
@@ -106,6 +106,7 @@ def to_spec(args: dict, dp: int | None = None) -> tuple[dict, list[str]]:
     _layout(a, raw, notes, dp)
     _precision(a, raw, notes)
     _train(a, raw, notes)
+    _schedule(a, raw, notes)
     _recompute(a, raw, notes)
     _model(a, raw, notes)
     if a.get("--save-interval"):
@@ -115,7 +116,9 @@ def to_spec(args: dict, dp: int | None = None) -> tuple[dict, list[str]]:
     used = a.used | {k for k in args if k in _LAUNCHER}
     for flag, value in args.items():
         if flag not in used and value is not False:
-            notes.unmapped(flag, value, SCHEDULE_WHY if flag.startswith(("--lr-", "--min-lr")) else "")
+            why = ("the spec's schedule counts iterations, not samples" if flag.startswith("--lr-") and
+                   flag.endswith("-samples") else "")
+            notes.unmapped(flag, value, why)
     return raw, notes.lines
 
 
@@ -199,6 +202,79 @@ def _train(a: _Args, raw: dict, notes: Notes) -> None:
             notes.unmapped(flag, value, f"the spec's {name} uses {ours}")
 
 
+_STYLES = {"constant": "constant", "linear": "linear", "cosine": "cosine", "WSD": "wsd"}
+
+
+def _schedule(a: _Args, raw: dict, notes: Notes) -> None:
+    """--lr-decay-style and its iterations (OptimizerParamScheduler, megatron/core/optimizer_param_scheduler.py).
+
+    Theirs: warmup init_lr + (lr - init_lr) x n / warmup; then constant, or linear / cosine from lr to
+    --min-lr over (warmup, --lr-decay-iters], or WSD: lr until the last --lr-wsd-decay-iters of the
+    decay iterations, then --lr-wsd-decay-style to --min-lr. The same formulas as workbench/schedule.py.
+    """
+    style = a.get("--lr-decay-style", "linear")  # Megatron's default decays linearly
+    steps = raw.get("train", {}).get("steps")
+    if style not in _STYLES:
+        notes.unmapped("--lr-decay-style", style, "the spec's schedules are constant, linear, cosine and WSD; "
+                       "constant used")
+        style = "constant"
+    train = raw.setdefault("train", {})
+    train["schedule"] = _STYLES[style]
+    decay_iters = a.get("--lr-decay-iters", None, int)
+    warmup = a.get("--lr-warmup-iters", 0, int)
+    fraction = a.get("--lr-warmup-fraction", None, float)
+    if fraction is not None:  # Megatron: warmup = fraction x decay iterations
+        span = decay_iters or steps
+        if span:
+            warmup = round(fraction * span)
+            if warmup != fraction * span:
+                notes.note(f"--lr-warmup-fraction {fraction} x {span} iterations = {fraction * span}; "
+                           f"warmup_steps={warmup}")
+        else:
+            notes.unmapped("--lr-warmup-fraction", fraction, "no --train-iters or --lr-decay-iters to scale")
+    train["warmup_steps"] = warmup
+    train["min_lr"] = a.get("--min-lr", 0.0, float)
+    init = a.get("--lr-warmup-init", 0.0, float)
+    if init and warmup:
+        notes.unmapped("--lr-warmup-init", init, "the spec's warmup starts from 0")
+    if style != "constant" and decay_iters is not None and decay_iters != steps:
+        notes.unmapped("--lr-decay-iters", decay_iters, f"the spec's schedule decays until train.steps({steps}); "
+                       "mapped as that")
+    if style == "WSD":
+        wsd_style = a.get("--lr-wsd-decay-style", "exponential")
+        if wsd_style != "linear":
+            notes.unmapped("--lr-wsd-decay-style", wsd_style, "the spec's wsd decays linearly; mapped as linear")
+        wsd_iters, ours = a.get("--lr-wsd-decay-iters", None, int), _wsd_iters(steps or 0)
+        if wsd_iters != ours:
+            notes.unmapped("--lr-wsd-decay-iters", wsd_iters, f"the spec's wsd decays over the last 20% of the "
+                           f"steps ({ours}); mapped as that")
+    if warmup or style != "constant":
+        notes.note(lag_note("Megatron", "the count of iterations already taken"))
+
+
+def _wsd_iters(steps: int) -> int:
+    from workbench.schedule import WSD_DECAY_FRACTION
+
+    return max(1, round(WSD_DECAY_FRACTION * steps))
+
+
+def _schedule_out(spec, notes: Notes) -> list[str]:
+    tr = spec.train
+    style = {v: k for k, v in _STYLES.items()}[tr.schedule]
+    out = ["--lr-decay-style", style]
+    if tr.warmup_steps:
+        out += ["--lr-warmup-iters", str(tr.warmup_steps)]
+    if tr.schedule != "constant":
+        out += ["--min-lr", repr(tr.min_lr), "--lr-decay-iters", str(tr.steps)]
+    if tr.schedule == "wsd":
+        decay = _wsd_iters(tr.steps)
+        out += ["--lr-wsd-decay-style", "linear", "--lr-wsd-decay-iters", str(decay)]
+        if tr.warmup_steps > tr.steps - decay:
+            notes.unexpressed("train.warmup_steps", tr.warmup_steps, f"the spec's wsd starts its decay after the "
+                              f"warmup, Megatron's at iteration {tr.steps - decay}, inside it")
+    return out
+
+
 def _recompute(a: _Args, raw: dict, notes: Notes) -> None:
     granularity = a.get("--recompute-granularity")
     if a.get("--recompute-activations") or granularity == "selective":  # the attention core, as ours
@@ -273,7 +349,7 @@ def from_spec(spec) -> tuple[list[str], list[str]]:
             2: ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"]}[lay.zero]
     out += ["--micro-batch-size", str(micro), "--global-batch-size", str(tr.global_batch),
             "--train-iters", str(tr.steps), "--lr", repr(tr.lr), "--weight-decay", repr(tr.weight_decay),
-            "--clip-grad", repr(tr.grad_clip), "--seed", str(tr.seed)]
+            "--clip-grad", repr(tr.grad_clip), "--seed", str(tr.seed)] + _schedule_out(spec, notes)
     if tr.optimizer == "sgd":
         out += ["--optimizer", "sgd", "--sgd-momentum", repr(SGD_MOMENTUM)]
     else:

@@ -13,7 +13,16 @@ import math
 import tomllib
 
 from workbench.errors import ConfigError
-from workbench.interop.common import ADAM_BETAS, SCHEDULE_WHY, Notes, batch_split, flatten, set_path, unexpressed_fields
+from workbench.interop.common import (
+    ADAM_BETAS,
+    Notes,
+    batch_split,
+    flatten,
+    lag_note,
+    scaled,
+    set_path,
+    unexpressed_fields,
+)
 
 _ROPE_THETA = 500000  # every llama3 flavor; the spec's llama uses 10000
 
@@ -94,12 +103,65 @@ def to_spec(cfg: dict, dp: int | None = None) -> tuple[dict, list[str]]:
     _activation_checkpoint(get, raw, notes)
     _model(get, raw, notes)
     _checkpoint(get, raw)
-    schedule = (get("lr_scheduler.warmup_steps", 200), get("lr_scheduler.decay_ratio"))
-    if schedule != (0, 0.0):
-        notes.unmapped("lr_scheduler", {"warmup_steps": schedule[0], "decay_ratio": schedule[1]},
-                       SCHEDULE_WHY + "; torchtitan's default warms up 200 steps, then decays linearly")
-    notes.unmapped_rest(flat, used, {"lr_scheduler": SCHEDULE_WHY})
+    _lr_scheduler(get, raw, notes)
+    notes.unmapped_rest(flat, used)
     return raw, notes.lines
+
+
+def _lr_scheduler(get, raw: dict, notes: Notes) -> None:
+    """[lr_scheduler] (torchtitan/components/lr_scheduler.py, linear_warmup_stable_decay) -> train.schedule.
+
+    Theirs: warmup (k / warmup_steps) x lr, stable, then the last decay_ratio x steps (None: all after
+    the warmup; 0: none) decay by decay_type from lr to min_lr_factor x lr.
+    """
+    train = raw["train"]
+    steps, warmup = train["steps"], int(get("lr_scheduler.warmup_steps", 200))  # torchtitan's default warms up
+    ratio = get("lr_scheduler.decay_ratio")
+    kind = get("lr_scheduler.decay_type", "linear")
+    factor = float(get("lr_scheduler.min_lr_factor", 0.0))
+    train["warmup_steps"] = min(warmup, steps)  # torchtitan clips the warmup to the run
+    if ratio is not None and float(ratio) == 0.0:
+        train["schedule"] = "constant"
+        return _lag(notes, warmup)
+    if kind not in ("linear", "cosine"):
+        notes.unmapped("lr_scheduler.decay_type", kind, "the spec's decays are linear and cosine; linear used")
+        kind = "linear"
+    train["min_lr"] = scaled(factor, train["lr"])
+    if ratio is None:
+        train["schedule"] = kind
+    else:
+        from workbench.schedule import WSD_DECAY_FRACTION
+
+        train["schedule"] = "wsd"
+        if kind != "linear":
+            notes.unmapped("lr_scheduler.decay_type", kind, "the spec's wsd decays linearly; mapped as linear")
+        if round(steps * float(ratio)) != max(1, round(steps * WSD_DECAY_FRACTION)):
+            notes.unmapped("lr_scheduler.decay_ratio", ratio, f"the spec's wsd decays over the last "
+                           f"{WSD_DECAY_FRACTION:g} of the steps; mapped as that")
+    _lag(notes, 1)
+
+
+def _lag(notes: Notes, warms_or_decays: int) -> None:
+    if warms_or_decays:
+        notes.note(lag_note("torchtitan", "0-based steps and ends its decay on a virtual step after the last"))
+
+
+def _lr_scheduler_out(tr, notes: Notes, expressed: list[str]) -> dict:
+    from workbench.schedule import WSD_DECAY_FRACTION
+
+    expressed += ["train.schedule", "train.warmup_steps"]
+    out: dict = {"warmup_steps": tr.warmup_steps}
+    if tr.schedule == "constant":
+        return {**out, "decay_ratio": 0.0}
+    out.update(decay_type="cosine" if tr.schedule == "cosine" else "linear", min_lr_factor=tr.min_lr / tr.lr)
+    expressed.append("train.min_lr")
+    if tr.schedule == "wsd":
+        out["decay_ratio"] = WSD_DECAY_FRACTION
+        if tr.warmup_steps > tr.steps - max(1, round(WSD_DECAY_FRACTION * tr.steps)):
+            notes.unexpressed("train.warmup_steps", tr.warmup_steps, "torchtitan shortens the decay when it "
+                              "overlaps the warmup; the spec's wsd shortens the decay the same way but from "
+                              "the warmup's end")
+    return out
 
 
 def _parallelism(get, raw: dict, notes: Notes, launcher_dp: int | None) -> int:
@@ -240,7 +302,7 @@ def from_spec(spec) -> tuple[dict, list[str]]:
     cfg = {"job": {"dump_folder": "."}, "model": _model_out(spec, notes, expressed),
            "optimizer": {"name": "Adam" if tr.optimizer == "adam" else "AdamW", "lr": tr.lr, "beta1": ADAM_BETAS[0],
                          "beta2": ADAM_BETAS[1], "eps": 1e-8, "weight_decay": tr.weight_decay},
-           "lr_scheduler": {"warmup_steps": 0, "decay_ratio": 0.0},  # a constant learning rate, as the spec's
+           "lr_scheduler": _lr_scheduler_out(tr, notes, expressed),
            "training": training, "parallelism": parallelism,
            "activation_checkpoint": _ac_out(lay, expressed), "debug": {"seed": tr.seed}}
     if tr.optimizer == "sgd":
