@@ -380,6 +380,29 @@ def test_deepspeed_parses_the_export(layout, dtype, monkeypatch):
         assert ds.float16_config.enabled and ds.float16_config.initial_scale_power == 12
 
 
+@pytest.mark.parametrize("sched,min_lr", [("constant", 0.0), ("linear", 0.0), ("cosine", 1e-4)])
+def test_deepspeeds_schedulers_run_the_exported_curve(sched, min_lr):
+    """DeepSpeed's own scheduler, built from the export, gives our rate at iteration k = step k."""
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    from workbench.schedule import lr_curve
+
+    s = load_spec({"train": {"lr": 1e-3, "steps": 40, "schedule": sched, "warmup_steps": 8, "min_lr": min_lr}})
+    cfg = json.loads(export_config(s, "deepspeed")[0])["scheduler"]
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=s.train.lr)
+    scheduler = getattr(lr_schedules, cfg["type"])(opt, **cfg["params"])
+    theirs = []
+    for k in range(1, 41):
+        scheduler.step(k)
+        theirs.append(opt.param_groups[0]["lr"])
+    ours = lr_curve(s.train)
+    if sched == "cosine":  # the same warmup ramp; the decay one iteration ahead (named in a note on import)
+        assert theirs[:7] == pytest.approx(ours[:7]) and theirs[7:-1] == pytest.approx(ours[8:])
+    else:
+        assert theirs == pytest.approx(ours, abs=1e-12)
+
+
 @pytest.mark.parametrize("layout", ACC_LAYOUTS, ids=str)
 def test_accelerate_launcher_reads_the_export(layout, tmp_path, monkeypatch):
     from accelerate.commands.config.config_args import ClusterConfig

@@ -25,7 +25,7 @@ def scaled(ratio: float, lr: float) -> float:
 def lag_note(engine: str, counter: str) -> str:
     """The one difference every mapped decaying or warming schedule keeps: which step the formula is read at."""
     return (f"the learning-rate schedule is the same formula, but {engine} evaluates it at {counter}, "
-            "so its rate can trail ours by a step or two")
+            "so its rate can trail ours by a step")
 ENGINES = ("deepspeed", "accelerate", "megatron", "torchtitan")
 _SECRET = re.compile(r"(token|key|secret|password|passwd|credentials?)$|secret|password", re.I)
 

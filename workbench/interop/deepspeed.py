@@ -18,7 +18,6 @@ from workbench.interop.common import (
     Notes,
     batch_split,
     flatten,
-    lag_note,
     scaled,
     set_path,
     unexpressed_fields,
@@ -198,7 +197,9 @@ def _scheduler(get, raw: dict, notes: Notes, flat: dict) -> None:
         set_path(raw, "train.steps", int(total))  # the decay ends there: the run's length
     elif schedule != "constant":
         notes.note(f"{kind} without scheduler.params.total_num_steps: the decay ends at train.steps (--set it)")
-    notes.note(lag_note("DeepSpeed", "the count of scheduler steps already taken"))
+    if schedule == "cosine":  # WarmupLR and WarmupDecayLR at iteration k are ours at step k; this one is not
+        notes.note("WarmupCosineLR's decay runs one iteration ahead of the spec's cosine (it counts the first "
+                   "decay iteration as 1 and reaches cos_min_ratio at total_num_steps - 1)")
 
 
 def _scheduler_out(tr, notes: Notes, expressed: list[str]) -> dict | None:
