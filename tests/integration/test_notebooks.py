@@ -52,7 +52,8 @@ DRIVE_QUICKSTART = [
     "assert click_s < 2.0, click_s\nassert wb.state.run_state == 'running'",
     # This cell executing while the job runs is the proof that the kernel is not blocked.
     "points = []\nwhile wb.state.run_state == 'running' and time.monotonic() - t0 < 240:\n"
-    "    points.append(len(wb.run_panel.run_box.figure.data[0].x or ()))\n    time.sleep(0.2)\n"
+    "    fig = wb.run_panel.run_box.figure  # None until the run's first figure is drawn\n"
+    "    points.append(len(fig.data[0].x or ()) if fig is not None else 0)\n    time.sleep(0.2)\n"
     "time.sleep(1.5)  # the refresher's last redraw\n"
     "print('points', sorted(set(points)))",
     "assert wb.state.run_state == 'completed', (wb.state.run_state, wb.run_panel.note.value)\n"

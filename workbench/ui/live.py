@@ -8,8 +8,13 @@ from __future__ import annotations
 import html
 
 import ipywidgets as w
+import numpy  # noqa: F401  (see below)
 import plotly.graph_objects as go
 import plotly.io as pio
+
+# numpy is imported here, on the kernel's thread: plotly reads figures through
+# sys.modules["numpy"], and a run's thread importing it first (Ray does) leaves it half
+# initialised for a moment ("partially initialized module 'numpy' has no attribute 'ndarray'").
 
 
 class FigureBox(w.Output):
