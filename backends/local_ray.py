@@ -468,10 +468,10 @@ class LocalRayJob:
                 free, total = ray.available_resources(), ray.cluster_resources()
                 need = ", ".join(f"{k} {v:g}" for k, v in bundle.items())
                 has = ", ".join(f"{k} {free.get(k, 0):g} free of {total.get(k, 0):g}" for k in bundle)
+                together = f", tp({spec.layout.tp}) of them on one node" if spec.layout.tp > 1 else ""
                 self._inbox.append({"event": "warning", "message": (
-                    f"waiting for resources: {spec.world_size} ranks need {need} each, tp({spec.layout.tp}) of "
-                    f"them on one node; the cluster has {has} (another job holds them, or an autoscaler is still "
-                    "adding nodes); cancel to give up")})
+                    f"waiting for resources: {spec.world_size} ranks need {need} each{together}; the cluster has "
+                    f"{has} (another job holds them, or an autoscaler is still adding nodes); cancel to give up")})
         return "placed"
 
     @staticmethod
