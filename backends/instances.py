@@ -7,10 +7,9 @@ resources for custom training", Azure "GPU accelerated VM sizes"), 2025-2026.
 """
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 
-from workbench.errors import ConfigError
+from workbench.errors import ConfigError, did_you_mean
 
 CLOUD_GPUS_NOTE = "The runtime runs on NVIDIA GPUs (NCCL) or on CPU (gloo); TPUs need torch_xla, which it does not use."
 
@@ -129,8 +128,7 @@ def check_region(cloud: str, region: str) -> None:
     """Raise ConfigError for a region name the cloud's training service does not have."""
     known = {"sagemaker": SAGEMAKER_REGIONS, "vertex": VERTEX_REGIONS}[cloud]
     if region not in known:
-        guess = difflib.get_close_matches(region, known, n=1)
-        hint = f" Did you mean {guess[0]!r}?" if guess else ""
+        hint = did_you_mean(region, known)
         raise ConfigError(f"backend.{cloud}.region: {region!r} is not a {_CLOUD_NAMES[cloud]} training region.{hint} "
                           f"Known regions: {', '.join(known)}.")
 

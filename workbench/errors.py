@@ -12,3 +12,11 @@ class ConfigError(ValueError):
 
 class WorkerError(RuntimeError):
     """A training worker failed; the message names the rank and the cause."""
+
+
+def did_you_mean(word: str, known) -> str:
+    """" Did you mean 'x'?" for the closest known name, or "" when none is close."""
+    import difflib
+
+    guess = difflib.get_close_matches(word, list(known), n=1)
+    return f" Did you mean {guess[0]!r}?" if guess else ""

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from workbench.errors import ConfigError
+from workbench.errors import ConfigError, did_you_mean
 
 if TYPE_CHECKING:
     from workbench.spec import ModelSpec
@@ -112,10 +112,7 @@ def resolve_shape(m: ModelSpec) -> ModelShape:
     base: dict = {}
     if m.preset is not None:
         if m.preset not in PRESETS:
-            import difflib
-
-            guess = difflib.get_close_matches(m.preset, PRESETS, n=1)
-            hint = f" Did you mean {guess[0]!r}?" if guess else ""
+            hint = did_you_mean(m.preset, PRESETS)
             raise ConfigError(f"model.preset: unknown preset {m.preset!r}.{hint} Known presets: {', '.join(PRESETS)}.")
         base = dict(PRESETS[m.preset])
     for key in SHAPE_FIELDS:

@@ -6,7 +6,6 @@ users need; it turns every mistake into a `ConfigError` that names the key, the 
 """
 from __future__ import annotations
 
-import difflib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -14,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from workbench.errors import ConfigError
+from workbench.errors import ConfigError, did_you_mean
 from workbench.spec_input import check_plain, clip, parse_yaml, read_spec_file
 
 if TYPE_CHECKING:
@@ -343,8 +342,7 @@ def _explain(err: ValidationError) -> str:
         where = ".".join(str(p) for p in loc) or "spec"
         if e["type"] == "extra_forbidden":
             known = _known_keys(loc)
-            guess = difflib.get_close_matches(str(loc[-1]), known, n=1)
-            hint = f" Did you mean {guess[0]!r}?" if guess else ""
+            hint = did_you_mean(str(loc[-1]), known)
             lines.append(f"{where}: unknown key.{hint} Known keys here: {', '.join(known)}.")
         else:
             got = e.get("input")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from workbench.catalog import DEVICES
-from workbench.errors import ConfigError
+from workbench.errors import ConfigError, did_you_mean
 
 if TYPE_CHECKING:
     from workbench.spec import JobSpec
@@ -56,10 +56,7 @@ def _check_model(spec: JobSpec) -> None:
 def _check_resources(spec: JobSpec, layout: bool = True) -> None:
     r = spec.resources
     if r.gpu not in DEVICES:
-        import difflib
-
-        guess = difflib.get_close_matches(r.gpu, DEVICES, n=1)
-        hint = f" Did you mean {guess[0]!r}?" if guess else ""
+        hint = did_you_mean(r.gpu, DEVICES)
         raise ConfigError(f"resources.gpu: unknown GPU type {r.gpu!r}.{hint} Known types: {', '.join(DEVICES)}.")
     lay = spec.layout
     if layout and lay.world_size != r.num_gpus:

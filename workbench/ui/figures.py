@@ -18,7 +18,6 @@ COLORS = {
     "device": "#222222", "overflow": "#D62728", "F": "#4C78A8", "B": "#F58518", "W": "#54A24B",
 }
 _PAST = ("#9e9e9e", "#bcbd22", "#17becf", "#e377c2")  # earlier runs' loss, beneath the current one
-MEASURED = ("params", "grads", "master", "optimizer", "activations")
 _FONT = dict(family="DejaVu Sans, Arial, sans-serif", size=12)
 # Above this many ranks, identical (pp, tp) positions are drawn once with a count.
 MAX_BARS = 32

@@ -53,10 +53,6 @@ def note_html(text: str | None, kind: str = "info") -> str:
             f"padding:6px 10px;margin:4px 0;font-size:13px;line-height:1.4;white-space:normal'>{body}</div>")
 
 
-def fmt_bytes(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
 def labeled(widget: w.Widget, label: str, width: str = "110px") -> w.HBox:
     """A widget with a fixed-width label on its left, so forms line up."""
     return w.HBox([w.Label(label, layout=w.Layout(width=width)), widget])
