@@ -51,7 +51,7 @@ def memory_figure(estimate: dict | None, measured: dict[int, dict] | None = None
     """Predicted memory per rank as stacked bars against the device's memory.
 
     Args:
-        estimate: ``estimate_memory(spec).to_dict()`` (DESIGN.md contract; sizes in bytes), or
+        estimate: ``estimate_memory(spec).to_dict()`` (the contract in docs/architecture.md; sizes in bytes), or
             None to draw the measured memory alone.
         measured: optional ``{rank: measured}`` from the run's memory events; drawn as a second
             stacked bar beside each rank's prediction, with its measured peak as a marker.
@@ -156,7 +156,7 @@ def run_figure(events: list[dict], height: int = 320, *, history: list[dict] = (
     """Loss, throughput (tokens/s) and step time (s) against the optimizer step.
 
     Args:
-        events: metrics events (DESIGN.md contract); only "step", "eval", "restart" and "checkpoint" are read.
+        events: metrics events (the contract in docs/architecture.md); only "step", "eval", "restart" and "checkpoint" are read.
         height: figure height in pixels.
         history: earlier runs, ``{"label": str, "events": [...]}``, whose loss is drawn thin beneath.
         smooth: exponential-moving-average weight for the loss curves (0: raw).
@@ -282,7 +282,7 @@ def plan_figure(plan: dict, height: int = 320) -> go.Figure:
     """Planner candidates: throughput against peak memory, colored by whether they fit.
 
     Args:
-        plan: ``plan(spec).to_dict(top=N)`` (DESIGN.md contract).
+        plan: ``plan(spec).to_dict(top=N)`` (the contract in docs/architecture.md).
         height: figure height in pixels.
     Returns:
         A go.Figure; hover shows the layout and the cost per hour.

@@ -44,7 +44,7 @@ def write_report(events: list[dict], spec, path: str | Path) -> Path:
     """Write a self-contained offline HTML report of a run.
 
     Args:
-        events: the run's metrics events (DESIGN.md contract), e.g. ``RunResult.events``.
+        events: the run's metrics events (the contract in docs/architecture.md), e.g. ``RunResult.events``.
         spec: the JobSpec (or dict / YAML path) that ran.
         path: where to write the HTML file.
     Returns:
