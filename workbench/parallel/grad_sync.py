@@ -11,11 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
+from workbench.parallel.local import local
 
 
 def all_reduce_grads(modules: list[nn.Module], group: dist.ProcessGroup, *, bucket_mb: float) -> None:
@@ -30,7 +26,7 @@ def all_reduce_grads(modules: list[nn.Module], group: dist.ProcessGroup, *, buck
         bucket_mb: largest flat buffer per all-reduce, in MiB.
     """
     size = dist.get_world_size(group)
-    grads = [_local(p.grad) for m in modules for p in m.parameters() if p.grad is not None]
+    grads = [local(p.grad) for m in modules for p in m.parameters() if p.grad is not None]
     cap = int(bucket_mb * 2**20)
     bucket: list[torch.Tensor] = []
     for g in grads:

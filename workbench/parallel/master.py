@@ -13,14 +13,10 @@ import math
 import torch
 import torch.distributed as dist
 
+from workbench.parallel.local import local
+
 MAX_CHUNK = 4 * 1024 * 1024  # elements; 16 MiB per fp32 staging buffer
 MIN_CHUNK = 4096
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class FlatParams:
@@ -30,7 +26,7 @@ class FlatParams:
         self.params = params
         self.offsets = [0]
         for p in params:
-            self.offsets.append(self.offsets[-1] + _local(p).numel())
+            self.offsets.append(self.offsets[-1] + local(p).numel())
         self.numel = self.offsets[-1]
 
     def _pieces(self, start: int, end: int):
@@ -48,13 +44,13 @@ class FlatParams:
             src = p.grad if grad else p
             if src is None:
                 continue
-            out[at:at + hi - lo].copy_(_local(src).detach().reshape(-1)[lo:hi])
+            out[at:at + hi - lo].copy_(local(src).detach().reshape(-1)[lo:hi])
         return out
 
     @torch.no_grad()
     def write(self, start: int, end: int, values: torch.Tensor) -> None:
         for p, lo, hi, at in self._pieces(start, end):
-            _local(p).view(-1)[lo:hi].copy_(values[at:at + hi - lo])
+            local(p).view(-1)[lo:hi].copy_(values[at:at + hi - lo])
 
 
 def chunk_size(range_numel: int) -> int:
@@ -104,8 +100,8 @@ class MasterOptimizer:
         self.range_numel = math.ceil(self.flat.numel / world)  # padded: every rank owns the same count
         self.start = rank * self.range_numel
         self.chunk = chunk or chunk_size(self.range_numel)
-        self.device = _local(params[0]).device
-        self.param_dtype = _local(params[0]).dtype
+        self.device = local(params[0]).device
+        self.param_dtype = local(params[0]).dtype
         init = torch.zeros(self.range_numel, dtype=torch.float32, device=self.device)
         self.flat.read(self.start, self.start + self.range_numel, grad=False, out=init)
         # The store is made once the optimizer (its number of moments) is known: bind().
@@ -184,7 +180,7 @@ class MasterOptimizer:
         kinds = ["master"] + [f"moment{i}" for i in range(self.num_moments)]
         values = []
         for kind in kinds:
-            flat = torch.cat([_local(state[kind][name]).reshape(-1).float() for name in self.names])
+            flat = torch.cat([local(state[kind][name]).reshape(-1).float() for name in self.names])
             values.append(flat[self.start:self.start + n].to(self.device))
         for c0 in range(0, self.range_numel, self.chunk):
             c1 = min(c0 + self.chunk, self.range_numel)
@@ -216,5 +212,5 @@ class MasterOptimizer:
 
     def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Split a flat vector into tensors shaped like the parameters' local tensors."""
-        return [flat[a:b].view(_local(p).shape) for p, a, b in
+        return [flat[a:b].view(local(p).shape) for p, a, b in
                 zip(self.flat.params, self.flat.offsets, self.flat.offsets[1:])]

@@ -88,11 +88,11 @@ class DynamicLossScaler:
         """True if any gradient on any rank holds inf/NaN (all ranks get the same answer)."""
         if not self.enabled:
             return False
-        from workbench.parallel.master import _local
+        from workbench.parallel.local import local
 
         flag = torch.zeros((), device=device)
         for g in grads:
-            if g is not None and not torch.isfinite(_local(g)).all():
+            if g is not None and not torch.isfinite(local(g)).all():
                 flag.fill_(1.0)
                 break
         if dist.is_initialized():

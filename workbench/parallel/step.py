@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch.optim.adam import adam as adam_kernel
 from torch.optim.sgd import sgd as sgd_kernel
 
-from workbench.parallel.master import MasterOptimizer, _local
+from workbench.parallel.local import local
+from workbench.parallel.master import MasterOptimizer
 from workbench.parallel.precision import DynamicLossScaler
 
 BETAS, EPS, SGD_MOMENTUM = (0.9, 0.999), 1e-8, 0.9
@@ -106,7 +107,7 @@ class TrainStep:
         self.grad_clip, self.scaler, self.master = grad_clip, scaler, master
         self._optimizer_name, self._weight_decay, self.lr = optimizer, weight_decay, lr
         # Collectives (overflow flag, norm) run here: the compute device, even when the states are offloaded.
-        self.device = comm_device or _local(self.params[0]).device
+        self.device = comm_device or local(self.params[0]).device
         if master is None:
             self.optimizer = build_optimizer(self.params, optimizer, lr, weight_decay)
         else:
@@ -143,7 +144,7 @@ class TrainStep:
             else:
                 if coef != 1.0:
                     # Local pieces: DTensor (TP-sharded) and plain gradients in one foreach call.
-                    torch._foreach_mul_([_local(g) for g in grads if g is not None], coef)
+                    torch._foreach_mul_([local(g) for g in grads if g is not None], coef)
                 self.optimizer.step()
         self.scaler.update(skipped)
         return {"loss_scale": used_scale, "skipped": skipped} if self.scaler.enabled else {}
@@ -151,7 +152,7 @@ class TrainStep:
     def zero_grad(self) -> None:
         # Keep the tensors (DDP's gradients are views into its buckets); zero them in place, in
         # one call (local shards: DTensor gradients of FSDP2 / TP zero through their local tensor).
-        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        grads = [local(p.grad) for p in self.params if p.grad is not None]
         if grads:
             torch._foreach_zero_(grads)
 

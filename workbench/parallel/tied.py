@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from workbench.parallel.master import _local
+from workbench.parallel.local import local
 
 EMBEDDING, HEAD = "tok_emb.weight", "head.weight"
 
@@ -68,4 +68,4 @@ def sync_tied_grads(params: list[nn.Parameter], group) -> None:
     for p in params:
         if p.grad is None:  # a stage that did not use it this step still joins with zeros
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(_local(p.grad), group=group)
+        dist.all_reduce(local(p.grad), group=group)

@@ -13,11 +13,8 @@ import contextlib
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor  # at import, not per call: _local runs per saved tensor
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from workbench.parallel.local import local
 
 
 def tensor_bytes(tensors) -> int:
@@ -25,7 +22,7 @@ def tensor_bytes(tensors) -> int:
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor):
             continue
-        t = _local(t)
+        t = local(t)
         if t.device.type == "meta":
             continue
         key = (t.untyped_storage().data_ptr(), t.device)
@@ -39,13 +36,13 @@ def tensor_bytes(tensors) -> int:
 def storage_of(t: torch.Tensor) -> tuple[int, int]:
     """(key, bytes) of the storage behind `t`: a DTensor's local shard; a tensor subclass
     without a real storage (e.g. an async collective's result) counts its own elements."""
-    local = _local(t)
-    local = getattr(local, "elem", local)  # AsyncCollectiveTensor wraps the real tensor
+    shard = local(t)
+    shard = getattr(shard, "elem", shard)  # AsyncCollectiveTensor wraps the real tensor
     try:
-        storage = local.untyped_storage()
+        storage = shard.untyped_storage()
         return storage.data_ptr(), storage.nbytes()
     except (RuntimeError, NotImplementedError):
-        return id(local), local.numel() * local.element_size()
+        return id(shard), shard.numel() * shard.element_size()
 
 
 def _is_param(t: torch.Tensor) -> bool:
@@ -68,7 +65,7 @@ class MemoryMeter:
         self._storages: dict[int, int] = {}
 
     def watch_params(self, modules: list[nn.Module]) -> None:
-        self._param_ptrs = {_local(p).untyped_storage().data_ptr() for m in modules for p in m.parameters()}
+        self._param_ptrs = {local(p).untyped_storage().data_ptr() for m in modules for p in m.parameters()}
 
     @contextlib.contextmanager
     def saving(self):

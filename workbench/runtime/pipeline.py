@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from workbench.parallel.local import local
 from workbench.parallel.pp import build_schedule
 from workbench.parallel.precision import autocast
-from workbench.runtime.meter import MemoryMeter, _local
+from workbench.runtime.meter import MemoryMeter
 
 
 def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -182,4 +183,4 @@ class PipelineEngine:
 
 
 def _param_ptr(t: torch.Tensor) -> int:
-    return _local(t).untyped_storage().data_ptr()
+    return local(t).untyped_storage().data_ptr()
