@@ -1,4 +1,4 @@
-"""The multi-process benchmarks at tiny sizes on one shared 2-rank gloo pool, and the torchrun peer."""
+"""The multi-process benchmarks at tiny sizes on the session's shared 2-rank gloo pool, and the torchrun peer."""
 import json
 
 import pytest
@@ -9,12 +9,9 @@ from bench.common import tiny_spec
 pytestmark = pytest.mark.distributed
 
 
-@pytest.fixture(scope="module")
-def pool():
-    from workbench.runtime.spawn import SpawnPool
-
-    with SpawnPool(2) as p:
-        yield p
+@pytest.fixture
+def pool(spawn_pools):
+    return spawn_pools.get(2)
 
 
 @pytest.mark.timeout(180)
