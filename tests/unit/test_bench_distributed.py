@@ -46,6 +46,7 @@ def test_overlap_variants(pool):
     assert r["compute_s"]["median"] > 0 and r["allreduce_s"]["median"] > 0
 
 
+@pytest.mark.slow  # two torchrun processes of their own (torch import, process group)
 @pytest.mark.timeout(240)
 def test_plain_torchrun_peer_trains_like_the_runtime(tmp_path):
     """The peer of benchmark (a) does the same work: its losses match the runtime's."""
