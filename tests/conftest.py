@@ -1,6 +1,9 @@
-"""Suite-wide rules: GPU tests are skipped without CUDA."""
+"""Suite-wide rules and fixtures: GPU tests are skipped without CUDA; gloo process pools are
+shared by every test module of the session (unit, distributed and integration alike)."""
 import pytest
 import torch
+
+from workbench.runtime.spawn import SpawnPool
 
 
 def pytest_collection_modifyitems(config, items):
@@ -10,3 +13,35 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+class _Pools:
+    """One persistent SpawnPool per world size. Starting one costs a process per rank (torch
+    import, process group: 5-15 s on a small machine), so modules share them. A pool whose job
+    failed is closed by SpawnPool.run; `get` then starts a fresh one."""
+
+    def __init__(self):
+        self._pools: dict[int, SpawnPool] = {}
+
+    def get(self, world: int) -> SpawnPool:
+        pool = self._pools.get(world)
+        if pool is None or not all(p.is_alive() for p in pool._procs):
+            pool = self._pools[world] = SpawnPool(world)
+        return pool
+
+    def close(self):
+        for pool in self._pools.values():
+            pool.close()
+
+
+@pytest.fixture(scope="session")
+def spawn_pools():
+    """`spawn_pools.get(world)` -> a SpawnPool(world) shared by the whole session."""
+    pools = _Pools()
+    yield pools
+    pools.close()
+
+
+@pytest.fixture
+def pool2(spawn_pools):
+    return spawn_pools.get(2)

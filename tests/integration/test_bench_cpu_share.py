@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]  # Ray and torchrun arms: a process tree each
 
 
 def test_cpu_share_finds_the_ranks_and_the_control_plane():

@@ -150,11 +150,10 @@ def test_resume_with_an_incompatible_spec_names_the_difference(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(420)
-def test_sigterm_to_one_rank_process_checkpoints_and_resumes_exactly(tmp_path):
+def test_sigterm_to_one_rank_process_checkpoints_and_resumes_exactly(pool2, tmp_path):
     """The per-rank path (torchrun, a cloud's launcher): SIGTERM to one rank's process at a
     random moment stops both ranks after the same step, with a checkpoint of that step."""
-    with SpawnPool(2) as pool:
-        _sigterm_one_rank(pool, tmp_path)
+    _sigterm_one_rank(pool2, tmp_path)
 
 
 def _sigterm_one_rank(pool: SpawnPool, tmp_path: Path) -> None:

@@ -47,9 +47,9 @@ def outputs(cell) -> str:
 DRIVE_QUICKSTART = [
     # Fewer steps than the notebook's demo; the form writes them into the spec.
     "wb.layout_panel.fields['train.steps'].value = 40\nassert wb.spec.train.steps == 40",
-    # Pressing Run returns at once: Ray starts and the job trains on background threads.
-    "import time\nt0 = time.monotonic()\nwb.run_panel.run_button.click()\nclick_s = time.monotonic() - t0\n"
-    "assert click_s < 2.0, click_s\nassert wb.state.run_state == 'running'",
+    # Pressing Run returns while the job runs: Ray starts and the job trains on background threads.
+    # (Proven by the state, not by a wall-clock bound, which a busy machine breaks.)
+    "import time\nt0 = time.monotonic()\nwb.run_panel.run_button.click()\nassert wb.state.run_state == 'running'",
     # This cell executing while the job runs is the proof that the kernel is not blocked.
     "points = []\nwhile wb.state.run_state == 'running' and time.monotonic() - t0 < 240:\n"
     "    fig = wb.run_panel.run_box.figure  # None until the run's first figure is drawn\n"

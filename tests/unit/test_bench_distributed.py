@@ -1,4 +1,4 @@
-"""The multi-process benchmarks at tiny sizes on one shared 2-rank gloo pool, and the torchrun peer."""
+"""The multi-process benchmarks at tiny sizes on the session's shared 2-rank gloo pool, and the torchrun peer."""
 import json
 
 import pytest
@@ -9,12 +9,9 @@ from bench.common import tiny_spec
 pytestmark = pytest.mark.distributed
 
 
-@pytest.fixture(scope="module")
-def pool():
-    from workbench.runtime.spawn import SpawnPool
-
-    with SpawnPool(2) as p:
-        yield p
+@pytest.fixture
+def pool(spawn_pools):
+    return spawn_pools.get(2)
 
 
 @pytest.mark.timeout(180)
@@ -49,6 +46,7 @@ def test_overlap_variants(pool):
     assert r["compute_s"]["median"] > 0 and r["allreduce_s"]["median"] > 0
 
 
+@pytest.mark.slow  # two torchrun processes of their own (torch import, process group)
 @pytest.mark.timeout(240)
 def test_plain_torchrun_peer_trains_like_the_runtime(tmp_path):
     """The peer of benchmark (a) does the same work: its losses match the runtime's."""

@@ -9,16 +9,13 @@ CHOSEN = ("dp2", "dp2 zero1 bf16", "dp2 zero3", "dp2 full ckpt", "dp2 zero3 offl
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-def test_predicted_memory_matches_measured_within_thresholds():
-    from workbench.runtime.spawn import SpawnPool
-
+def test_predicted_memory_matches_measured_within_thresholds(pool2):
     jobs = [(label, build_spec("gpt-tiny", layout, dtype)) for label, layout, dtype in LAYOUTS if label in CHOSEN]
     runnable_jobs = [(label, spec) for label, spec in jobs if runnable(spec) is None]
     assert runnable_jobs, "the runtime runs none of the chosen layouts"
     rows = []
-    with SpawnPool(2) as pool:
-        for label, spec in runnable_jobs:
-            rows += compare("gpt-tiny", label, spec, pool.run(spec, timeout_s=120))
+    for label, spec in runnable_jobs:
+        rows += compare("gpt-tiny", label, spec, pool2.run(spec, timeout_s=120))
     assert {r.rank for r in rows} == {0, 1}
     assert {"params", "activations"} <= {r.component for r in rows}
     over = [f"{r.layout} rank {r.rank} {r.component}: predicted {r.predicted} measured {r.measured} "

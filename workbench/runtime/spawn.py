@@ -1,10 +1,13 @@
 """Run the per-rank loop on N local gloo processes without Ray: parity tests and benchmarks.
 
-`SpawnPool` keeps its processes (and their process group) alive across jobs, because starting
-a process group costs 5-15 s on a small machine; `run_spawn` is the one-shot form.
+`SpawnPool` keeps its processes alive across jobs, because starting them (torch import) costs
+seconds each on a small machine; every job gets a fresh process group; `run_spawn` is the one-shot form.
 """
 from __future__ import annotations
 
+import gc
+import glob
+import itertools
 import os
 import queue
 import tempfile
@@ -23,18 +26,21 @@ def _worker(rank: int, world: int, rendezvous: str, jobs, results, threads: int,
 
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    # A file rendezvous: a free TCP port found in advance can be taken by another process
-    # before rank 0 binds it.
     if backend == "nccl":
         torch.cuda.set_device(rank)  # one GPU per rank
-    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     from workbench.runtime.loop import train
 
-    while True:
+    for num_job in itertools.count():
         job = jobs.get()
         if job == _STOP:
             break
         fn, spec = job
+        # A process group per job, destroyed with every group the job made (its mesh's dp/tp/pp
+        # groups): each gloo group keeps threads polling its sockets, so groups left from earlier
+        # jobs pile up in a long-lived pool (9 threads per dp=2 ZeRO-3 job) and load the machine.
+        # A file rendezvous, one per job: a free TCP port found in advance can be taken by another
+        # process before rank 0 binds it.
+        dist.init_process_group(backend, init_method=f"file://{rendezvous}.{num_job}", rank=rank, world_size=world)
         events: list[dict] = []
         try:
             if fn is None:
@@ -44,7 +50,9 @@ def _worker(rank: int, world: int, rendezvous: str, jobs, results, threads: int,
             results.put((rank, events, None))
         except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
             results.put((rank, events, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    dist.destroy_process_group()
+        finally:
+            dist.destroy_process_group()
+            gc.collect()  # the job's model, optimizer and mesh hold its groups in reference cycles
 
 
 class SpawnPool:
@@ -60,9 +68,10 @@ class SpawnPool:
         ctx = mp.get_context("spawn")
         self._jobs = [ctx.Queue() for _ in range(world)]
         self._results = ctx.Queue()
+        # This empty file reserves the name; the jobs' rendezvous files are `<name>.<job>`, each
+        # new (a stale one would hold old ranks).
         fd, self._rendezvous = tempfile.mkstemp(prefix="workbench-pg-")
         os.close(fd)
-        os.unlink(self._rendezvous)  # the store creates it; a stale file would hold old ranks
         self._procs = [
             ctx.Process(target=_worker, args=(r, world, self._rendezvous, self._jobs[r], self._results, threads_per_rank,
                                               backend), daemon=True)
@@ -102,8 +111,9 @@ class SpawnPool:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-        if os.path.exists(self._rendezvous):
-            os.unlink(self._rendezvous)
+        for path in [*glob.glob(glob.escape(self._rendezvous) + ".*"), self._rendezvous]:
+            if os.path.exists(path):
+                os.unlink(path)
 
     def __enter__(self):
         return self
