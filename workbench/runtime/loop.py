@@ -135,9 +135,14 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
         attempt: how many times the launcher restarted the workers (recorded in the restart event).
     """
     spec = load_spec(spec)
+    joins = not dist.is_initialized()  # the launcher's env:// group is ours to destroy
     # SIGTERM -> stop after this step (main thread only); trackers get rank 0's events.
     with PreemptionNotice() as notice, tracked(spec, sink) as sink:
         result = _train(spec, sink, lambda: should_stop() or notice.requested, resume, gather_state, attempt)
+    if joins and dist.is_initialized():
+        # Before the interpreter exits: a gloo group still alive then can abort the process
+        # (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#190489).
+        dist.destroy_process_group()
     if notice.requested and notice.seconds_left() < 0:
         sink({"event": "warning", "message": notice.overrun_message()})
     return result
