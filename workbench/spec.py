@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from workbench.errors import ConfigError, did_you_mean
+from workbench.parallelism import PipelineSchedule
 from workbench.spec_input import check_plain, clip, parse_yaml, read_spec_file
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ class LayoutSpec(_Section):
     tp: int = Field(1, gt=0, description="Tensor-parallel degree (within a node).")
     pp: int = Field(1, gt=0, description="Pipeline-parallel degree (stages).")
     zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage: 0 DDP, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP).")
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = Field("1f1b", description="Pipeline schedule when pp > 1.")
+    pp_schedule: PipelineSchedule = Field("1f1b", description="Pipeline schedule when pp > 1.")
     virtual_stages: int = Field(2, gt=0, description="Stages per pipeline rank for interleaved schedules.")
     activation_checkpointing: Literal["none", "full", "selective"] = Field("none", description="Recompute activations in backward: none; full: whole blocks (every checkpoint_every-th block); selective: the attention core only (Korthikanti et al. 2022).")
     checkpoint_every: int = Field(1, gt=0, description="k for full activation checkpointing: recompute every k-th block of each stage (1 = every block).")

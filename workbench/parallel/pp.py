@@ -14,12 +14,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+from workbench.parallelism import is_multi_stage
 
 
 def num_local_stages(schedule: str, virtual_stages: int) -> int:
     """Stages each pipeline rank holds: `virtual_stages` for the multi-stage schedules."""
-    return virtual_stages if schedule in ("interleaved-1f1b", "zero-bubble") else 1
+    return virtual_stages if is_multi_stage(schedule) else 1
 
 
 def stage_indices(pp_rank: int, pp: int, local_stages: int) -> list[int]:
@@ -82,7 +82,7 @@ def apply_pp(model: nn.Module, pp_mesh: DeviceMesh, *, schedule: str, virtual_st
     Args:
         model: the full GPT on the meta device.
         pp_mesh: the 1-D pipeline mesh (this rank's position on it picks its stages).
-        schedule: one of SCHEDULES.
+        schedule: one of workbench.parallelism.PIPELINE_SCHEDULES.
         virtual_stages: stages per rank for interleaved-1f1b and zero-bubble.
     Returns:
         (stage modules, their global stage indices, total number of stages).
