@@ -48,8 +48,8 @@ def observe(spec: dict, sink) -> None:
 
     from workbench.models import build_model_meta
     from workbench.parallel.apply import parallelize
-    from workbench.parallel.layout import build_mesh
     from workbench.parallel.local import local
+    from workbench.parallel.mesh import build_mesh
     from workbench.runtime.loop import init_distributed
 
     spec = load_spec(spec)

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from workbench.parallel.checkpointing import apply_activation_checkpointing
+from workbench.parallel.activation_checkpointing import apply_activation_checkpointing
 from workbench.parallel.ddp import apply_ddp
 from workbench.parallel.master import MasterOptimizer
 from workbench.parallel.offload import build_file_store, cpu_offload_policy

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from workbench.data import build_token_source
 from workbench.models import build_model_meta
 from workbench.parallel.apply import Parallelized, parallelize
-from workbench.parallel.layout import build_mesh, coords
+from workbench.parallel.mesh import build_mesh, coords
 from workbench.parallel.precision import DynamicLossScaler, autocast
 from workbench.parallel.step import TrainStep
 from workbench.parallelism import Parallelism
