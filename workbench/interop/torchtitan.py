@@ -23,7 +23,7 @@ from workbench.interop.common import (
     set_path,
     unexpressed_fields,
 )
-from workbench.parallelism import is_multi_stage
+from workbench.parallelism import Parallelism, is_multi_stage
 
 _ROPE_THETA = 500000  # every llama3 flavor; the spec's llama uses 10000
 
@@ -277,9 +277,10 @@ def from_spec(spec) -> tuple[dict, list[str]]:
     micro, _ = batch_split(spec)
     expressed = ["layout.dp", "layout.tp", "layout.pp", "layout.zero", "train.global_batch", "train.micro_batch",
                  "train.steps", "train.grad_clip", "train.seed", "train.lr", "train.weight_decay", "precision.dtype"]
-    parallelism = {"data_parallel_replicate_degree": lay.dp if lay.zero < 2 else 1,
-                   "data_parallel_shard_degree": lay.dp if lay.zero >= 2 else 1,
-                   "fsdp_reshard_after_forward": "never" if lay.zero == 2 else "default",
+    par = Parallelism.from_spec(spec)
+    parallelism = {"data_parallel_replicate_degree": 1 if par.fsdp else lay.dp,
+                   "data_parallel_shard_degree": lay.dp if par.fsdp else 1,
+                   "fsdp_reshard_after_forward": "never" if par.fsdp and not par.reshard_after_forward else "default",
                    "tensor_parallel_degree": lay.tp, "pipeline_parallel_degree": lay.pp}
     if lay.zero == 1:
         notes.unexpressed("layout.zero", 1, "torchtitan shards all of parameters, gradients and optimizer state "
