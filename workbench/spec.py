@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from workbench.errors import ConfigError, did_you_mean
 from workbench.parallelism import PipelineSchedule
+from workbench.schedule import LrSchedule
 from workbench.spec_input import check_plain, clip, parse_yaml, read_spec_file
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ class TrainSpec(_Section):
     micro_batch: int = Field(4, gt=0, description="Sequences per forward/backward on one rank.")
     optimizer: Literal["adamw", "adam", "sgd"] = Field("adamw", description="Optimizer.")
     lr: float = Field(3.0e-4, gt=0, description="Peak learning rate (the schedule scales it).")
-    schedule: Literal["constant", "cosine", "linear", "wsd"] = Field("constant", description="Learning-rate schedule after warmup: constant, cosine or linear decay to min_lr, or warmup-stable-decay (wsd: the last 20% of steps decay linearly).")
+    schedule: LrSchedule = Field("constant", description="Learning-rate schedule after warmup: constant, cosine or linear decay to min_lr, or warmup-stable-decay (wsd: the last 20% of steps decay linearly).")
     warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup from lr/warmup_steps to lr.")
     min_lr: float = Field(0.0, ge=0, description="Learning rate at the end of a decaying schedule.")
     eval_every: int = Field(0, ge=0, description="Evaluate the held-out loss every N steps (and after the last); 0 disables.")
