@@ -21,6 +21,12 @@ def is_multi_stage(schedule: str) -> bool:
     return schedule in MULTI_STAGE_SCHEDULES
 
 
+def looped_stages(pp_rank: int, pp: int, chunks: int) -> list[int]:
+    """The global stage indices pipeline rank `pp_rank` holds: looped placement (r, r + pp, ...),
+    the layout torch's Interleaved1F1B and InterleavedZeroBubble expect."""
+    return [pp_rank + i * pp for i in range(chunks)]
+
+
 @dataclass(frozen=True)
 class Parallelism:
     """The knobs of a layout and precision, and every fact they imply (as properties).
@@ -71,6 +77,10 @@ class Parallelism:
     @property
     def num_stages(self) -> int:
         return self.pp * self.chunks
+
+    def stage_indices(self, pp_rank: int) -> list[int]:
+        """The global indices of the stages pipeline rank `pp_rank` holds."""
+        return looped_stages(pp_rank, self.pp, self.chunks)
 
     # Data parallel: who shards what, and who reduces the gradients.
     @property

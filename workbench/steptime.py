@@ -120,10 +120,11 @@ def collective_s(kind: str, size: int, nbytes: float, link: str, dev) -> float:
 def _rank_work(shape, pp: int, chunks: int) -> tuple[int, bool]:
     """(blocks on the busiest pipeline rank, does that rank hold the head): the slowest stage sets the pace."""
     from workbench.memory.params import stage_blocks
+    from workbench.parallelism import looped_stages
 
     n = pp * chunks
     split = stage_blocks(shape, n)
-    per_rank = [sum(len(split[s]) for s in range(k, n, pp)) for k in range(pp)]
+    per_rank = [sum(len(split[s]) for s in looped_stages(k, pp, chunks)) for k in range(pp)]
     dense, attn, head = _forward_flops(shape)
     cost = [b * (dense + attn) + (head if k == pp - 1 else 0) for k, b in enumerate(per_rank)]
     k = max(range(pp), key=cost.__getitem__)

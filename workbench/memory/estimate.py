@@ -91,7 +91,7 @@ def _activations_cached(shape, tp, pp, chunks, sp, micro_batch, num_micro, sched
                  checkpoint_every=every, dtype=dtype, device=device)
     num_stages = lay.pp * lay.chunks
     split = prm.stage_blocks(shape, num_stages)
-    stages = list(range(pp_index, num_stages, lay.pp))
+    stages = lay.stage_indices(pp_index)
     per_chunk = [_chunk_activation_bytes(shape, lay, s, num_stages, split[s]) for s in stages]
     if lay.pp > 1:
         held = max_in_flight(lay.pp_schedule, lay.pp, lay.num_micro, pp_index, lay.chunks)

@@ -71,8 +71,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, par: Parallelism, *, 
     if par.pp > 1:
         from workbench.parallel.pp import apply_pp
 
-        out.modules, out.stage_indices, out.num_stages = apply_pp(
-            model, mesh["pp"], schedule=par.pp_schedule, virtual_stages=par.virtual_stages)
+        out.modules, out.stage_indices, out.num_stages = apply_pp(model, mesh["pp"], chunks=par.chunks)
         out.model = out.modules[0]
     if par.tp > 1:
         from torch.distributed.tensor.parallel import loss_parallel
