@@ -163,9 +163,5 @@ class Parallelism:
         return self.activation_checkpointing != "none"
 
     def facts(self) -> dict:
-        """Every derived fact by name (for notes, tests and the notebook)."""
-        names = ("world_size", "multi_stage", "chunks", "num_stages", "fsdp", "reshard_after_forward",
-                 "shards_optimizer_state", "grad_sync", "mixed", "params_are_master", "needs_master",
-                 "master_sharded", "param_dtype", "compute_dtype", "offload_to", "init_on_host", "loss_parallel",
-                 "checkpointing")
-        return {n: getattr(self, n) for n in names}
+        """Every derived fact (each property above) by name: for notes, tests and the notebook."""
+        return {name: getattr(self, name) for name, v in vars(Parallelism).items() if isinstance(v, property)}
