@@ -32,7 +32,7 @@ def _overlap_job(cfg: dict, sink) -> None:
 
     from workbench.models import build_model
     from workbench.parallel.ddp import apply_ddp
-    from workbench.parallel.layout import build_mesh
+    from workbench.parallel.mesh import build_mesh
     from workbench.spec import load_spec
 
     torch.manual_seed(0)

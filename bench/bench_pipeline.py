@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 
 from bench.common import NOT_AVAILABLE, stats, table, tiny_spec, write_result
+from workbench.parallelism import PIPELINE_SCHEDULES, is_multi_stage
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+SCHEDULES = list(PIPELINE_SCHEDULES)
 
 
 def config(quick: bool) -> dict:
@@ -78,7 +79,7 @@ def run(quick: bool = False, pool=None) -> dict:
             pool.close()
     rows = []
     for cell in cells.values():
-        v = LayoutSpec().virtual_stages if cell["schedule"] in ("interleaved-1f1b", "zero-bubble") else 1
+        v = LayoutSpec().virtual_stages if is_multi_stage(cell["schedule"]) else 1
         row = {"schedule": cell["schedule"], "m": cell["m"], "theory": theory(p, cell["m"]),
                "theory_interleaved": theory(p, cell["m"], v), "virtual_stages": v}
         if cell["samples"]:

@@ -194,7 +194,7 @@ def plan(spec, prices=None, top: int | None = None) -> PlanResult:
         for lay in options:
             searched += 1
             peak, offloaded = _peak(shape, lay)
-            host_ok = lay.offload != "cpu" or not dev.host_memory_bytes or offloaded <= host_usable
+            host_ok = lay.offload_to != "host memory" or not dev.host_memory_bytes or offloaded <= host_usable
             if peak <= usable and host_ok:
                 fitting.append(_candidate(shape, lay, dev, spec, gpn, peak, True, dev_prices))
                 break
@@ -230,7 +230,7 @@ def _given(spec, shape, dev, gpn: int, usable: float, host_usable: float, dev_pr
         return None, str(e)
     lay = layout_from_spec(spec)
     peak, offloaded = _peak(shape, lay)
-    host_ok = lay.offload != "cpu" or not dev.host_memory_bytes or offloaded <= host_usable
+    host_ok = lay.offload_to != "host memory" or not dev.host_memory_bytes or offloaded <= host_usable
     c = _candidate(shape, lay, dev, spec, gpn, peak, peak <= usable and host_ok, dev_prices)
     _check_runnable(spec, c)
     return c, None
@@ -258,7 +258,7 @@ def _candidate(shape, lay: Layout, dev, spec, gpn: int, peak: int, fits: bool, d
     layout = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero, "offload": lay.offload,
               "activation_checkpointing": lay.activation_checkpointing, "pp_schedule": lay.pp_schedule,
               "sequence_parallel": lay.sequence_parallel}
-    if lay.chunks > 1:
+    if lay.multi_stage:
         layout["virtual_stages"] = lay.virtual_stages
     c = Candidate(layout, lay.micro_batch, fits, int(peak), st.step_time_s, st.tokens_per_s, st.mfu)
     n = lay.world_size

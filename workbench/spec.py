@@ -14,6 +14,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from workbench.errors import ConfigError, did_you_mean
+from workbench.parallelism import PipelineSchedule
+from workbench.schedule import LrSchedule
 from workbench.spec_input import check_plain, clip, parse_yaml, read_spec_file
 
 if TYPE_CHECKING:
@@ -77,7 +79,7 @@ class TrainSpec(_Section):
     micro_batch: int = Field(4, gt=0, description="Sequences per forward/backward on one rank.")
     optimizer: Literal["adamw", "adam", "sgd"] = Field("adamw", description="Optimizer.")
     lr: float = Field(3.0e-4, gt=0, description="Peak learning rate (the schedule scales it).")
-    schedule: Literal["constant", "cosine", "linear", "wsd"] = Field("constant", description="Learning-rate schedule after warmup: constant, cosine or linear decay to min_lr, or warmup-stable-decay (wsd: the last 20% of steps decay linearly).")
+    schedule: LrSchedule = Field("constant", description="Learning-rate schedule after warmup: constant, cosine or linear decay to min_lr, or warmup-stable-decay (wsd: the last 20% of steps decay linearly).")
     warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup from lr/warmup_steps to lr.")
     min_lr: float = Field(0.0, ge=0, description="Learning rate at the end of a decaying schedule.")
     eval_every: int = Field(0, ge=0, description="Evaluate the held-out loss every N steps (and after the last); 0 disables.")
@@ -94,7 +96,7 @@ class LayoutSpec(_Section):
     tp: int = Field(1, gt=0, description="Tensor-parallel degree (within a node).")
     pp: int = Field(1, gt=0, description="Pipeline-parallel degree (stages).")
     zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage: 0 DDP, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP).")
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = Field("1f1b", description="Pipeline schedule when pp > 1.")
+    pp_schedule: PipelineSchedule = Field("1f1b", description="Pipeline schedule when pp > 1.")
     virtual_stages: int = Field(2, gt=0, description="Stages per pipeline rank for interleaved schedules.")
     activation_checkpointing: Literal["none", "full", "selective"] = Field("none", description="Recompute activations in backward: none; full: whole blocks (every checkpoint_every-th block); selective: the attention core only (Korthikanti et al. 2022).")
     checkpoint_every: int = Field(1, gt=0, description="k for full activation checkpointing: recompute every k-th block of each stage (1 = every block).")

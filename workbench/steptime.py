@@ -120,10 +120,11 @@ def collective_s(kind: str, size: int, nbytes: float, link: str, dev) -> float:
 def _rank_work(shape, pp: int, chunks: int) -> tuple[int, bool]:
     """(blocks on the busiest pipeline rank, does that rank hold the head): the slowest stage sets the pace."""
     from workbench.memory.params import stage_blocks
+    from workbench.parallelism import looped_stages
 
     n = pp * chunks
     split = stage_blocks(shape, n)
-    per_rank = [sum(len(split[s]) for s in range(k, n, pp)) for k in range(pp)]
+    per_rank = [sum(len(split[s]) for s in looped_stages(k, pp, chunks)) for k in range(pp)]
     dense, attn, head = _forward_flops(shape)
     cost = [b * (dense + attn) + (head if k == pp - 1 else 0) for k, b in enumerate(per_rank)]
     k = max(range(pp), key=cost.__getitem__)
@@ -186,11 +187,11 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
     dp_link = _link(lay.dp, lay.tp, gpus_per_node)
     block_params = params_per_rank / max(1, blocks)
     fsdp_micro = 0.0
-    if lay.zero >= 2 and lay.dp > 1:
+    if lay.grad_sync == "fsdp":
         gather = collective_s("all_gather", lay.dp, block_params * w, dp_link, dev)
         scatter = collective_s("reduce_scatter", lay.dp, block_params * w, dp_link, dev)
         fwd_block, bwd_block = per_micro / 3 / max(1, blocks), per_micro * 2 / 3 / max(1, blocks)
-        backward = scatter + (gather if lay.zero == 3 else 0.0)
+        backward = scatter + (gather if lay.reshard_after_forward else 0.0)
         per_block = max(0.0, gather - OVERLAP * fwd_block) + max(0.0, backward - OVERLAP * bwd_block)
         fsdp_micro = blocks * per_block + gather  # the first block's gather has nothing to hide behind
 
@@ -212,8 +213,8 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
     # all-gather, the same bytes) after the last micro-batch; DDP overlaps its buckets with that
     # micro-batch's backward. With tp or pp the buckets are fp32 (parallel/grad_sync.py).
     exposed_dp = dp_comm = 0.0
-    if lay.zero <= 1 and lay.dp > 1:
-        grad_bytes = params_per_rank * (4 if lay.tp * lay.pp > 1 else w)
+    if lay.grad_sync in ("ddp", "all-reduce"):
+        grad_bytes = params_per_rank * (4 if lay.grad_sync == "all-reduce" else w)
         dp_comm = collective_s("all_reduce", lay.dp, grad_bytes, dp_link, dev)
         last_bucket = collective_s("all_reduce", lay.dp, min(grad_bytes, lay.bucket_mb * 2**20), dp_link, dev)
         exposed_dp = max(0.0, dp_comm - OVERLAP * backward_micro) + last_bucket
@@ -246,7 +247,7 @@ def _bubble(schedule: str, p: int, m: int, v: int) -> float:
 def _optimizer_time(lay, dev, shard: float, params: float, w: int) -> float:
     """The optimizer step: memory-bound on the device, PCIe + host Adam with offload=cpu,
     and a read + write of master weights and moments with offload=nvme."""
-    updated = shard if lay.zero >= 1 else params
+    updated = shard if lay.shards_optimizer_state else params
     device_step = updated * 36 / dev.hbm_bw  # read/write weights, grads, master, 2 moments
     if lay.offload == "none":
         return device_step

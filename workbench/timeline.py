@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+from workbench.parallelism import PIPELINE_SCHEDULES, is_multi_stage
+
+SCHEDULES = PIPELINE_SCHEDULES
 
 
 def _interleaved_order(pp: int, m: int, v: int, rank: int) -> list[tuple[str, int, int]]:
@@ -43,7 +45,7 @@ def rank_order(schedule: str, pp: int, m: int, rank: int, v: int = 1) -> list[tu
     """The (kind, micro-batch, chunk) operations rank `rank` runs, in order."""
     if schedule == "gpipe":
         return [("F", j, 0) for j in range(m)] + [("B", j, 0) for j in range(m)]
-    if schedule in ("interleaved-1f1b", "zero-bubble") and v > 1:
+    if is_multi_stage(schedule) and v > 1:
         # InterleavedZeroBubble keeps Interleaved1F1B's F/B order (it splits B into B and W).
         return _interleaved_order(pp, m, v, rank)
     # 1F1B order (zero bubble runs the same F/B order and fills waits with W, see simulate).
@@ -61,7 +63,7 @@ def max_in_flight(schedule: str, pp: int, m: int, rank: int, v: int = 1) -> tupl
 
     Returns the per-chunk counts at the moment the total is highest (the activation peak).
     """
-    v = v if schedule in ("interleaved-1f1b", "zero-bubble") else 1
+    v = v if is_multi_stage(schedule) else 1
     held = [0] * v
     best, best_total = tuple(held), 0
     for kind, _, c in rank_order(schedule, pp, m, rank, v):

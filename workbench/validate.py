@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from workbench.catalog import DEVICES
 from workbench.errors import ConfigError, did_you_mean
+from workbench.parallelism import Parallelism
 
 if TYPE_CHECKING:
     from workbench.spec import JobSpec
@@ -87,7 +88,7 @@ def _check_layout(spec: JobSpec) -> None:
                 f"layout.tp({lay.tp}) must divide model.{name}({value}): each tensor-parallel rank takes "
                 f"{name}/tp of it. Use tp in {[d for d in (1, 2, 4, 8) if value % d == 0]}."
             )
-    stages = lay.pp * (lay.virtual_stages if lay.pp > 1 and lay.pp_schedule in _MULTI_STAGE else 1)
+    stages = Parallelism.from_spec(spec).num_stages
     if stages > shape.layers:
         raise ConfigError(
             f"layout: {stages} pipeline stages (pp={lay.pp}"
@@ -102,9 +103,6 @@ def _check_layout(spec: JobSpec) -> None:
             "recomputes the attention core of every block (Korthikanti et al. 2022), and checkpoint_every belongs "
             f"to full. For whole blocks every {lay.checkpoint_every}th (what selective meant before), use "
             f"activation_checkpointing: full, checkpoint_every: {lay.checkpoint_every}.")
-
-
-_MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")  # schedules with virtual_stages per pipeline rank
 
 
 def _check_batch(spec: JobSpec) -> None:
@@ -124,7 +122,7 @@ def _check_batch(spec: JobSpec) -> None:
             f"Raise global_batch to {lay.pp * per_step} or lower micro_batch."
         )
     rounds = max(1, num_micro // lay.pp)
-    if lay.pp > 1 and lay.pp_schedule in _MULTI_STAGE and num_micro % rounds:
+    if Parallelism.from_spec(spec).multi_stage and num_micro % rounds:
         fits = [n for n in range(lay.pp, 4 * lay.pp + 1) if n % max(1, n // lay.pp) == 0]
         raise ConfigError(
             f"layout.pp_schedule={lay.pp_schedule} runs micro-batches in rounds of pp({lay.pp}): it needs "

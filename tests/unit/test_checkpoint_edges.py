@@ -18,6 +18,7 @@ from workbench.cli import main as cli_main
 from workbench.errors import ConfigError
 from workbench.models import build_model_meta
 from workbench.parallel.apply import parallelize
+from workbench.parallelism import Parallelism
 from workbench.runtime.checkpoint import Checkpointer, CheckpointError, build_checkpointer
 from workbench.runtime.checkpoint_lease import LEASE
 from workbench.runtime.checkpoint_store import RESUME_OR_FRESH, Store
@@ -40,8 +41,7 @@ def losses(events):
 def restored(spec: dict):
     """A fresh single-process model + train step of `spec` with the newest checkpoint loaded."""
     spec = load_spec(spec)
-    par = parallelize(build_model_meta(spec), None, spec.layout, device=torch.device("cpu"), seed=0,
-                      dtype=spec.precision.dtype)
+    par = parallelize(build_model_meta(spec), None, Parallelism.from_spec(spec), device=torch.device("cpu"), seed=0)
     step_fn = build_train_step(par, spec, torch.device("cpu"), None)
     events = []
     ckpt = build_checkpointer(spec, par.modules, step_fn.optimizer, torch.device("cpu"), events.append,

@@ -3,7 +3,8 @@ import pytest
 
 from workbench.errors import ConfigError
 from workbench.models import build_model_meta
-from workbench.parallel.pp import balance_blocks, split_stage, stage_indices
+from workbench.parallel.pp import balance_blocks, split_stage
+from workbench.parallelism import looped_stages
 from workbench.spec import load_spec
 from workbench.validate import check_runnable, validate_spec
 
@@ -33,9 +34,9 @@ def test_balance_minimizes_largest_stage():
 
 
 def test_looped_stage_placement():
-    assert stage_indices(0, 2, 2) == [0, 2]
-    assert stage_indices(1, 4, 2) == [1, 5]
-    assert stage_indices(3, 4, 1) == [3]
+    assert looped_stages(0, 2, 2) == [0, 2]
+    assert looped_stages(1, 4, 2) == [1, 5]
+    assert looped_stages(3, 4, 1) == [3]
 
 
 def test_split_keeps_names_and_ends():

@@ -7,7 +7,8 @@ HEAVY = ["torch", "ray", "plotly", "ipywidgets", "boto3", "sagemaker_core", "goo
          "google.cloud.storage", "azure.ai.ml", "numpy"]  # (namespace .pth files may pre-register bare "google")
 
 CORE = ("workbench.spec", "workbench.shapes", "workbench.validate", "workbench.memory", "workbench.memory.estimate",
-        "workbench.steptime", "workbench.planner", "workbench.catalog", "workbench.prices", "workbench.cli")
+        "workbench.steptime", "workbench.planner", "workbench.catalog", "workbench.prices", "workbench.cli",
+        "workbench.parallelism")
 
 
 def test_plan_memory_validate_import_no_torch():

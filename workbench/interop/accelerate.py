@@ -10,6 +10,7 @@ import yaml
 
 from workbench.errors import ConfigError
 from workbench.interop.common import Notes, batch_split, flatten, set_path, unexpressed_fields
+from workbench.parallelism import Parallelism
 from workbench.spec import TrainSpec
 
 # Launcher details of one machine that change nothing about the job at these values.
@@ -153,7 +154,7 @@ def _deepspeed(get, raw: dict, notes: Notes, dp: int) -> None:
 
 def from_spec(spec) -> tuple[dict, list[str]]:
     """A validated JobSpec -> (Accelerate config dict, warnings)."""
-    notes, lay, res = Notes("accelerate"), spec.layout, spec.resources
+    notes, lay, res, par = Notes("accelerate"), spec.layout, spec.resources, Parallelism.from_spec(spec)
     cfg: dict = {"compute_environment": "LOCAL_MACHINE", "debug": False, "distributed_type": "NO",
                  "downcast_bf16": "no", "machine_rank": 0, "main_training_function": "main",
                  "mixed_precision": {"fp32": "no"}.get(spec.precision.dtype, spec.precision.dtype),
@@ -168,9 +169,9 @@ def from_spec(spec) -> tuple[dict, list[str]]:
         cfg["distributed_type"] = "DEEPSPEED"
         cfg["deepspeed_config"] = _deepspeed_out(spec, notes)
         expressed += ["train.global_batch", "train.grad_clip"] + (["layout.offload"] if lay.offload == "cpu" else [])
-    elif lay.zero >= 2:
+    elif par.fsdp:
         cfg["distributed_type"] = "FSDP"
-        cfg["fsdp_config"] = {"fsdp_version": 2, "fsdp_reshard_after_forward": lay.zero == 3,
+        cfg["fsdp_config"] = {"fsdp_version": 2, "fsdp_reshard_after_forward": par.reshard_after_forward,
                               "fsdp_offload_params": lay.offload == "cpu",
                               "fsdp_activation_checkpointing": lay.activation_checkpointing == "full",
                               "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",

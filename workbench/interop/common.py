@@ -10,6 +10,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from workbench.parallelism import is_multi_stage
+
 # The optimizer and loss-scaler constants our runtime uses (workbench/parallel/step.py and
 # precision.DynamicLossScaler). Kept here as plain numbers so this package never imports torch;
 # tests/unit/test_interop.py checks that they stay equal to the runtime's.
@@ -120,7 +122,7 @@ def _inert(spec) -> set[str]:
         out.add("layout.checkpoint_every")
     if lay.pp == 1:
         out |= {"layout.pp_schedule", "layout.virtual_stages"}
-    elif lay.pp_schedule not in ("interleaved-1f1b", "zero-bubble"):
+    elif not is_multi_stage(lay.pp_schedule):
         out.add("layout.virtual_stages")
     if spec.train.schedule == "constant":
         out.add("train.min_lr")  # a constant rate never decays to it

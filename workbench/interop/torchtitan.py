@@ -23,6 +23,7 @@ from workbench.interop.common import (
     set_path,
     unexpressed_fields,
 )
+from workbench.parallelism import Parallelism, is_multi_stage
 
 _ROPE_THETA = 500000  # every llama3 flavor; the spec's llama uses 10000
 
@@ -190,7 +191,7 @@ def _parallelism(get, raw: dict, notes: Notes, launcher_dp: int | None) -> int:
                            f"the spec's schedules are {', '.join(_SCHEDULES)}; 1F1B used")
         lay["pp_schedule"] = _SCHEDULES.get(name, "1f1b")
         per_stage = get("parallelism.pipeline_parallel_layers_per_stage")
-        if lay["pp_schedule"] in ("interleaved-1f1b", "zero-bubble"):
+        if is_multi_stage(lay["pp_schedule"]):
             layers = FLAVORS.get(get("model.flavor", "debugmodel"), {}).get("layers")
             lay["virtual_stages"] = layers // (pp * per_stage) if per_stage and layers else 2
     if get("training.enable_cpu_offload"):
@@ -276,9 +277,10 @@ def from_spec(spec) -> tuple[dict, list[str]]:
     micro, _ = batch_split(spec)
     expressed = ["layout.dp", "layout.tp", "layout.pp", "layout.zero", "train.global_batch", "train.micro_batch",
                  "train.steps", "train.grad_clip", "train.seed", "train.lr", "train.weight_decay", "precision.dtype"]
-    parallelism = {"data_parallel_replicate_degree": lay.dp if lay.zero < 2 else 1,
-                   "data_parallel_shard_degree": lay.dp if lay.zero >= 2 else 1,
-                   "fsdp_reshard_after_forward": "never" if lay.zero == 2 else "default",
+    par = Parallelism.from_spec(spec)
+    parallelism = {"data_parallel_replicate_degree": 1 if par.fsdp else lay.dp,
+                   "data_parallel_shard_degree": lay.dp if par.fsdp else 1,
+                   "fsdp_reshard_after_forward": "never" if par.fsdp and not par.reshard_after_forward else "default",
                    "tensor_parallel_degree": lay.tp, "pipeline_parallel_degree": lay.pp}
     if lay.zero == 1:
         notes.unexpressed("layout.zero", 1, "torchtitan shards all of parameters, gradients and optimizer state "
@@ -327,7 +329,7 @@ def _pipeline_out(spec, parallelism: dict, expressed: list[str], micro: int) -> 
     name = {v: k for k, v in _SCHEDULES.items()}[lay.pp_schedule]
     parallelism.update(pipeline_parallel_schedule=name, pipeline_parallel_microbatch_size=micro)
     expressed.append("layout.pp_schedule")
-    if lay.pp_schedule in ("interleaved-1f1b", "zero-bubble") and not spec.model.params:
+    if is_multi_stage(lay.pp_schedule) and not spec.model.params:
         layers = spec.model.shape().layers
         if layers % (lay.pp * lay.virtual_stages) == 0:
             parallelism["pipeline_parallel_layers_per_stage"] = layers // (lay.pp * lay.virtual_stages)

@@ -4,9 +4,10 @@ Pure Python over the model's shape (no tensors are allocated), so a 70B plan cos
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from workbench.memory.estimate import CONVENTION, Layout, StageMemory, estimate_stage
+from workbench.parallelism import Parallelism
 
 __all__ = ["estimate_memory", "MemoryEstimate", "RankMemory", "Layout", "layout_from_spec", "estimate_stage"]
 
@@ -116,14 +117,12 @@ def _gib(b: float) -> str:
 
 
 def layout_from_spec(spec) -> Layout:
-    lay, t = spec.layout, spec.train
+    """The spec's Parallelism (parallelism.py) with its batch, optimizer and device kind."""
+    par, t = Parallelism.from_spec(spec), spec.train
     return Layout(
-        dp=lay.dp, tp=lay.tp, pp=lay.pp, zero=lay.zero, offload=lay.offload,
-        activation_checkpointing=lay.activation_checkpointing, checkpoint_every=lay.checkpoint_every,
-        pp_schedule=lay.pp_schedule, virtual_stages=lay.virtual_stages, sequence_parallel=lay.sequence_parallel,
-        micro_batch=t.micro_batch, num_micro=max(1, t.global_batch // (lay.dp * t.micro_batch)),
-        dtype=spec.precision.dtype, optimizer=t.optimizer, bucket_mb=lay.bucket_mb,
-        device="cpu" if spec.resources.gpu == "cpu" else "cuda",
+        **{f.name: getattr(par, f.name) for f in fields(Parallelism)},
+        micro_batch=t.micro_batch, num_micro=max(1, t.global_batch // (par.dp * t.micro_batch)),
+        optimizer=t.optimizer, device="cpu" if spec.resources.gpu == "cpu" else "cuda",
     )
 
 

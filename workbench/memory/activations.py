@@ -99,7 +99,7 @@ def token_batch_bytes(global_batch: int, seq_len: int) -> int:
 
 def checkpointed_blocks(blocks: range, mode: str, every: int) -> int:
     """How many of a stage's blocks recompute whole in backward (full): the stage's 1st,
-    (k+1)-th, ... block, k = layout.checkpoint_every (1: all; parallel/checkpointing.py counts
+    (k+1)-th, ... block, k = layout.checkpoint_every (1: all; parallel/activation_checkpointing.py counts
     positions within each stage module). `selective` recomputes no whole block."""
     return -(-len(blocks) // every) if mode == "full" else 0
 
@@ -109,7 +109,7 @@ def attention_core_bytes_per_token(shape, tp: int = 1) -> float:
 
     The fused SDPA kernel keeps no s x s scores; of its saved tensors, only the fp32 log-sum-exp is
     its own: q, k, v are the core's inputs (kept to recompute it) and its output's storage is the
-    one `wo` saves (measured with saved_tensors_hooks in tests/unit/test_checkpointing.py).
+    one `wo` saves (measured with saved_tensors_hooks in tests/unit/test_activation_checkpointing.py).
     """
     return shape.heads * 4 / tp
 

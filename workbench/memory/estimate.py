@@ -11,6 +11,7 @@ from functools import lru_cache
 from workbench.memory import activations as act
 from workbench.memory import params as prm
 from workbench.memory.states import model_states, offload
+from workbench.parallelism import Parallelism
 from workbench.timeline import max_in_flight
 
 CONVENTION = ("bytes/param: ZeRO paper 2+2+12 in mixed precision (fp16/bf16 weights 2, grads 2, fp32 master 4 "
@@ -18,34 +19,14 @@ CONVENTION = ("bytes/param: ZeRO paper 2+2+12 in mixed precision (fp16/bf16 weig
 
 
 @dataclass(frozen=True)
-class Layout:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    zero: int = 0
-    offload: str = "none"
-    activation_checkpointing: str = "none"
-    checkpoint_every: int = 1
-    pp_schedule: str = "1f1b"
-    virtual_stages: int = 2
-    sequence_parallel: bool = False
+class Layout(Parallelism):
+    """A Parallelism plus what the memory and step-time models also need: the batch, the
+    optimizer and the device kind. The plain object the planner enumerates."""
+
     micro_batch: int = 1
     num_micro: int = 1  # micro-batches per dp rank per step
-    dtype: str = "fp32"
     optimizer: str = "adamw"
-    bucket_mb: float = 25.0
     device: str = "cpu"  # "cpu" or "cuda": which kernels' saved tensors to count (norms differ)
-
-    @property
-    def chunks(self) -> int:
-        # Stage modules per pipeline rank: torch's Interleaved1F1B and InterleavedZeroBubble
-        # both run `virtual_stages` looped stages per rank (parallel/pp.py).
-        multi = self.pp_schedule in ("interleaved-1f1b", "zero-bubble")
-        return self.virtual_stages if self.pp > 1 and multi else 1
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
 
     @property
     def global_batch(self) -> int:
@@ -110,7 +91,7 @@ def _activations_cached(shape, tp, pp, chunks, sp, micro_batch, num_micro, sched
                  checkpoint_every=every, dtype=dtype, device=device)
     num_stages = lay.pp * lay.chunks
     split = prm.stage_blocks(shape, num_stages)
-    stages = list(range(pp_index, num_stages, lay.pp))
+    stages = lay.stage_indices(pp_index)
     per_chunk = [_chunk_activation_bytes(shape, lay, s, num_stages, split[s]) for s in stages]
     if lay.pp > 1:
         held = max_in_flight(lay.pp_schedule, lay.pp, lay.num_micro, pp_index, lay.chunks)
@@ -153,19 +134,19 @@ def _buffers(shape, lay: Layout, pp_index: int, p: int, w: int) -> tuple[float, 
         # Backward re-runs one checkpointed block at a time: its activations come back briefly.
         out += tokens * act.block_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel, lay.device)
         notes.append("checkpointing: one recomputed block's activations during backward (buffers)")
-    rng = -(-p // lay.dp) if lay.zero == 1 else p
+    rng = -(-p // lay.dp) if lay.master_sharded else p
     chunk = _chunk_numel(rng)
-    if lay.zero in (0, 1) and (lay.dtype != "fp32" or lay.zero == 1):
+    if lay.needs_master and (lay.mixed or lay.shards_optimizer_state):
         out += chunk * 4  # the master step converts one chunk of gradients to fp32
-    if lay.zero == 1 and lay.dp > 1:
+    if lay.master_sharded:
         out += lay.dp * chunk * w  # all-gather of one chunk per rank
     if lay.offload == "nvme":
         out += 3 * chunk * 4  # staging: master, moment 1, moment 2 of one chunk
-    if lay.zero == 2:
+    if lay.fsdp and not lay.reshard_after_forward:
         out += p * w + 4 * prm.largest_block_numel(shape, lay.tp)
         notes.append("zero=2 (FSDP2, no reshard after forward): the unsharded weights from forward to the end "
                      "of backward, and one block's fp32 unsharded gradient")
-    if lay.zero == 3:
+    if lay.reshard_after_forward:
         block = prm.largest_block_numel(shape, lay.tp)
         out += 2 * block * w + 4 * block
         notes.append("zero=3: two gathered blocks (running + prefetched) and one block's fp32 unsharded gradient")
@@ -174,8 +155,7 @@ def _buffers(shape, lay: Layout, pp_index: int, p: int, w: int) -> tuple[float, 
 
 def _runtime_details(shape, lay: Layout, pp_index: int, states, notes: list[str]):
     """Small bytes the runtime really keeps, found by measuring it (docs/memory-accuracy.md)."""
-    torch_adam = lay.zero >= 2 or (lay.zero == 0 and lay.dtype == "fp32" and lay.offload == "none")
-    if lay.optimizer in ("adam", "adamw") and torch_adam:
+    if lay.optimizer in ("adam", "adamw") and not lay.needs_master:
         # torch.optim.Adam keeps a 4-byte `step` tensor per parameter tensor; our master-weight
         # optimizer (mixed precision, zero=1, nvme) counts steps in Python.
         n_tensors = len(prm.rank_tensors(shape, lay.tp, lay.pp, pp_index, lay.chunks))
@@ -200,7 +180,7 @@ def estimate_stage(shape, lay: Layout, pp_index: int, convention: str = "workben
     states = model_states(p, shard, lay.dp, lay.zero, lay.dtype, lay.optimizer, convention)
     if not isinstance(shape, (int, float)):
         states = _runtime_details(shape, lay, pp_index, states, notes)
-    rng = p if lay.zero == 0 else -(-p // lay.dp)
+    rng = -(-p // lay.dp) if lay.shards_optimizer_state else p
     states, moved = offload(states, lay.offload, lay.zero, rng, lay.optimizer)
     return StageMemory(int(states.params), int(states.grads), int(states.master), int(states.optimizer),
                        int(a), int(buf), int(moved), (states.note, *notes))

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from workbench.parallelism import looped_stages
+
 # How the runtime's TP plan cuts each block tensor: "col" shards dim 0 (output features),
 # "row" shards dim 1 (input features), None is replicated. A row-parallel bias is added after
 # the reduction, so it stays whole.
@@ -136,7 +138,7 @@ def rank_tensors(shape, tp: int, pp: int, pp_index: int, virtual_stages: int = 1
     num_stages = pp * virtual_stages
     blocks = stage_blocks(shape, num_stages)
     out: list[Tensor] = []
-    for stage in range(pp_index, num_stages, pp):
+    for stage in looped_stages(pp_index, pp, virtual_stages):
         if stage == 0:
             out += embedding_tensors(shape, tp)
         for b in blocks[stage]:

@@ -14,18 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-
-
-def num_local_stages(schedule: str, virtual_stages: int) -> int:
-    """Stages each pipeline rank holds: `virtual_stages` for the multi-stage schedules."""
-    return virtual_stages if schedule in ("interleaved-1f1b", "zero-bubble") else 1
-
-
-def stage_indices(pp_rank: int, pp: int, local_stages: int) -> list[int]:
-    """The global stage indices of one pipeline rank: looped placement (r, r + pp, ...),
-    the layout Interleaved1F1B and InterleavedZeroBubble expect."""
-    return [pp_rank + i * pp for i in range(local_stages)]
+from workbench.parallelism import looped_stages
 
 
 def balance_blocks(block_params: list[int], first_extra: int, last_extra: int, num_stages: int) -> list[range]:
@@ -76,25 +65,24 @@ def split_stage(model: nn.Module, blocks: range, *, first: bool, last: bool) -> 
     return stage
 
 
-def apply_pp(model: nn.Module, pp_mesh: DeviceMesh, *, schedule: str, virtual_stages: int) -> tuple[list[nn.Module], list[int], int]:
+def apply_pp(model: nn.Module, pp_mesh: DeviceMesh, *, chunks: int) -> tuple[list[nn.Module], list[int], int]:
     """Split a meta-device GPT into this pipeline rank's stage modules.
 
     Args:
         model: the full GPT on the meta device.
         pp_mesh: the 1-D pipeline mesh (this rank's position on it picks its stages).
-        schedule: one of SCHEDULES.
-        virtual_stages: stages per rank for interleaved-1f1b and zero-bubble.
+        chunks: stages per pipeline rank (Parallelism.chunks: virtual_stages for the multi-stage
+            schedules, else 1), placed looped (parallelism.looped_stages).
     Returns:
         (stage modules, their global stage indices, total number of stages).
     """
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
-    local = num_local_stages(schedule, virtual_stages)
-    num_stages = pp * local
+    num_stages = pp * chunks
     keys = sorted(model.blocks.keys(), key=int)
     first_extra = _params(model.tok_emb) + _params(getattr(model, "pos_emb", None))
     last_extra = _params(model.norm) + _params(model.head)
     bounds = balance_blocks([_params(model.blocks[k]) for k in keys], first_extra, last_extra, num_stages)
-    indices = stage_indices(pp_rank, pp, local)
+    indices = looped_stages(pp_rank, pp, chunks)
     modules = [split_stage(model, bounds[s], first=s == 0, last=s == num_stages - 1) for s in indices]
     return modules, indices, num_stages
 

@@ -1,4 +1,4 @@
-"""ZeRO stages on the dp sub-mesh: 1 = our sharded fp32 master/optimizer (master.py), 2/3 = FSDP2.
+"""ZeRO on the dp sub-mesh: stage 1 = our sharded fp32 master/optimizer (master.py), 2/3 = FSDP2.
 
 Mesh-generic: every function takes the dp sub-mesh (or its group) only, so the same calls work
 on a 1-D dp mesh and on the dp axis of a (pp, dp, tp) mesh whose blocks are already
@@ -37,31 +37,21 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: 
     return model
 
 
-def apply_zero(model: nn.Module, dp_mesh: DeviceMesh, *, stage: int, mp_policy=None, offload_policy=None) -> nn.Module:
-    """ZeRO-2 (`fully_shard(reshard_after_forward=False)`) or ZeRO-3 (`fully_shard`) on the meta model.
-
-    Stages 0 and 1 leave the model as it is (DDP wraps it; stage 1 shards the optimizer with
-    build_master).
-    """
-    if stage < 2:
-        return model
-    return apply_fsdp(model, dp_mesh, reshard_after_forward=(stage == 3), mp_policy=mp_policy,
-                      offload_policy=offload_policy)
-
-
-def build_master(model: nn.Module, dp_mesh: DeviceMesh | None, *, stage: int, make_store=None) -> MasterOptimizer:
-    """The fp32 master of `model`'s parameters, sharded over dp for zero=1, whole for zero=0.
+def build_master(model: nn.Module, dp_mesh: DeviceMesh | None, *, sharded: bool, make_store=None) -> MasterOptimizer:
+    """The fp32 master of `model`'s parameters: a flat 1/dp range per rank when `sharded` (zero=1),
+    whole otherwise (Parallelism.master_sharded says which).
 
     Call on the materialized fp32 model, before its parameters are cast to the low dtype.
 
     Args:
-        dp_mesh: the dp sub-mesh (None or size 1: nothing to shard).
-        stage: the ZeRO stage (0 or 1).
+        model: a module, or a ModuleList of this rank's pipeline stages.
+        dp_mesh: the dp sub-mesh (None for a single process).
+        sharded: shard the master and the optimizer state over dp_mesh.
         make_store: where master and moments live (default in memory; offload.build_file_store for nvme).
     """
     from workbench.runtime.materialize import param_name
 
-    group = dp_mesh.get_group() if dp_mesh is not None and stage == 1 and dp_mesh.size() > 1 else None
+    group = dp_mesh.get_group() if sharded and dp_mesh is not None else None
     # Canonical names per stage module (a ModuleList of pipeline stages adds no prefix): the
     # master's checkpoint keys, the same under every layout.
     stages = list(model) if isinstance(model, nn.ModuleList) else [model]

@@ -11,17 +11,20 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 
 from workbench.data import build_token_source
 from workbench.models import build_model_meta
 from workbench.parallel.apply import Parallelized, parallelize
-from workbench.parallel.layout import build_mesh, coords
+from workbench.parallel.mesh import build_mesh, coords
 from workbench.parallel.precision import DynamicLossScaler, autocast
 from workbench.parallel.step import TrainStep
+from workbench.parallelism import Parallelism
 from workbench.runtime.checkpoint import build_checkpointer
 from workbench.runtime.checkpoint_store import RESUME_OR_FRESH
 from workbench.runtime.meter import MemoryMeter
@@ -148,70 +151,63 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
     return result
 
 
-def _train(spec, sink: Sink, should_stop: Callable[[], bool], resume: bool, gather_state: bool, attempt: int) -> dict:
-    spec = load_spec(spec)
+@dataclass
+class _Run:
+    """What one rank builds before its first step (`_setup`) and uses in every step."""
+
+    spec: JobSpec
+    ctx: RankContext
+    mesh: DeviceMesh | None
+    where: dict[str, int]  # this rank's mesh coordinates
+    par: Parallelized
+    step_fn: TrainStep
+    source: Any  # data.TokenSource
+    meter: MemoryMeter
+    dp_group: Any  # the dp process group where dp > 1, else None
+    pipeline: Any  # runtime.pipeline.PipelineEngine where pp > 1, else None
+
+
+def _setup(spec: JobSpec, sink: Sink) -> _Run:
+    """Join the process group, build the mesh and the parallelized model, the optimizer step, the
+    data and (pp > 1) the pipeline engine."""
     check_runnable(spec)
     ctx = init_distributed()
-    lay, t = spec.layout, spec.train
-    mesh = build_mesh(ctx.device.type, dp=lay.dp, tp=lay.tp, pp=lay.pp)
-    where = coords(mesh)
-
+    parallelism, t = Parallelism.from_spec(spec), spec.train
+    mesh = build_mesh(ctx.device.type, dp=parallelism.dp, tp=parallelism.tp, pp=parallelism.pp)
     torch.manual_seed(t.seed)
-    par = parallelize(build_model_meta(spec), mesh, lay, device=ctx.device, seed=t.seed, dtype=spec.precision.dtype)
+    par = parallelize(build_model_meta(spec), mesh, parallelism, device=ctx.device, seed=t.seed)
     step_fn = build_train_step(par, spec, ctx.device, mesh)
     if ctx.rank == 0:
         for note in par.notes:
             sink({"event": "note", "message": note})
-    source = build_token_source(spec)
     meter = MemoryMeter(ctx.device)
     meter.watch_params(par.modules)
-    dp_group = mesh.get_group("dp") if mesh is not None and lay.dp > 1 else None
-    tokens_per_step = t.global_batch * source.seq_len
+    dp_group = mesh.get_group("dp") if mesh is not None and parallelism.dp > 1 else None
     pipeline = None
-    if lay.pp > 1:
+    if parallelism.pp > 1:
         from workbench.runtime.pipeline import PipelineEngine
 
-        pipeline = PipelineEngine(par, mesh, schedule=lay.pp_schedule, device=ctx.device,
-                                  num_microbatches=t.global_batch // (lay.dp * t.micro_batch),
-                                  dtype=spec.precision.dtype, scale_loss=step_fn.scale_loss)
+        pipeline = PipelineEngine(par, mesh, schedule=parallelism.pp_schedule, device=ctx.device,
+                                  num_microbatches=t.global_batch // (parallelism.dp * t.micro_batch),
+                                  dtype=parallelism.dtype, scale_loss=step_fn.scale_loss)
+    return _Run(spec, ctx, mesh, coords(mesh), par, step_fn, build_token_source(spec), meter, dp_group, pipeline)
 
-    ckpt = build_checkpointer(spec, par.modules, step_fn.optimizer, ctx.device, sink, extra_state=step_fn.stateful())
+
+def _train(spec, sink: Sink, should_stop: Callable[[], bool], resume: bool, gather_state: bool, attempt: int) -> dict:
+    spec = load_spec(spec)
+    run = _setup(spec, sink)
+    t, rank = spec.train, run.ctx.rank
+    ckpt = build_checkpointer(spec, run.par.modules, run.step_fn.optimizer, run.ctx.device, sink,
+                              extra_state=run.step_fn.stateful())
     first = ckpt.restore(or_fresh=resume == RESUME_OR_FRESH) + 1 if resume else 1
-    if resume and ctx.rank == 0:
+    if resume and rank == 0:
         sink({"event": "restart", "attempt": attempt, "from_step": first - 1})
     step, loss_value, status = first - 1, float("nan"), "completed"
     for step in range(first, t.steps + 1):
-        start = time.perf_counter()
-        step_fn.set_lr(lr_for(t, step))  # a pure function of the step: exact on resume
-        micro = list(source.rank_batch(step, t.global_batch, where["dp"], lay.dp).to(ctx.device).split(t.micro_batch))
-        report_memory = step == 1 or step == t.steps or step % MEMORY_EVERY == 0
-        meter.active = step == first  # activations: measured once, see MemoryMeter.active
-        meter.reset_peak()
-        if pipeline is None:
-            loss = forward_backward(par, micro, meter, step_fn, spec.precision.dtype)
-        else:
-            loss, timeline = pipeline.step(micro, meter, record=step == min(TIMELINE_STEP, t.steps))
-            if timeline is not None:
-                sink({"event": "timeline", "step": step, "rank": ctx.rank, "items": timeline})
-        par.finish_grads()
-        step_extra = step_fn.step()
-        if dp_group is not None:
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=dp_group)
-        loss_value = loss.item()
-        elapsed = time.perf_counter() - start
-        if report_memory:
-            held = step_fn.measured_states()
-            sink({"event": "memory", "step": step, "rank": ctx.rank, "coords": where,
-                  "measured": meter.measure(par.modules, held["optimizer"], master=held["master"],
-                                            offloaded=held["offloaded"], params_are_master=par.params_are_master)})
-        step_fn.zero_grad()
-        if ctx.rank == 0:
-            sink({"event": "step", "step": step, "loss": loss_value,
-                  "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed, "time": time.time(),
-                  "lr": step_fn.lr, **step_extra})
+        loss_value = _step(run, step, first, sink)
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-            val = evaluate(par, source, spec, where["dp"], ctx.device, pipeline, dp_group)
-            if ctx.rank == 0:
+            val = evaluate(run.par, run.source, spec, run.where["dp"], run.ctx.device, run.pipeline, run.dp_group)
+            if rank == 0:
                 sink({"event": "eval", "step": step, "loss": val, "perplexity": math.exp(min(val, 700.0))})
         save, stop = ckpt.poll(step, should_stop(), last_step=t.steps)
         if save:
@@ -222,19 +218,61 @@ def _train(spec, sink: Sink, should_stop: Callable[[], bool], resume: bool, gath
     ckpt.close()
     result = {"status": status, "step": step, "loss": loss_value}
     if gather_state:
-        from workbench.runtime.materialize import param_name
-
-        named = [(param_name(m, n), p) for m in par.modules for n, p in m.named_parameters()]
-        state = _gather_tp_shards(step_fn.full_state(named), named)
-        if lay.pp > 1:  # each pipeline rank holds its stages: collect them all on rank 0
-            parts = [None] * ctx.world_size if ctx.rank == 0 else None
-            dist.gather_object(state, parts, dst=0)
-            state = {k: v for part in parts or [] for k, v in part.items()}
-        if ctx.rank == 0:
+        state = _gather_state(run)
+        if rank == 0:
             result["state"] = state
-    if ctx.rank == 0:
+    if rank == 0:
         sink({"event": "end", "status": status, "step": step})
     return result
+
+
+def _step(run: _Run, step: int, first: int, sink: Sink) -> float:
+    """One optimizer step: forward/backward of the rank's micro-batches (or the pipeline's), the
+    gradient sync no wrapper does, the update; memory and step events. Returns the dp-mean loss."""
+    spec, par, step_fn, meter, rank = run.spec, run.par, run.step_fn, run.meter, run.ctx.rank
+    t, dp = spec.train, spec.layout.dp
+    start = time.perf_counter()
+    step_fn.set_lr(lr_for(t, step))  # a pure function of the step: exact on resume
+    micro = list(run.source.rank_batch(step, t.global_batch, run.where["dp"], dp).to(run.ctx.device)
+                 .split(t.micro_batch))
+    meter.active = step == first  # activations: measured once, see MemoryMeter.active
+    meter.reset_peak()
+    if run.pipeline is None:
+        loss = forward_backward(par, micro, meter, step_fn, spec.precision.dtype)
+    else:
+        loss, timeline = run.pipeline.step(micro, meter, record=step == min(TIMELINE_STEP, t.steps))
+        if timeline is not None:
+            sink({"event": "timeline", "step": step, "rank": rank, "items": timeline})
+    par.finish_grads()
+    step_extra = step_fn.step()
+    if run.dp_group is not None:
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=run.dp_group)
+    loss_value = loss.item()
+    elapsed = time.perf_counter() - start
+    if step == 1 or step == t.steps or step % MEMORY_EVERY == 0:
+        held = step_fn.measured_states()
+        sink({"event": "memory", "step": step, "rank": rank, "coords": run.where,
+              "measured": meter.measure(par.modules, held["optimizer"], master=held["master"],
+                                        offloaded=held["offloaded"], params_are_master=par.params_are_master)})
+    step_fn.zero_grad()
+    if rank == 0:
+        sink({"event": "step", "step": step, "loss": loss_value,
+              "tokens_per_s": t.global_batch * run.source.seq_len / elapsed, "step_time_s": elapsed,
+              "time": time.time(), "lr": step_fn.lr, **step_extra})
+    return loss_value
+
+
+def _gather_state(run: _Run) -> dict:
+    """The full fp32 trained weights by canonical name, on rank 0 (collective; for parity tests)."""
+    from workbench.runtime.materialize import param_name
+
+    named = [(param_name(m, n), p) for m in run.par.modules for n, p in m.named_parameters()]
+    state = _gather_tp_shards(run.step_fn.full_state(named), named)
+    if run.spec.layout.pp > 1:  # each pipeline rank holds its stages: collect them all on rank 0
+        parts = [None] * run.ctx.world_size if run.ctx.rank == 0 else None
+        dist.gather_object(state, parts, dst=0)
+        state = {k: v for part in parts or [] for k, v in part.items()}
+    return state
 
 
 def _gather_tp_shards(state: dict, named: list) -> dict:

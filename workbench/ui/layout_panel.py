@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipywidgets as w
 
 from workbench.catalog import DEVICES
+from workbench.parallelism import PIPELINE_SCHEDULES
 from workbench.spec import JobSpec
 from workbench.ui.live import FigureBox, labeled, note_html, section
 from workbench.ui.state import WorkbenchState
@@ -60,7 +61,7 @@ class LayoutPanel:
             "layout.zero": w.ToggleButtons(options=[0, 1, 2, 3], style={"button_width": "34px"}),
             "layout.offload": w.Dropdown(options=["none", "cpu", "nvme"], layout=_FIELD),
             "layout.activation_checkpointing": w.Dropdown(options=["none", "selective", "full"], layout=_FIELD),
-            "layout.pp_schedule": w.Dropdown(options=["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"], layout=_FIELD),
+            "layout.pp_schedule": w.Dropdown(options=list(PIPELINE_SCHEDULES), layout=_FIELD),
             "precision.dtype": w.ToggleButtons(options=["fp32", "bf16", "fp16"], style={"button_width": "52px"}),
             "train.micro_batch": w.IntText(layout=_FIELD),
             "train.global_batch": w.IntText(layout=_FIELD),

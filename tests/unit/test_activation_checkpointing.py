@@ -3,7 +3,7 @@ import pytest
 import torch.nn as nn
 
 from workbench.errors import ConfigError
-from workbench.parallel.checkpointing import apply_activation_checkpointing
+from workbench.parallel.activation_checkpointing import apply_activation_checkpointing
 from workbench.runtime.loop import train
 
 

@@ -1,0 +1,167 @@
+"""What a layout implies, derived once: `Parallelism.from_spec(spec)`.
+
+The runtime (parallel/apply.py, runtime/loop.py), the memory model, the step-time model, the
+planner and validate all read these facts from here, so the prediction and the run agree by
+construction (torchtitan's ParallelDims, accelerate's ParallelismConfig). Torch-free.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
+# Schedules that run `virtual_stages` looped stages per pipeline rank (torch's
+# Interleaved1F1B and InterleavedZeroBubble).
+MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble")
+
+
+def is_multi_stage(schedule: str) -> bool:
+    """True for the schedules that hold several (virtual) stages per pipeline rank."""
+    return schedule in MULTI_STAGE_SCHEDULES
+
+
+def looped_stages(pp_rank: int, pp: int, chunks: int) -> list[int]:
+    """The global stage indices pipeline rank `pp_rank` holds: looped placement (r, r + pp, ...),
+    the layout torch's Interleaved1F1B and InterleavedZeroBubble expect."""
+    return [pp_rank + i * pp for i in range(chunks)]
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """The knobs of a layout and precision, and every fact they imply (as properties).
+
+    Build it with `from_spec`; the memory model's `Layout` extends it with the batch and the
+    optimizer. Facts hold for layouts `validate` accepts (e.g. zero>0 needs dp>=2).
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    offload: str = "none"  # none | cpu (FSDP2 CPUOffloadPolicy) | nvme (master + moments in files)
+    activation_checkpointing: str = "none"  # none | full | selective
+    checkpoint_every: int = 1
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 2
+    sequence_parallel: bool = False
+    dtype: str = "fp32"  # precision.dtype: the compute dtype
+    bucket_mb: float = 25.0
+    nvme_path: str = "/tmp/workbench-offload"
+
+    @classmethod
+    def from_spec(cls, spec) -> Parallelism:
+        """The parallelism of a JobSpec's layout and precision."""
+        lay = spec.layout
+        return cls(dp=lay.dp, tp=lay.tp, pp=lay.pp, zero=lay.zero, offload=lay.offload,
+                   activation_checkpointing=lay.activation_checkpointing, checkpoint_every=lay.checkpoint_every,
+                   pp_schedule=lay.pp_schedule, virtual_stages=lay.virtual_stages,
+                   sequence_parallel=lay.sequence_parallel, dtype=spec.precision.dtype, bucket_mb=lay.bucket_mb,
+                   nvme_path=lay.nvme_path)
+
+    # Degrees and stages.
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def multi_stage(self) -> bool:
+        """Each pipeline rank holds `virtual_stages` stages (interleaved-1f1b, zero-bubble)."""
+        return self.pp > 1 and is_multi_stage(self.pp_schedule)
+
+    @property
+    def chunks(self) -> int:
+        """Stage modules per pipeline rank."""
+        return self.virtual_stages if self.multi_stage else 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.chunks
+
+    def stage_indices(self, pp_rank: int) -> list[int]:
+        """The global indices of the stages pipeline rank `pp_rank` holds."""
+        return looped_stages(pp_rank, self.pp, self.chunks)
+
+    # Data parallel: who shards what, and who reduces the gradients.
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 `fully_shard` over the dp axis (zero 2 and 3)."""
+        return self.zero >= 2
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FSDP2 frees each block's gathered weights after its forward (zero 3), or keeps them
+        until backward is done (zero 2)."""
+        return self.zero == 3
+
+    @property
+    def shards_optimizer_state(self) -> bool:
+        """Optimizer state split over dp (zero >= 1)."""
+        return self.zero >= 1
+
+    @property
+    def grad_sync(self) -> str:
+        """How dp gradients are averaged: none (dp=1), fsdp (its reduce-scatter), ddp (the
+        wrapper, dp only) or all-reduce (ours after the last backward, with tp or pp)."""
+        if self.dp == 1:
+            return "none"
+        if self.fsdp:
+            return "fsdp"
+        return "ddp" if self.tp == 1 and self.pp == 1 else "all-reduce"
+
+    # Precision: where the fp32 master lives.
+    @property
+    def mixed(self) -> bool:
+        """Low-precision compute (bf16/fp16) with fp32 master weights."""
+        return self.dtype != "fp32"
+
+    @property
+    def params_are_master(self) -> bool:
+        """FSDP2 with a MixedPrecisionPolicy: the sharded fp32 parameters are the master."""
+        return self.fsdp and self.mixed
+
+    @property
+    def needs_master(self) -> bool:
+        """Our MasterOptimizer keeps an fp32 master apart from the parameters: mixed precision,
+        zero=1 (the sharded range it steps) or offload=nvme (master and moments in files), unless
+        FSDP2 owns the parameters (zero 2/3). Otherwise a torch optimizer steps the parameters."""
+        return not self.fsdp and (self.mixed or self.zero == 1 or self.offload == "nvme")
+
+    @property
+    def master_sharded(self) -> bool:
+        """The master (ours) holds a flat 1/dp range per rank (zero=1)."""
+        return self.needs_master and self.zero == 1 and self.dp > 1
+
+    @property
+    def param_dtype(self) -> str:
+        """dtype of the parameters the model keeps: fp32 under FSDP2 (it casts per block) or
+        without mixed precision, else the low dtype (the master is apart)."""
+        return "fp32" if self.fsdp or not self.mixed else self.dtype
+
+    @property
+    def compute_dtype(self) -> str:
+        return self.dtype
+
+    # Where things live.
+    @property
+    def offload_to(self) -> str | None:
+        """None, "host memory" (cpu: every model state) or "files" (nvme: master and moments)."""
+        return {"none": None, "cpu": "host memory", "nvme": "files"}[self.offload]
+
+    @property
+    def init_on_host(self) -> bool:
+        """Parameters are materialized in host memory (FSDP2's CPUOffloadPolicy wants them there)."""
+        return self.fsdp and self.offload == "cpu"
+
+    @property
+    def loss_parallel(self) -> bool:
+        """The head's logits are vocab-sharded (tp > 1): the loss runs under loss_parallel."""
+        return self.tp > 1
+
+    @property
+    def checkpointing(self) -> bool:
+        return self.activation_checkpointing != "none"
+
+    def facts(self) -> dict:
+        """Every derived fact (each property above) by name: for notes, tests and the notebook."""
+        return {name: getattr(self, name) for name, v in vars(Parallelism).items() if isinstance(v, property)}
