@@ -184,6 +184,16 @@ TIED_RESHARD = {  # name: ((precision, layout) that saves, (precision, layout) t
     "bf16-zero2-dp2-to-dp2xpp2": (("bf16", {"dp": 2, "zero": 2}), ("bf16", {"dp": 2, "pp": 2, "zero": 2})),
     # Between the optimizer's homes (runtime/checkpoint_reshard.py): fp32 torch optimizer -> bf16 master.
     "fp32-pp1-to-bf16-master-pp2": (("fp32", {}), ("bf16", {"pp": 2})),
+    # With offload and activation checkpointing on the pipeline side.
+    "fp32-zero1-nvme-full-dp2xpp2-to-dp2": (
+        ("fp32", {"dp": 2, "pp": 2, "zero": 1, "offload": "nvme", "activation_checkpointing": "full"}),
+        ("fp32", {"dp": 2, "zero": 1})),
+    "bf16-zero3-cpu-offload-selective-dp2xpp2-to-pp1": (
+        ("bf16", {"dp": 2, "pp": 2, "zero": 3, "offload": "cpu", "activation_checkpointing": "selective"}),
+        ("bf16", {})),
+    "fp16-zero2-dp2-to-dp2xpp2-interleaved": (
+        ("fp16", {"dp": 2, "zero": 2}),
+        ("fp16", {"dp": 2, "pp": 2, "zero": 2, "pp_schedule": "interleaved-1f1b"})),
 }
 FAST = ("fp32-pp1-to-pp2", "bf16-master-pp2-to-pp1")
 TIED_STEPS, TIED_STOP = 4, 2
@@ -196,6 +206,8 @@ def tied_spec(dtype: str, layout: dict, uri=None) -> dict:
            "layout": layout, "resources": {"gpus_per_node": world}}
     if uri is not None:
         out["checkpoint"] = {"uri": str(uri), "every_steps": 100}
+        if layout.get("offload") == "nvme":  # not the shared default folder
+            out["layout"] = {**layout, "nvme_path": str(uri / "nvme")}
     return out
 
 
@@ -243,7 +255,8 @@ def test_tied_checkpoint_holds_one_weight_and_resumes_across_pipeline_layouts(na
     assert {"event": "restart", "attempt": 0, "from_step": TIED_STOP} in resumed
     got, reference = losses(first) + losses(resumed), single_tied(dtype)
     assert len(got) == TIED_STEPS
-    # Against the saving precision's single process. Step 1 is bit-exact everywhere. bf16: another
-    # layout sums in another order and bf16 rounds it; measured at most 1.3e-5 relative (pp2 ->
-    # pp1), 2.2e-5 for fp32 -> bf16 (the resumed steps round in bf16); fp32 at most 9e-8.
+    # Against the saving precision's single process. Step 1 is bit-exact everywhere. bf16/fp16:
+    # another layout sums in another order and the low dtype rounds it; measured at most 1.3e-5
+    # relative in bf16, 2.3e-6 in fp16, 2.2e-5 for fp32 -> bf16 (the resumed steps round in bf16);
+    # fp32 at most 9e-8.
     torch.testing.assert_close(got, reference, rtol=1e-5 if dtype == resume_dtype == "fp32" else 1e-4, atol=0)
