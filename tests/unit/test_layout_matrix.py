@@ -92,16 +92,10 @@ def test_zero3_zero_bubble_refusal_names_the_torch_issue():
     assert "Use zero=2" in str(e.value)  # and the fix
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_plan_ranks_only_runnable_layouts(path):
-    """Every candidate of `workbench plan` (not only the top ones it marks) passes the runtime's rules
-    (llama-70b-plan: 1,406 candidates, 2.5 s)."""
-    try:
-        result = plan(path)
-    except ConfigError as e:  # a size-only model ({params: N}) is for `memory`, not `plan`
-        assert "plan needs the model's shape" in str(e)
-        return
-    spec = load_spec(path, layout=False)
+def assert_all_runnable(source) -> None:
+    """Every candidate of `workbench plan` (not only the top ones it marks) passes the runtime's rules."""
+    result = plan(source)
+    spec = load_spec(source, layout=False)
     assert result.candidates
     for c in result.candidates:
         raw = spec.to_dict()
@@ -109,3 +103,21 @@ def test_plan_ranks_only_runnable_layouts(path):
         raw["train"] = {**raw["train"], "micro_batch": c.micro_batch}
         check_runnable(load_spec(raw))  # a ConfigError here names the refused layout that was ranked
         assert c.runnable is not False, c.layout
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_plan_ranks_only_runnable_layouts_for_the_examples(path):
+    """llama-70b-plan: 1,406 candidates, 2.5 s."""
+    if load_spec(path, layout=False).model.params is not None:  # a size alone is for `memory`, not `plan`
+        with pytest.raises(ConfigError, match="plan needs the model's shape"):
+            plan(path)
+        return
+    assert_all_runnable(path)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_plan_ranks_only_runnable_layouts_for_the_matrix_models(model, dtype):
+    assert_all_runnable({"name": "plan", "model": MODELS[model], "precision": {"dtype": dtype},
+                         "train": {"global_batch": 16, "micro_batch": 1},
+                         "resources": {"gpu": "h100-80gb", "gpus_per_node": 8}})
