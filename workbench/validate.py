@@ -186,10 +186,10 @@ def _check_dp_combinations(spec: JobSpec) -> None:
 def _check_model_parallel_runnable(spec: JobSpec) -> None:
     """What tensor/pipeline parallel cannot run with, each with the reason and a fix."""
     lay = spec.layout
+    if lay.tp == 1 and lay.sequence_parallel:  # under pp too: nothing would shard, silently
+        raise ConfigError("layout.sequence_parallel=true shards activations across tensor-parallel ranks, "
+                          "but tp=1. Set tp >= 2 or sequence_parallel: false.")
     if lay.tp == 1 and lay.pp == 1:
-        if lay.sequence_parallel:
-            raise ConfigError("layout.sequence_parallel=true shards activations across tensor-parallel ranks, "
-                              "but tp=1. Set tp >= 2 or sequence_parallel: false.")
         return
     if lay.tp > 1 and lay.sequence_parallel:
         seq = spec.model.shape().seq_len

@@ -167,3 +167,96 @@ def test_pipeline_master_resumes_exactly_and_under_another_layout(name, spawn_po
     assert {"event": "restart", "attempt": 0, "from_step": 3} in elsewhere
     # Another layout sums in another order: bf16 rounds that (see test_parity_mixed's tolerances).
     torch.testing.assert_close(losses(elsewhere), full[3:], rtol=1e-3 if dtype == "bf16" else 1e-5, atol=0)
+
+
+# A tied GPT's checkpoint holds one embedding weight under every layout: pp > 1's last stage saves
+# and loads its copy (model, optimizer and master state) as tok_emb.weight, and a single process
+# its tied head. So a checkpoint saved at one pp degree resumes at another: the curve continues the
+# uninterrupted single process's (issue 13).
+TIED_RESHARD = {  # name: ((precision, layout) that saves, (precision, layout) that resumes)
+    "fp32-pp1-to-pp2": (("fp32", {}), ("fp32", {"pp": 2})),
+    "fp32-pp2-to-pp1": (("fp32", {"pp": 2}), ("fp32", {})),
+    "fp32-zero3-dp2-to-dp2xpp2": (("fp32", {"dp": 2, "zero": 3}), ("fp32", {"dp": 2, "pp": 2, "zero": 3})),
+    "fp32-zero3-dp2xpp2-to-dp2": (("fp32", {"dp": 2, "pp": 2, "zero": 3}), ("fp32", {"dp": 2, "zero": 3})),
+    "fp32-tp2-to-tp2xpp2": (("fp32", {"tp": 2}), ("fp32", {"tp": 2, "pp": 2})),
+    "bf16-master-pp1-to-pp2": (("bf16", {}), ("bf16", {"pp": 2})),
+    "bf16-master-pp2-to-pp1": (("bf16", {"pp": 2}), ("bf16", {})),
+    "bf16-zero2-dp2-to-dp2xpp2": (("bf16", {"dp": 2, "zero": 2}), ("bf16", {"dp": 2, "pp": 2, "zero": 2})),
+    # Between the optimizer's homes (runtime/checkpoint_reshard.py): fp32 torch optimizer -> bf16 master.
+    "fp32-pp1-to-bf16-master-pp2": (("fp32", {}), ("bf16", {"pp": 2})),
+    # With offload and activation checkpointing on the pipeline side.
+    "fp32-zero1-nvme-full-dp2xpp2-to-dp2": (
+        ("fp32", {"dp": 2, "pp": 2, "zero": 1, "offload": "nvme", "activation_checkpointing": "full"}),
+        ("fp32", {"dp": 2, "zero": 1})),
+    "bf16-zero3-cpu-offload-selective-dp2xpp2-to-pp1": (
+        ("bf16", {"dp": 2, "pp": 2, "zero": 3, "offload": "cpu", "activation_checkpointing": "selective"}),
+        ("bf16", {})),
+    "fp16-zero2-dp2-to-dp2xpp2-interleaved": (
+        ("fp16", {"dp": 2, "zero": 2}),
+        ("fp16", {"dp": 2, "pp": 2, "zero": 2, "pp_schedule": "interleaved-1f1b"})),
+}
+FAST = ("fp32-pp1-to-pp2", "bf16-master-pp2-to-pp1")
+TIED_STEPS, TIED_STOP = 4, 2
+
+
+def tied_spec(dtype: str, layout: dict, uri=None) -> dict:
+    world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
+    out = {"name": "ckpt-tied", "model": {"preset": "gpt-tiny", "tie_embeddings": True},
+           "precision": {"dtype": dtype}, "train": {"steps": TIED_STEPS, "global_batch": 8, "micro_batch": 2},
+           "layout": layout, "resources": {"gpus_per_node": world}}
+    if uri is not None:
+        out["checkpoint"] = {"uri": str(uri), "every_steps": 100}
+        if layout.get("offload") == "nvme":  # not the shared default folder
+            out["layout"] = {**layout, "nvme_path": str(uri / "nvme")}
+    return out
+
+
+def run_tied(spawn_pools, spec: dict, *, stop_after: int = 0, resume: bool = False) -> list[dict]:
+    """`spec` on its world of ranks: a SpawnPool job, or this process for one rank."""
+    world = spec["resources"]["gpus_per_node"]
+    if world > 1:
+        return spawn_pools.get(world).run(spec, fn=functools.partial(run_rank, stop_after=stop_after, resume=resume),
+                                          timeout_s=240)
+    events: list[dict] = []
+    calls = iter(range(1, 100))
+    train(spec, events.append, should_stop=lambda: bool(stop_after) and next(calls) >= stop_after, resume=resume)
+    return events
+
+
+@pytest.fixture(scope="module")
+def single_tied():
+    """The uninterrupted single process's losses, per precision (computed once)."""
+    cache: dict[str, list[float]] = {}
+
+    def get(dtype: str) -> list[float]:
+        if dtype not in cache:
+            events: list[dict] = []
+            train(tied_spec(dtype, {}), events.append)
+            cache[dtype] = losses(events)
+        return cache[dtype]
+    return get
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in FAST else [pytest.mark.slow])
+                                  for n in TIED_RESHARD])
+def test_tied_checkpoint_holds_one_weight_and_resumes_across_pipeline_layouts(name, spawn_pools, single_tied,
+                                                                               tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    (dtype, saves), (resume_dtype, resumes) = TIED_RESHARD[name]
+    first = run_tied(spawn_pools, tied_spec(dtype, saves, tmp_path), stop_after=TIED_STOP)
+    assert [e["step"] for e in first if e["event"] == "checkpoint"] == [TIED_STOP]
+    keys = FileSystemReader(str(tmp_path / f"step-{TIED_STOP:09d}")).read_metadata().state_dict_metadata
+    assert "model.tok_emb.weight" in keys
+    assert not [k for k in keys if "head.weight" in k]  # one weight, whatever the layout
+
+    resumed = run_tied(spawn_pools, tied_spec(resume_dtype, resumes, tmp_path), resume=True)
+    assert {"event": "restart", "attempt": 0, "from_step": TIED_STOP} in resumed
+    got, reference = losses(first) + losses(resumed), single_tied(dtype)
+    assert len(got) == TIED_STEPS
+    # Against the saving precision's single process. Step 1 is bit-exact everywhere. bf16/fp16:
+    # another layout sums in another order and the low dtype rounds it; measured at most 1.3e-5
+    # relative in bf16, 2.3e-6 in fp16, 2.2e-5 for fp32 -> bf16 (the resumed steps round in bf16);
+    # fp32 at most 9e-8.
+    torch.testing.assert_close(got, reference, rtol=1e-5 if dtype == resume_dtype == "fp32" else 1e-4, atol=0)

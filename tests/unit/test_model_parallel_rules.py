@@ -92,3 +92,32 @@ def test_tied_last_stage_copies_the_embedding():
     torch.testing.assert_close(last.head.weight, full.tok_emb.weight, rtol=0, atol=0)
     untied = split_stage(build_model_meta(spec({})), range(2, 4), first=False, last=True)
     assert param_name(untied, "head.weight") == "head.weight"
+
+
+def test_a_tied_checkpoint_names_one_weight_at_every_pp():
+    """The names a rank's checkpoint state is saved under (parallel/tied.saved_names): the last
+    stage's copy and a whole tied model's head both as tok_emb.weight; an untied model as is."""
+    from workbench.parallel.tied import saved_names
+    from workbench.runtime.checkpoint_state import module_keys, saved_keys
+
+    tied = build_model_meta(spec({}, model={"preset": "gpt-tiny", "tie_embeddings": True}))
+    first = split_stage(tied, range(0, 2), first=True, last=False)
+    last = split_stage(tied, range(2, 4), first=False, last=True)
+    assert saved_names([tied]) == saved_names([last]) == {"head.weight": "tok_emb.weight"}
+    assert saved_names([first]) == saved_names([build_model_meta(spec({}))]) == {}
+
+    # pp = 1: the tied head's model key folds into the embedding's; the optimizer (flattened) has one.
+    state = {"model": {"tok_emb.weight": "W", "head.weight": "W", "norm.weight": "n"},
+             "optim": {"state.tok_emb.weight.exp_avg": "m", "param_groups.tok_emb.weight.lr": 0.1}, "scaler": {}}
+    saved, back = saved_keys(state, saved_names([tied]))
+    assert saved["model"] == {"tok_emb.weight": "W", "norm.weight": "n"} and saved["optim"] == state["optim"]
+    assert module_keys(saved["model"], back["model"]) == state["model"] and saved["scaler"] == {}
+    # pp > 1, the last stage: its copy's model and optimizer state are saved as the embedding's.
+    state = {"model": {"head.weight": "C", "norm.weight": "n"},
+             "optim": {"state.head.weight.step": 3, "state.head.weight.exp_avg": "m",
+                       "param_groups.head.weight.lr": 0.1, "state.norm.weight.step": 3}}
+    saved, back = saved_keys(state, saved_names([last]))
+    assert saved["model"] == {"tok_emb.weight": "C", "norm.weight": "n"}
+    assert saved["optim"] == {"state.tok_emb.weight.step": 3, "state.tok_emb.weight.exp_avg": "m",
+                              "param_groups.tok_emb.weight.lr": 0.1, "state.norm.weight.step": 3}
+    assert module_keys(saved["optim"], back["optim"]) == state["optim"]

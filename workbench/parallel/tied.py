@@ -3,9 +3,9 @@
 The first stage holds the embedding weight, the last stage a copy of it for its head: equal at
 initialization (the copy is initialized under the embedding's name, see `mark_head_copy`) and kept
 equal by summing the two gradients over a group of the first and the last stage, so both take
-the same update. The copy is counted once in the gradient norm; the fp32 master's checkpoint state
-and the gathered final state name it as the embedding (one weight). DCP's model/optimizer state of
-the direct path (fp32 zero 0, zero 2/3) keys it `head.weight` on the last stage.
+the same update. The copy is counted once in the gradient norm. Checkpoints (model, optimizer and
+fp32 master state) and the gathered final state name the copy, and a tied head, as the embedding:
+a checkpoint holds one weight whatever the layout (`saved_names`).
 """
 from __future__ import annotations
 
@@ -32,6 +32,21 @@ def mark_head_copy(stage: nn.Module) -> None:
     copy is initialized, saved and gathered under the embedding's name.
     """
     stage.init_aliases = {HEAD: EMBEDDING}
+
+
+def saved_names(modules: list[nn.Module]) -> dict[str, str]:
+    """Parameter name -> the name its checkpoint state is saved under, for this rank's modules.
+
+    A last stage's copy (`init_aliases`) and a tied head (one parameter, two names) are saved as
+    the embedding, so a tied checkpoint holds `tok_emb.weight` alone under any pp degree and a
+    resume under another one fills the copy from it.
+    """
+    out: dict[str, str] = {}
+    for m in modules:
+        out.update(getattr(m, "init_aliases", {}))
+        if is_tied(m):
+            out[HEAD] = EMBEDDING
+    return out
 
 
 def tied_params(modules: list[nn.Module], indices: list[int], num_stages: int) -> list[nn.Parameter]:

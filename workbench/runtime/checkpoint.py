@@ -19,9 +19,12 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from workbench.errors import ConfigError
+from workbench.parallel.tied import saved_names
 from workbench.runtime.checkpoint_reshard import fill_optim, home, layout_diff, load_canonical, local_part, master_state
 from workbench.runtime.checkpoint_state import (
+    module_keys,
     rng_state,
+    saved_keys,
     set_rng_state,
     stage,
     state_bytes,
@@ -81,6 +84,7 @@ class Checkpointer:
         self.keep = int(cfg.get("keep", 3))
         self.async_save = bool(cfg.get("async_save", False))
         self.module = modules[0] if len(modules) == 1 else union_module(modules)
+        self.names = saved_names(modules)  # a tied copy/head saved as the embedding: one weight
         self.extra_state = dict(extra_state or {})
         self.device = device or torch.device("cpu")
         self.on_saved, self._warn_cb, self.clock = on_saved, warn, clock
@@ -152,7 +156,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint of step {step} not written: {lost}. This run stops writing there.")
         entered = time.perf_counter()  # the pause training sees (after any previous save finished)
         self._last_save_time = self.clock()
-        state = self._state_dict()
+        state, _ = self._state_dict()
         rng = rng_state()
         if self.async_save and not block:
             staged = stage(state, self._staging)  # training changes the live tensors from now on
@@ -314,10 +318,10 @@ class Checkpointer:
         url = self.store.url(path)
         reader = FileSystemReader if self.store.local else FsspecReader
         saved = {key.split(".", 1)[0] for key in reader(url).read_metadata().state_dict_metadata}
-        state = self._state_dict()
+        state, back = self._state_dict()
         layout, saved_layout = self.spec.get("layout", {}), manifest.get("layout", {})
         if home(set(state)) != home(saved):
-            return self._load_converted(step, manifest, reader, url, state, saved)
+            return self._load_converted(step, manifest, reader, url, state, back, saved)
         missing = [part for part in state if part not in saved]
         for part in missing:
             if part not in OPTIONAL_PARTS:
@@ -328,14 +332,16 @@ class Checkpointer:
             self._warn(f"the checkpoint of step {step} has no {part!r} state; it starts fresh")
         present = {k: v for k, v in state.items() if k not in missing}
         dcp.load(present, storage_reader=reader(url), process_group=self.group, no_dist=self.group is None)
-        set_model_state_dict(self.module, present["model"])
+        set_model_state_dict(self.module, module_keys(present["model"], back["model"]))
         if self.optimizer is not None:
-            set_optimizer_state_dict(self.module, self.optimizer, present["optim"], options=state_dict_options())
+            set_optimizer_state_dict(self.module, self.optimizer, module_keys(present["optim"], back["optim"]),
+                                     options=state_dict_options())
         for name, obj in self.extra_state.items():
             if name in present:
                 obj.load_state_dict(present[name])
 
-    def _load_converted(self, step: int, manifest: dict, reader, url: str, state: dict, saved: set) -> None:
+    def _load_converted(self, step: int, manifest: dict, reader, url: str, state: dict, back: dict,
+                        saved: set) -> None:
         """Load a checkpoint whose optimizer state lives in the other home (see checkpoint_reshard)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
@@ -348,10 +354,11 @@ class Checkpointer:
         optimizer = self.spec.get("train", {}).get("optimizer", "adamw")
         dist_kwargs = {"process_group": self.group, "no_dist": self.group is None}
         canonical = load_canonical(reader, url, manifest, order, optimizer, **dist_kwargs)
-        set_model_state_dict(self.module, {k: local_part(canonical.weights[k], v) for k, v in state["model"].items()})
+        weights = {k: local_part(canonical.weights[k], v) for k, v in state["model"].items()}
+        set_model_state_dict(self.module, module_keys(weights, back["model"]))
         if self.optimizer is not None:
-            set_optimizer_state_dict(self.module, self.optimizer, fill_optim(state["optim"], canonical, optimizer),
-                                     options=state_dict_options())
+            optim = module_keys(fill_optim(state["optim"], canonical, optimizer), back["optim"])
+            set_optimizer_state_dict(self.module, self.optimizer, optim, options=state_dict_options())
         master = self.extra_state.get("master")
         if master is not None:
             master.load_state_dict(master_state(master, canonical))
@@ -363,7 +370,8 @@ class Checkpointer:
                    f"{home(set(state))!r} ({layout_diff(manifest.get('layout', {}), self.spec.get('layout', {}))}): "
                    "converted through full fp32 weights and moments")
 
-    def _state_dict(self) -> dict:
+    def _state_dict(self) -> tuple[dict, dict]:
+        """(this rank's state keyed as saved, the way back to the modules' keys: checkpoint_state.saved_keys)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         if self.optimizer is None:  # the optimizer state lives in an extra (an fp32 master)
@@ -373,7 +381,7 @@ class Checkpointer:
             state = {"model": model_sd, "optim": optim_sd}
         for name, obj in self.extra_state.items():
             state[name] = obj.state_dict()
-        return state
+        return saved_keys(state, self.names)
 
     # -- collectives on the checkpoint group ----------------------------------------------
     def _gather(self, obj) -> list:

@@ -102,3 +102,38 @@ def state_bytes(obj) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(state_bytes(v) for v in obj)
     return 0
+
+
+def saved_keys(state: dict, names: dict[str, str]) -> tuple[dict, dict]:
+    """`state` ({"model": ..., "optim": ..., extras}) with its parameter names as saved, and the way back.
+
+    `names` (parallel/tied.saved_names) maps a parameter name to its saved name; model keys are
+    parameter names, flattened optimizer keys `state.<name>.<field>` / `param_groups.<name>.<hyper>`.
+    Two keys with one saved name (a tied head and its embedding) keep the first: the same values.
+    Returns:
+        (the renamed state, {part: {key in the module's state dict: saved key}} for model and optim).
+    """
+    out, back = dict(state), {}
+    for part in ("model", "optim"):
+        if part not in state:
+            continue
+        renamed, keys = {}, {}
+        for key, value in state[part].items():
+            saved = _saved_key(key, names, optim=part == "optim")
+            keys[key] = saved
+            renamed.setdefault(saved, value)
+        out[part], back[part] = renamed, keys
+    return out, back
+
+
+def _saved_key(key: str, names: dict[str, str], *, optim: bool) -> str:
+    if not optim:
+        return names.get(key, key)
+    kind, _, rest = key.partition(".")
+    name, _, field = rest.rpartition(".")
+    return f"{kind}.{names[name]}.{field}" if name in names else key
+
+
+def module_keys(part: dict, keys: dict[str, str]) -> dict:
+    """A state dict keyed as the module's (`saved_keys`' way back) from one keyed as saved."""
+    return {key: part[saved] for key, saved in keys.items()}
