@@ -140,12 +140,15 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
     spec = load_spec(spec)
     joins = not dist.is_initialized()  # the launcher's env:// group is ours to destroy
     # SIGTERM -> stop after this step (main thread only); trackers get rank 0's events.
-    with PreemptionNotice() as notice, tracked(spec, sink) as sink:
-        result = _train(spec, sink, lambda: should_stop() or notice.requested, resume, gather_state, attempt)
-    if joins and dist.is_initialized():
-        # Before the interpreter exits: a gloo group still alive then can abort the process
-        # (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#190489).
-        dist.destroy_process_group()
+    try:
+        with PreemptionNotice() as notice, tracked(spec, sink) as sink:
+            result = _train(spec, sink, lambda: should_stop() or notice.requested, resume, gather_state, attempt)
+    finally:
+        if joins and dist.is_initialized():
+            # Before the interpreter exits, also after an error: a gloo group still alive then can
+            # abort the process (SIGABRT, "terminate called without an active exception",
+            # pytorch/pytorch#190489), replacing the error's exit code.
+            dist.destroy_process_group()
     if notice.requested and notice.seconds_left() < 0:
         sink({"event": "warning", "message": notice.overrun_message()})
     return result
