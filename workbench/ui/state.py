@@ -126,12 +126,13 @@ class WorkbenchState:
         with self._lock:
             return list(self.events)
 
-    def start_events(self, label: str) -> None:
-        """Move the previous run's events to `history`, and start the throttled refresher thread."""
+    def start_events(self, label: str, carry: list[dict] = ()) -> None:
+        """Move the previous run's events to `history` and start the new run's with `carry` (a
+        resumed run continues the curves of the run it resumes); start the throttled refresher."""
         with self._lock:
             if self.events:
                 self.history.append({"label": self._label, "status": self.run_state, "events": self.events})
-            self.events, self._label = [], label
+            self.events, self._label = list(carry), label
             self.run_state = "running"
         self.notify("run")
         self.notify("events")  # the previous run's curves go at once, not with the new run's first step
