@@ -20,6 +20,7 @@ from workbench.ui.state import WorkbenchState
 
 _DONE_KIND = {"completed": "ok", "stopped": "info", "preempted": "info", "failed": "error"}
 _LOGGED = ("note", "warning", "checkpoint", "restart", "error", "end")  # events shown as log lines
+_STEP_EVERY_S = 0.05  # the progress line's quick path (see RunPanel._show_step)
 _BUTTON = dict(flex="0 0 auto", width="auto", min_width="84px")
 
 
@@ -32,9 +33,12 @@ class RunPanel:
         self._error: str | None = None
         self._stop_requested = False
         self.stop_step: int | None = None  # the newest step the panel had when Stop was pressed
+        self._report = ""  # "Report written: ..." under the run's note, until the next run
         self._phase = ""  # start-up progress until the first step
         self._t0 = 0.0
         self._carried = 0  # step events a resumed run took over from the run it continues
+        self._first_own: dict | None = None  # this run's first own step event (ETA)
+        self._step_shown_at = 0.0
         self._checkpoints: tuple | None = None  # (uri, committed steps) -> newest complete step: see resumable_step
         self._render_lock = threading.Lock()  # the refresher thread and the kernel's thread both render
         self.run_button = w.Button(description="Run", icon="play", button_style="success",
@@ -97,7 +101,7 @@ class RunPanel:
                 f"Predicted not to fit: the largest rank needs {max(r['total'] for r in est['per_rank']) / 2**30:.1f} GiB "
                 f"of {est['device_memory'] / 2**30:.1f} GiB. Change the layout (see Memory) before running.", "error")
             return
-        self._error, self.handle, self._stop_requested = None, None, False
+        self._error, self.handle, self._stop_requested, self._report = None, None, False, ""
         self._t0 = time.monotonic()
         self._phase = "starting Ray…" if not _ray_started() else f"starting {st.spec.world_size} rank(s)…"
         self.note.value = note_html(f"Starting {st.spec.world_size} worker(s) on local Ray…", "info")
@@ -152,12 +156,15 @@ class RunPanel:
             return None
         path = Path(f"{spec.name}-report.html")
         write_report(events, spec, path)
-        self.note.value = note_html(f"Report written: {path.resolve()}", "ok")
+        self._report = note_html(f"Report written: {path.resolve()}", "ok")
+        self.render()
         return path
 
     # -- state -> widgets ----------------------------------------------------------------
     def _on_state(self, topic: str) -> None:
-        if topic == "spec" and not self.state.events:  # only Run's availability depends on the spec
+        if topic == "step":
+            self._show_step()
+        elif topic == "spec" and not self.state.events:  # only Run's availability depends on the spec
             self.run_button.disabled = self.state.run_state == "running" or self.state.spec is None
         elif topic in ("events", "run", "spec"):
             self.render()
@@ -180,8 +187,12 @@ class RunPanel:
         self.progress.max = max(self.progress.max, 1)
         self.progress.value = min(steps[-1]["step"], self.progress.max) if steps else 0
         self.progress.bar_style = {"completed": "success", "failed": "danger"}.get(st.run_state, "info")
-        self.progress_text.value = html.escape(self._progress_line(steps, running))
-        self.note.value = self._note(events, steps, running, can_resume)
+        own = steps[self._carried:]  # the carried ones ran before this run's start-up
+        self._first_own = own[0] if own else None
+        self.progress_text.value = html.escape(self._progress_line(steps[-1] if steps else None, self._first_own,
+                                                                   running))
+        ended = not running and st.run_state != "idle"  # (the idle and running notes keep what they show)
+        self.note.value = self._note(events, steps, running, can_resume) + (self._report if ended else "")
         history = [r for r in st.history if self.overlay.value]
         self.run_box.show(figures.run_figure(events, history=history, smooth=self.smooth.value,
                                                      log_loss=self.log_loss.value))
@@ -191,24 +202,43 @@ class RunPanel:
         self.timeline_box.show(figures.timeline_figure(events) if has_timeline else None)
         self.log.value = _log_html(events)
 
-    def _progress_line(self, steps: list[dict], running: bool) -> str:
+    def _progress_line(self, last: dict | None, first: dict | None, running: bool) -> str:
+        """The line beside the buttons, from the newest step event and this run's first own one."""
         state = self.state.run_state
         if state == "idle":
             return "idle"
-        step = steps[-1]["step"] if steps else 0
+        step = last["step"] if last else 0
         if not running:
-            return f"{state} at step {step} / {self.progress.max}"
+            stopped = f" (Stop pressed at step {self.stop_step})" if self._stop_requested else ""
+            return f"{state} at step {step} / {self.progress.max}{stopped}"
         elapsed = time.monotonic() - self._t0
         if self._stop_requested:
             return f"stopping: Stop pressed at step {self.stop_step}, at step {step} ({elapsed:.0f} s)"
-        if not steps:
+        if last is None:
             return f"{self._phase} {elapsed:.0f} s"
-        eta, steps = "", steps[self._carried:]  # this run's own steps: the carried ones ran before its start-up
-        if len(steps) >= 2:
-            per_step = (steps[-1]["time"] - steps[0]["time"]) / (len(steps) - 1) if "time" in steps[0] else None
-            if per_step:
-                eta = f", ETA {per_step * (self.progress.max - step):.0f} s"
+        eta = ""
+        if first is not None and step > first["step"] and "time" in first:  # this run's own steps only
+            per_step = (last["time"] - first["time"]) / (step - first["step"])
+            eta = f", ETA {per_step * (self.progress.max - step):.0f} s"
         return f"step {step} / {self.progress.max} · {elapsed:.0f} s elapsed{eta}"
+
+    def _show_step(self) -> None:
+        """The newest step in the progress line at once (the driver's thread, each step event; at
+        most every `_STEP_EVERY_S`), not with the next full redraw: a person presses Stop looking
+        at it, and the run ends at most one step after the step the panel had then."""
+        now = time.monotonic()
+        if now - self._step_shown_at < _STEP_EVERY_S or not self._render_lock.acquire(blocking=False):
+            return  # (a full redraw in progress shows a step as new)
+        try:
+            self._step_shown_at = now
+            last = self.state.last_step
+            if self._first_own is None:
+                self._first_own = last
+            if last is not None and self.state.run_state == "running":
+                self.progress.value = min(last["step"], self.progress.max)
+                self.progress_text.value = html.escape(self._progress_line(last, self._first_own, True))
+        finally:
+            self._render_lock.release()
 
     def _note(self, events: list[dict], steps: list[dict], running: bool, can_resume: bool) -> str:
         state = self.state.run_state
