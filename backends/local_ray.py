@@ -4,8 +4,10 @@ the same on an existing cluster).
 Each actor (`RankRelay`) takes a fraction of a CPU (gloo: 4-8 ranks run on a 2-core machine) or
 one GPU (NCCL), starts its rank in a child process with torchrun's variables, as torchrun's agent
 does, and relays: the rank's process has no Ray in it, and the cluster's own processes yield the
-CPU to the ranks (`control_plane_setup`). A driver thread polls the relays every `_POLL_S`: the
-rank's events in, the stop request out, so the training step never waits on Ray. On a failure it
+CPU to the ranks (`control_plane_setup`). A driver thread long-polls the relays: a rank's events
+reach whoever follows the job as they arrive, and rank 0 waits for the driver's acknowledgement
+of each step, which carries the stop request (so Stop ends the run within one step of the step
+seen when it was pressed: `_rank_main`). On a failure it
 tears the group down and starts it again from the last checkpoint (`backend.max_failures`).
 
 Plain actors rather than Ray Train: Ray Train adds five helper actors (controller, synchronization,
@@ -15,7 +17,6 @@ section a), and ~20 s of start-up.
 """
 from __future__ import annotations
 
-import collections
 import functools
 import itertools
 import os
@@ -31,7 +32,8 @@ from backends.base import JobState, JobStatus
 from backends.elastic import describe, groups_that_fit, shrink
 from workbench.errors import WorkerError
 
-_POLL_S = 0.2  # driver <-> relays: events in, the stop request out
+_POLL_S = 0.2  # how often the driver thread looks for a cancel while it waits for placement or events
+_LONG_POLL_S = 0.5  # the most a relay holds the driver's request for events when there are none
 _START_ATTEMPTS = 3
 _PLACEMENT_WARN_S = 30.0
 
@@ -152,7 +154,14 @@ def control_plane_setup() -> None:
 
 
 def _rank_main(fd: int) -> None:
-    """The rank's process: run the per-rank loop, events out and the stop request in over `fd`."""
+    """The rank's process: run the per-rank loop, events out and the stop request in over `fd`.
+
+    Stop within one step: after each step event it sends, the rank waits (in the loop's
+    `should_stop`, before the ranks agree on stopping) for the driver's acknowledgement, sent once
+    the event has reached whoever follows the job, with the stop request as it stood then. So a
+    cancel made while step N was the newest step seen stops every rank after step N + 1 at the
+    latest. Only rank 0 reports steps, so only rank 0 waits; the others wait for it anyway, in the
+    stop decision's all-reduce (Checkpointer.poll)."""
     import traceback
     from multiprocessing.connection import Connection
 
@@ -163,13 +172,23 @@ def _rank_main(fd: int) -> None:
         sys.exit(1)
     conn = Connection(fd)
     config = conn.recv()
-    stop = False
+    stop, sent, acked = False, 0, 0  # sent / acked: the newest step reported / acknowledged
+
+    def sink(event: dict) -> None:
+        nonlocal sent
+        conn.send(("event", event))
+        if event["event"] == "step":
+            sent = event["step"]
 
     def should_stop() -> bool:
-        nonlocal stop
+        nonlocal stop, acked
         try:
-            while not stop and conn.poll():
-                stop = conn.recv() == "stop"
+            while not stop and (acked < sent or conn.poll()):
+                message = conn.recv()
+                if message == "stop":
+                    stop = True
+                elif message[0] == "ack":  # ("ack", step, stop requested when that step was delivered)
+                    acked, stop = max(acked, message[1]), message[2]
         except EOFError:  # the worker is gone: nobody left to report to
             os._exit(1)
         return stop
@@ -177,8 +196,7 @@ def _rank_main(fd: int) -> None:
     from workbench.runtime.loop import train
 
     try:
-        train(config["spec"], lambda event: conn.send(("event", event)), should_stop=should_stop,
-              resume=config["resume"], attempt=config["attempt"])
+        train(config["spec"], sink, should_stop=should_stop, resume=config["resume"], attempt=config["attempt"])
     except BaseException as e:  # noqa: BLE001 - every failure goes to the relay, then the driver
         traceback.print_exc()
         conn.send(("failed", f"{type(e).__name__}: {e}"))
@@ -197,16 +215,18 @@ def _send_quietly(conn, message) -> None:
 def _relay_class():
     import ray
 
-    @ray.remote(max_concurrency=2)  # `run` on one thread, `exchange` on the other
+    @ray.remote(max_concurrency=4)  # `run`, the driver's long poll `events`, and `ack` / `stop`
     class RankRelay:
         """One Ray actor per rank, as torchrun's agent per node: it starts the rank in a process of
-        its own, keeps the rank's events until the driver takes them and passes the stop request on."""
+        its own, hands the rank's events to the driver as soon as they arrive (a long poll) and
+        passes the driver's acknowledgements and the stop request on to the rank."""
 
         def __init__(self):
             self._pending: list[dict] = []
-            self._lock = threading.Lock()
+            self._arrived = threading.Condition()  # guards _pending, _conn, _stop, _ended
             self._conn = None
             self._stop = False
+            self._ended = False
             self._store = None
 
         def where(self) -> dict:
@@ -226,6 +246,14 @@ def _relay_class():
         def run(self, config: dict, env: dict) -> str | None:
             """Start the rank's process and relay its events until it exits: None when it finished
             the run, else what went wrong."""
+            try:
+                return self._run(config, env)
+            finally:
+                with self._arrived:
+                    self._ended = True
+                    self._arrived.notify_all()
+
+        def _run(self, config: dict, env: dict) -> str | None:
             import subprocess
             from multiprocessing import Pipe
 
@@ -235,7 +263,7 @@ def _relay_class():
             proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(child_end.fileno())],
                                     pass_fds=[child_end.fileno()], env={**os.environ, "PYTHONPATH": path, **env})
             child_end.close()
-            with self._lock:
+            with self._arrived:
                 self._conn = conn
                 if self._stop:
                     _send_quietly(conn, "stop")
@@ -263,18 +291,31 @@ def _relay_class():
             return None
 
         def _put(self, event: dict) -> None:
-            with self._lock:
+            with self._arrived:
                 self._pending.append(event)
+                self._arrived.notify_all()
 
-        def exchange(self, stop: bool) -> list[dict]:
-            """The driver's poll: the stop request in (once set, passed to the rank), the events out."""
-            with self._lock:
-                if stop and not self._stop:
+        def events(self, timeout_s: float) -> list[dict]:
+            """The driver's long poll: the rank's events as soon as there are any (or none after
+            `timeout_s`, or once the rank's process has ended)."""
+            with self._arrived:
+                self._arrived.wait_for(lambda: self._pending or self._ended, timeout=timeout_s)
+                out, self._pending = self._pending, []
+            return out
+
+        def ack(self, step: int, stop: bool) -> None:
+            """Tell the rank that its step `step` has been delivered, and whether a stop was asked by then."""
+            with self._arrived:
+                if self._conn is not None:
+                    _send_quietly(self._conn, ("ack", step, stop))
+
+        def stop(self) -> None:
+            """Pass the stop request to the rank (now, or as soon as it starts)."""
+            with self._arrived:
+                if not self._stop:
                     self._stop = True
                     if self._conn is not None:
                         _send_quietly(self._conn, "stop")
-                out, self._pending = self._pending, []
-            return out
 
     return RankRelay
 
@@ -337,8 +378,8 @@ class LocalRayJob:
         self._state = JobState.PENDING
         self._error: str | None = None
         self._end: dict | None = None
-        self._inbox: collections.deque[dict] = collections.deque()  # driver thread -> whoever follows
-        self._pumping = threading.Lock()
+        self._delivered = threading.Condition()  # guards events and _finished; tells followers
+        self._finished = False
         self._stop = False
         self._use_gpu = torch.cuda.is_available() and spec.resources.gpu != "cpu"
         self._layout = spec  # the layout running now: a smaller dp after an elastic shrink
@@ -359,7 +400,13 @@ class LocalRayJob:
         except Exception as e:  # noqa: BLE001 - reported through status and wait()
             self._error = f"{type(e).__name__}: {e}"
         finally:
-            self._pump(final=True)
+            try:
+                if self._end is not None:  # rank 0's end, held back until every rank had finished
+                    self._deliver(self._end)
+            finally:
+                with self._delivered:
+                    self._finished = True
+                    self._delivered.notify_all()
 
     def _bundle(self) -> dict:
         import ray
@@ -396,15 +443,9 @@ class LocalRayJob:
             # WORKBENCH_RUN_ID: the restarted group is the same run, so it takes over the checkpoint lease
             envs = [{**rank_env(where, ranks, i, master), "WORKBENCH_RUN_ID": self._run_id} for i in range(world)]
             runs = {relays[i].run.remote(config, envs[i]): ranks[i] for i in range(world)}
-            pending, failure = list(runs), None
-            while pending and failure is None:
-                done, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)
-                self._poll(relays)
-                for ref in done:
-                    failure = failure or self._outcome(ref, runs[ref])
-            self._poll(relays)  # the last events (a failed rank's relay is still up)
+            failure = self._relay(relays, runs)
             if failure is not None:
-                self._inbox.append({"event": "error", "rank": failure[0], "message": failure[1]})
+                self._accept({"event": "error", "rank": failure[0], "message": failure[1]})
             return None if failure is None else f"rank {failure[0]}: {failure[1]}"
         finally:
             for r in relays:
@@ -431,7 +472,7 @@ class LocalRayJob:
                 groups = groups_that_fit(ray.nodes(), self._group_bundle(spec))
                 smaller = shrink(spec, groups)  # ConfigError: the job fails with its reason
                 if smaller is not None:
-                    self._inbox.append({"event": "warning", "message": describe(spec, smaller, groups)})
+                    self._accept({"event": "warning", "message": describe(spec, smaller, groups)})
                     spec = self._layout = smaller
             group = placement_group([self._group_bundle(spec)] * (spec.world_size // spec.layout.tp),
                                     strategy="PACK")
@@ -469,7 +510,7 @@ class LocalRayJob:
                 need = ", ".join(f"{k} {v:g}" for k, v in bundle.items())
                 has = ", ".join(f"{k} {free.get(k, 0):g} free of {total.get(k, 0):g}" for k in bundle)
                 together = f", tp({spec.layout.tp}) of them on one node" if spec.layout.tp > 1 else ""
-                self._inbox.append({"event": "warning", "message": (
+                self._accept({"event": "warning", "message": (
                     f"waiting for resources: {spec.world_size} ranks need {need} each{together}; the cluster has "
                     f"{has} (another job holds them, or an autoscaler is still adding nodes); cancel to give up")})
         return "placed"
@@ -484,52 +525,87 @@ class LocalRayJob:
             message = f"its Ray worker died ({type(e).__name__}; the Ray logs say why, e.g. out of memory)"
         return None if message is None else (rank, message)
 
-    def _poll(self, relays) -> None:
+    def _relay(self, relays: list, runs: dict) -> tuple[int, str] | None:
+        """Deliver the ranks' events as they arrive and pass the stop on, until every rank has ended
+        or one failed: None, or (rank, what happened) of the first failure to arrive."""
         import ray
 
-        for ref in [r.exchange.remote(self._stop) for r in relays]:
-            try:
-                self._inbox.extend(ray.get(ref))
-            except ray.exceptions.RayActorError:  # its `run` reports the death
-                pass
-
-    def _pump(self, final: bool = False) -> None:
-        """Deliver the events the driver thread took from the relays. Rank 0's `end` is held back
-        until every rank has finished (`final`): the other ranks' last events may still be on their
-        way, and `end` is the last event of a run."""
-        with self._pumping:
-            while self._inbox:
-                event = self._inbox.popleft()
-                if event["event"] == "end":
-                    self._end = event
-                    self._state = JobState.STOPPED if event["status"] == "preempted" else JobState.COMPLETED
+        relay_runs = dict(zip(relays, runs))  # relay -> its `run`
+        polls = {r.events.remote(_LONG_POLL_S): r for r in relays}
+        pending, failure, stop_sent = set(runs), None, False
+        while pending and failure is None:
+            done, _ = ray.wait([*pending, *polls], num_returns=1, timeout=_POLL_S)
+            for ref in done:
+                if ref in pending:
+                    pending.discard(ref)
+                    failure = failure or self._outcome(ref, runs[ref])
                 else:
-                    self._deliver(event)
-            if final and self._end is not None:
-                self._deliver(self._end)
-                self._end = None
+                    relay = polls.pop(ref)
+                    self._take(relay, ref)
+                    if relay_runs[relay] in pending:  # an ended rank's relay answers at once: no spinning
+                        polls[relay.events.remote(_LONG_POLL_S)] = relay
+            if self._stop and not stop_sent:
+                stop_sent = True
+                for r in relays:
+                    r.stop.remote()
+        # The last events: a relay's `events` returns at once when its rank has ended; a failed
+        # rank's relay is still up; a peer still blocked in a collective answers after the long poll.
+        for ref, relay in polls.items():
+            self._take(relay, ref)
+        for r in relays:
+            self._take(r, r.events.remote(0.0))
+        return failure
+
+    def _take(self, relay, ref) -> None:
+        """Deliver one relay's events, then acknowledge its newest step (see `_rank_main`)."""
+        import ray
+
+        try:
+            events = ray.get(ref)
+        except ray.exceptions.RayActorError:  # its `run` reports the death
+            return
+        for event in events:
+            self._accept(event)
+        steps = [e["step"] for e in events if e["event"] == "step"]
+        if steps:
+            relay.ack.remote(max(steps), self._stop)  # read after delivery: a cancel made by then is in it
+
+    def _accept(self, event: dict) -> None:
+        """Deliver an event; rank 0's `end` is held back until every rank has finished (the other
+        ranks' last events may still be on their way, and `end` is the last event of a run)."""
+        if event["event"] == "end":
+            self._end = event
+            self._state = JobState.STOPPED if event["status"] == "preempted" else JobState.COMPLETED
+        else:
+            self._deliver(event)
 
     def _deliver(self, event: dict) -> None:
-        self.events.append(event)
         if self._on_event is not None:
             self._on_event(event)
+        with self._delivered:
+            self.events.append(event)
+            self._delivered.notify_all()
 
     def follow(self, timeout_s: float | None = None):
-        """Yield events as they arrive until the job ends."""
+        """Yield events as they arrive until the job ends (or `timeout_s` passed)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         seen = 0
         while True:
-            alive = self._thread.is_alive()
-            if alive:
-                self._pump()
-            while seen < len(self.events):
+            with self._delivered:
+                while seen == len(self.events) and not self._finished:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return
+                    self._delivered.wait(timeout=left)
+                new, finished = self.events[seen:], self._finished  # finished: nothing more comes
+            for event in new:
                 seen += 1
-                yield self.events[seen - 1]
-            if not alive:
+                yield event
+            if finished:
+                self._thread.join()
                 return
             if deadline is not None and time.monotonic() > deadline:
                 return
-            time.sleep(_POLL_S)
 
     def wait(self, timeout_s: float | None = None) -> JobStatus:
         for _ in self.follow(timeout_s):
@@ -537,7 +613,7 @@ class LocalRayJob:
         return self.status()
 
     def status(self) -> JobStatus:
-        if self._thread.is_alive():
+        if not self._finished:
             return JobStatus(self._state)
         if self._error is not None:
             return JobStatus(JobState.FAILED, self._error)

@@ -39,9 +39,11 @@ class RunResult:
 def start(spec, on_event: Callable[[dict], None] | None = None, resume: bool = False):
     """Start `spec` on local Ray in the background and return its handle (non-blocking).
 
-    The handle has `.events`, `.follow()`, `.wait()`, `.status()`, `.cancel()`. Events are
-    pulled from the workers while someone follows the handle (`follow()` or `wait()`, e.g. on a
-    background thread, as the notebook does); `on_event` is called from that thread for each.
+    The handle has `.events`, `.follow()`, `.wait()`, `.status()`, `.cancel()`. The job's driver
+    thread delivers each event as it arrives: `on_event` is called from that thread (keep it
+    quick: rank 0 waits for each step event's delivery), and `follow()` / `wait()` yield them.
+    `cancel()` stops every rank after the same step, at most one step after the newest step
+    delivered when it was called.
     """
     from backends.local_ray import LocalRayBackend
 

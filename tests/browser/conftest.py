@@ -84,9 +84,10 @@ def work_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def shots(tmp_path_factory):
-    """Where screenshots go: $WORKBENCH_SCREENSHOTS if set (CI artifacts), else a tmp dir."""
-    d = Path(os.environ.get("WORKBENCH_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
+def shots():
+    """Where screenshots go: $WORKBENCH_SCREENSHOTS if set (CI artifacts), else docs/screenshots/,
+    the pictures docs/ui.md shows (so the docs show what the last browser run saw)."""
+    d = Path(os.environ.get("WORKBENCH_SCREENSHOTS") or ROOT / "docs" / "screenshots")
     d.mkdir(parents=True, exist_ok=True)
     return d
 

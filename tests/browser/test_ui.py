@@ -1,10 +1,11 @@
 """What a person sees: the quickstart notebook in JupyterLab, in headless Chromium.
 
 One notebook page is shared by the tests of this module, in order: the workbench renders; three
-runs back to back (the third stopped); random edit sequences whose memory chart must equal
-`workbench memory --json` for the final form; the dispatch form; screenshots at 1000, 1400 and
-1920 px with every plot and table inside its column; and last, the kernel still alive (same
-kernel, idle, answering) 90 s after the last run.
+runs back to back (the first exported as an HTML report, the third stopped within one step);
+a run with checkpoints stopped and resumed, its curve continued; random edit sequences whose
+memory chart must equal `workbench memory --json` for the final form; the dispatch form;
+screenshots at 1000, 1400 and 1920 px (docs/screenshots/) with every plot and table inside its
+column; and last, the kernel still alive (same kernel, idle, answering) 90 s after the last run.
 """
 import json
 import random
@@ -30,18 +31,40 @@ PLOT = """(prefix) => { const g = Array.from(document.querySelectorAll('.wb-root
   if (!g) return null;
   return {title: String(g.layout.title.text), shapes: (g.layout.shapes || []).length,
           traces: (g.data || []).map(d => ({name: d.name, n: (d.x || []).length, y: Array.from(d.y || [])}))}; }"""
+# The loss curve (first trace) of the plot titled "Training..." in a document: x and y.
+LOSS = """(root) => { const g = Array.from(document.querySelectorAll(root + ' .js-plotly-plot')).find(
+  p => p.layout && p.layout.title && String(p.layout.title.text || '').startsWith('Training'));
+  return g ? {x: Array.from(g.data[0].x || []), y: Array.from(g.data[0].y || [])} : null; }"""
 PLOTS = """() => Array.from(document.querySelectorAll('.wb-root .js-plotly-plot')).map(
   g => String(g.layout && g.layout.title && g.layout.title.text))"""
-# Elements that stick out of their column (plots, tables) or whose label is cut ("Run" read "...").
+# What does not fit its column: plots (and their legend, titles, axes), the planner table and its
+# cells, the run's log, each outside the right-hand column's box or wider inside than its box;
+# buttons whose label is cut ("Run" read "..."); the workbench wider than the page.
 OVERFLOW = """() => { const out = [];
+  const root = document.querySelector('.wb-root');
   const col = document.querySelector('.wb-root .wb-right').getBoundingClientRect();
-  for (const el of document.querySelectorAll('.wb-root .wb-right .js-plotly-plot, .wb-root .wb-plan-table')) {
-    const r = el.getBoundingClientRect();
-    if (r.width && r.right > col.right + 2) out.push([el.className.slice(0, 30), Math.round(r.right), Math.round(col.right)]);
+  const r0 = (el) => el.getBoundingClientRect();
+  const outside = (el, what) => { const r = r0(el);
+    if (r.width && (r.right > col.right + 2 || r.left < col.left - 2))
+      out.push([what, Math.round(r.left), Math.round(r.right), 'column', Math.round(col.left), Math.round(col.right)]); };
+  for (const g of root.querySelectorAll('.wb-right .js-plotly-plot')) {
+    const name = 'plot ' + String(g.layout && g.layout.title && g.layout.title.text || '').slice(0, 24);
+    outside(g, name);
+    g.querySelectorAll('.main-svg, .legend, .gtitle, .g-xtitle, .g-ytitle, .xtick, .annotation').forEach(
+      s => outside(s, name + ': ' + (s.getAttribute('class') || '')));
   }
-  for (const b of document.querySelectorAll('.wb-root button.jupyter-widgets')) {
+  for (const t of root.querySelectorAll('.wb-right .wb-plan-table, .wb-right .wb-run-log')) {
+    outside(t, t.className.slice(0, 40));
+    if (t.scrollWidth > t.clientWidth + 1) out.push(['wider inside: ' + t.className.slice(0, 40), t.scrollWidth, t.clientWidth]);
+    for (const c of t.querySelectorAll(':scope > *')) {
+      outside(c, 'cell ' + c.innerText.slice(0, 30));
+      if (c.scrollWidth > c.clientWidth + 1) out.push(['cell cut: ' + c.innerText.slice(0, 30), c.scrollWidth, c.clientWidth]);
+    }
+  }
+  for (const b of root.querySelectorAll('button.jupyter-widgets')) {
     if (b.offsetParent && b.scrollWidth > b.clientWidth + 1) out.push(['cut: ' + b.innerText, b.scrollWidth, b.clientWidth]);
   }
+  if (root.scrollWidth > root.clientWidth + 1) out.push(['workbench wider than its cell', root.scrollWidth, root.clientWidth]);
   return out; }"""
 SPEC = {"name": "quickstart", "model": {"preset": "gpt-tiny"}, "data": {"source": "text", "seed": 0},
         "train": {"steps": 150, "global_batch": 16, "micro_batch": 4, "lr": 3.0e-3}, "layout": {"dp": 2},
@@ -110,10 +133,12 @@ def lab(lab_server, browser):
 
 
 def shot(page, shots, name):
-    """The whole workbench: the window is made tall enough for it, then put back."""
+    """The whole workbench: the window is made tall enough for all of it (JupyterLab scrolls the
+    notebook inside the window, so a shorter window cuts the picture), then put back."""
     size = page.viewport_size
-    page.set_viewport_size({"width": size["width"], "height": 2600})
-    time.sleep(0.5)
+    tall = page.evaluate("() => document.querySelector('.wb-root').getBoundingClientRect().height")
+    page.set_viewport_size({"width": size["width"], "height": int(tall) + 400})
+    time.sleep(1.0)  # plotly's resize
     root = page.locator(".wb-root").first
     root.scroll_into_view_if_needed()
     root.screenshot(path=str(shots / f"{name}.png"))
@@ -149,6 +174,7 @@ def test_three_runs_back_to_back_and_stop_within_a_step(lab, shots):
         print(f"\nrun {run}: {time.monotonic() - t0:.0f}s")
         if run == 1:
             shot(lab, shots, "03-run-done")
+            check_the_report(lab, root)
     wait_until(lab, lambda: root.locator(".wb-run-log").count() == 1, "the run's log lines", limit_s=30)
     assert button(root, "Resume").count() == 0 or not button(root, "Resume").is_visible()
 
@@ -158,20 +184,97 @@ def test_three_runs_back_to_back_and_stop_within_a_step(lab, shots):
     wait_until(lab, lambda: progress(root).startswith("step ") and int(progress(root).split()[1]) >= 10,
                "run 3 at step 10", limit_s=START_S)
     shot(lab, shots, "02-run-live")
-    shown = int(progress(root).split()[1])
-    button(root, "Stop").click()
-    # the panel confirms at once ("stopping after step k…"); one run here never got the click
-    wait_until(lab, lambda: progress(root).startswith(("stopping", "preempted")), "Stop taking effect", limit_s=30)
-    wait_until(lab, lambda: progress(root).startswith("preempted at step"), "the stopped run's end", limit_s=120)
-    ended = int(progress(root).split()[3])
+    shown, ended, pressed = stop_and_wait(lab, root)
     lab.info["last_run_end"] = time.monotonic()
-    print(f"stop pressed with step {shown} shown, ended at step {ended}")
-    # Stop must end the run long before its 2000 steps. "Within one step of the shown one" is not
-    # met on a loaded host: 43 shown -> 208 ended here (load ~15 on 2 cores), the stop request
-    # and the events both pass the rank's relay, which runs at SCHED_IDLE (backends/local_ray.py).
-    assert shown <= ended < 1000, (shown, ended)
+    print(f"Stop clicked with step {shown} shown, the panel had step {pressed}, the run ended after step {ended}")
+    # By state: the run ends at most one step after the newest step the panel had when the click
+    # reached it (rank 0 waits for each step's delivery: backends/local_ray.py). The page shows
+    # that step up to the panel's refresh interval later, so the step shown can only be older.
+    assert shown <= pressed <= ended <= pressed + 1, (shown, pressed, ended)
     assert "cannot be resumed: no checkpoint" in root.locator(".wb-note-info").last.inner_text()
     assert not button(root, "Resume").is_visible()
+    set_field(lab, root, "train.steps", RUN_STEPS)
+
+
+# Click Stop and return the step the progress line showed at that moment (the same JS task: no
+# update can come between reading it and the click).
+CLICK_STOP = """() => { const root = document.querySelector('.wb-root');
+  const shown = root.querySelector('.wb-run-progress').innerText.trim();
+  Array.from(root.querySelectorAll('button.jupyter-widgets')).find(b => b.innerText.trim() === 'Stop').click();
+  return shown; }"""
+
+
+def stop_and_wait(lab, root) -> tuple[int, int, int]:
+    """Click Stop, wait for the run's end: (the step shown when Stop was clicked, the step it ended
+    after, the step the panel had when the click reached it: "preempted at step N / M (Stop pressed
+    at step K)")."""
+    shown = lab.evaluate(CLICK_STOP)
+    assert shown.startswith("step "), shown
+    wait_until(lab, lambda: progress(root).startswith(("stopping", "preempted")), "Stop taking effect", limit_s=30)
+    wait_until(lab, lambda: progress(root).startswith("preempted at step"), "the stopped run's end", limit_s=120)
+    line = progress(root)
+    pressed = re.search(r"Stop pressed at step (\d+)", line)
+    assert pressed, line
+    return int(shown.split()[1]), int(line.split()[3]), int(pressed.group(1))
+
+
+def check_the_report(lab, root) -> None:
+    """Export report writes one offline HTML file whose Training plot holds the run's loss curve."""
+    button(root, "Export report").click()
+    note = root.locator(".wb-note-ok", has_text="Report written: ")
+    note.wait_for()
+    path = Path(note.inner_text().split("Report written: ", 1)[1].strip())
+    assert path.is_file() and path.stat().st_size > 100_000, path  # plotly.js inlined: opens offline
+    shown = lab.evaluate(LOSS, ".wb-root")
+    report = lab.context.new_page()
+    try:
+        report.goto(path.as_uri())
+        report.wait_for_function(f"() => ({LOSS})('body') !== null")
+        written = report.evaluate(LOSS, "body")
+    finally:
+        report.close()
+    assert written == shown and written["x"] == list(range(1, RUN_STEPS + 1)), (written, shown)
+
+
+def test_stop_and_resume_from_a_checkpoint(lab, tmp_path):
+    """With a checkpoint URI, Stop writes a checkpoint of its step, Resume appears, and the
+    resumed run starts after that step and continues the same loss curve to the end."""
+    root = lab.locator(".wb-root").first
+    steps = 400
+    set_field(lab, root, "train.steps", steps)
+    toggle = button(root, "Dispatch to a cluster or cloud")
+    toggle.click()
+    uri = root.locator(".wb-checkpoint-uri input")
+    uri.fill(str(tmp_path / "ckpt"))
+    uri.press("Enter")
+    settle(lab)
+    toggle.click()
+    button(root, "Run").click()
+    wait_until(lab, lambda: progress(root).startswith("step ") and int(progress(root).split()[1]) >= 10,
+               "the run at step 10", limit_s=START_S)
+    shown, ended, pressed = stop_and_wait(lab, root)
+    assert shown <= pressed <= ended <= pressed + 1 < steps, (shown, pressed, ended)
+    wait_until(lab, lambda: button(root, "Resume").is_visible(), "the Resume button", limit_s=30)
+    assert "Resume continues from its newest checkpoint" in root.locator(".wb-note-info").last.inner_text()
+    stopped = lab.evaluate(LOSS, ".wb-root")
+    assert stopped["x"] == list(range(1, ended + 1))
+    button(root, "Resume").click()
+    wait_until(lab, lambda: progress(root).startswith(f"completed at step {steps}"), "the resumed run's end",
+               limit_s=START_S)
+    lab.info["last_run_end"] = time.monotonic()
+    wait_until(lab, lambda: len(lab.evaluate(LOSS, ".wb-root")["x"]) == steps, "the continued curve", limit_s=30)
+    resumed = lab.evaluate(LOSS, ".wb-root")
+    assert resumed["x"] == list(range(1, steps + 1))  # one curve: the stopped run's steps, then the resumed ones
+    assert resumed["y"][:ended] == stopped["y"]
+    assert f"from_step={ended}" in root.locator(".wb-run-log").text_content()  # (folded: not inner_text)
+    assert not button(root, "Resume").is_visible()  # completed: nothing left to resume
+    print(f"Stop clicked with step {shown} shown, the panel had step {pressed}, the run ended after step {ended}; "
+          f"Resume ran {ended + 1}..{steps}")
+    toggle.click()
+    uri.fill("")
+    uri.press("Enter")
+    settle(lab)
+    toggle.click()
     set_field(lab, root, "train.steps", RUN_STEPS)
 
 

@@ -44,8 +44,10 @@ def test_worker_errors_come_back_readable():
     assert re.search(r"^rank [01]: RuntimeError: boom: this model always fails in forward$", str(e.value)), e.value
 
 
-def test_cancel_stops_every_rank_after_the_same_step():
-    """Stop goes driver -> each rank's relay actor -> the rank; ranks agree on the step and the run ends preempted."""
+def test_cancel_stops_every_rank_within_one_step_of_the_step_seen():
+    """A cancel made while step 3 is the newest step seen ends the run after step 3 or 4 on every
+    rank (rank 0 waits for the driver's acknowledgement of each step, which carries the stop), and
+    the run ends preempted."""
     from workbench.launch import start
 
     spec = {"name": "stop-me", "model": {"preset": "gpt-tiny"}, "layout": {"dp": 2},
@@ -65,7 +67,7 @@ def test_cancel_stops_every_rank_after_the_same_step():
     events = handle.events
     end = events[-1]
     assert end["event"] == "end" and end["status"] == "preempted", end
-    assert 3 <= end["step"] < 500
+    assert end["step"] in (3, 4), end  # by state: the last step seen before cancel() was 3
     assert handle.status().state.value == "stopped"
     steps = [e["step"] for e in events if e["event"] == "step"]
     assert steps == list(range(1, end["step"] + 1))

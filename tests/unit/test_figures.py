@@ -106,7 +106,7 @@ def test_run_figure_plots_loss_throughput_and_step_time_against_step():
 def test_run_figure_is_empty_before_the_first_step_and_marks_restarts():
     empty = figures.run_figure([])
     assert len(empty.data) == 3 and all(len(t.x) == 0 for t in empty.data)
-    fig = figures.run_figure([step(1, 5.0), {"event": "restart", "step": 1}, step(2, 4.5)])
+    fig = figures.run_figure([step(1, 5.0), {"event": "restart", "attempt": 0, "from_step": 1}, step(2, 4.5)])
     assert [s.x0 for s in fig.layout.shapes if s.type == "line"] == [1, 1, 1]  # one per panel
 
 

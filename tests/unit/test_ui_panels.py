@@ -150,3 +150,52 @@ def test_the_code_bundle_leaves_the_notebook_folder_out(tmp_path, monkeypatch):
     d.backend.value = "ray"
     d.show_request()
     assert "top_level" in d.request.value and "my_notebook.ipynb" not in d.request.value
+
+
+def test_resume_is_offered_for_a_complete_checkpoint_and_its_curve_continues(tmp_path):
+    """Real checkpoints from the in-process loop: Resume shows only while a complete one exists
+    under checkpoint.uri, and the resumed run's events carry the stopped run's curve on."""
+    from workbench.runtime.checkpoint_store import MANIFEST, step_name
+    from workbench.runtime.loop import train
+    from workbench.ui import run_panel
+
+    uri = tmp_path / "ckpt"
+    spec = {"name": "resume-me", "model": {"preset": "gpt-tiny"}, "layout": {"dp": 1},
+            "train": {"steps": 6, "global_batch": 8, "micro_batch": 4},
+            "resources": {"gpu": "cpu", "gpus_per_node": 1}, "checkpoint": {"uri": str(uri), "every_steps": 2}}
+    calls = iter(range(1, 100))
+    stopped: list[dict] = []
+    train(spec, stopped.append, should_stop=lambda: next(calls) >= 3)  # stops after step 3, saving it
+    assert stopped[-1] == {"event": "end", "status": "preempted", "step": 3}
+
+    wb = Workbench(spec)
+    st, panel = wb.state, wb.run_panel
+    st.start_events("run 1")
+    for e in stopped:
+        st.add_event(e)
+    panel.render()
+    assert panel.resumable_step() == 3
+    assert panel.resume_button.layout.display == "" and "Resume continues from its newest checkpoint" in panel.note.value
+    (uri / step_name(3) / MANIFEST).unlink()  # step 3 un-committed: step 2 is the newest complete one
+    panel.render()
+    assert panel.resumable_step() == 2 and panel.resume_button.layout.display == ""
+    st.update({"checkpoint.uri": str(tmp_path / "empty")})  # a URI with nothing in it
+    assert panel.resumable_step() is None and panel.resume_button.layout.display == "none"
+    assert "cannot be resumed" in panel.note.value
+    st.update({"checkpoint.uri": str(uri)})
+    assert panel.resume_button.layout.display == ""
+
+    # What Resume starts with: the stopped run's events up to the checkpoint, then the loop's own.
+    carried = run_panel._continued(st.snapshot(), panel.resumable_step())
+    assert [e["step"] for e in carried if e["event"] == "step"] == [1, 2]
+    st.start_events("run 2 (resumed)", carry=carried)
+    resumed: list[dict] = []
+    train({**spec, "checkpoint": {"uri": str(uri), "every_steps": 2}}, resumed.append, resume=True)
+    assert {"event": "restart", "attempt": 0, "from_step": 2} in resumed
+    for e in resumed:
+        st.add_event(e)
+    panel.render()
+    fig = shown(panel.run_box)
+    assert list(fig.data[0].x) == [1, 2, 3, 4, 5, 6]  # one curve, continued
+    assert [s.x0 for s in fig.layout.shapes if s.type == "line"] == [2, 2, 2]  # the resume, marked
+    assert st.history[0]["label"] == "run 1" and [t.name for t in fig.data][3:] == ["run 1"]

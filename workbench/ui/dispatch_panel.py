@@ -41,7 +41,9 @@ class DispatchPanel:
         self.spot = w.Checkbox(description="spot / preemptible capacity (checkpoints and resumes)", indent=False)
         self.ckpt_uri = w.Text(placeholder="s3://bucket/path, gs://…, az://…, or a local path", layout=_FIELD,
                                continuous_update=False)
+        self.ckpt_uri.add_class("wb-checkpoint-uri")
         self.ckpt_every = w.IntText(layout=w.Layout(width="120px"))
+        self.ckpt_every.add_class("wb-checkpoint-every")
         # One form per backend, from its spec section: {backend: {field: Text}}
         self.forms: dict[str, dict[str, w.Text]] = {name: _fields(name) for name in ("ray", *CLOUDS)}
         self.form_boxes = {name: w.VBox([labeled(t, k.replace("_", " "), _LABEL) for k, t in fields.items()])

@@ -197,8 +197,8 @@ def run_figure(events: list[dict], height: int = 320, *, history: list[dict] = (
     if log_loss:
         fig.update_yaxes(type="log", row=1, col=1)
     for e in events:
-        if e.get("event") == "restart":
-            fig.add_vline(x=e.get("step", 0), line=dict(color=COLORS["overflow"], dash="dot"))
+        if e.get("event") == "restart":  # the step it restarted from (the contract's "from_step")
+            fig.add_vline(x=e.get("from_step", e.get("step", 0)), line=dict(color=COLORS["overflow"], dash="dot"))
     if not steps and not history:
         fig.update_xaxes(range=[0, 10])
         fig.update_yaxes(showticklabels=False)

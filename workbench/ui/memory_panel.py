@@ -108,7 +108,7 @@ class MemoryPanel:
             self.plan_fig_box.show(None)
             return
         header = ["layout", "fits", "peak GiB", "tokens/s", "step s", "MFU", "$/h", "spot $/h", ""]
-        cells = [w.HTML(f"<b>{h}</b>") for h in header]
+        cells = [w.HTML(f"<b>{h}</b>") for h in header]  # headers wrap at their spaces
         for c in rows:
             ok = "<span style='color:#54A24B'>yes</span>" if c["fits"] else "<span style='color:#D62728'>no</span>"
             refused = c.get("not_runnable") if c.get("runnable") is False else None
@@ -121,10 +121,12 @@ class MemoryPanel:
             use = w.Button(description="Use", layout=w.Layout(width="52px", height="26px"),
                            tooltip=f"Cannot run here: {refused}" if refused else "Write this layout into the form")
             use.on_click(lambda _, c=c: self.apply(c))
-            cells += [w.HTML(v) for v in values] + [use]
+            cells += [w.HTML(values[0])] + [w.HTML(f"<span style='white-space:nowrap'>{v}</span>") for v in values[1:]]
+            cells.append(use)  # 52 px and its 2 px margins: a 56 px column
+        # Numbers take their own width (they never wrap), the layout label the rest (it wraps at its
+        # spaces): the table fits a 560 px column without a cell running into the next.
         grid = w.GridBox(cells, layout=w.Layout(
-            grid_template_columns="minmax(150px, 2.5fr) repeat(7, minmax(44px, 1fr)) 56px", grid_gap="2px 8px",
-            min_width="560px"))
+            grid_template_columns="minmax(84px, 1fr) repeat(7, auto) 56px", grid_gap="2px 8px", max_width="100%"))
         grid.add_class("wb-plan-table")
         self.plan_box.children = [w.HTML(given_html(plan)), grid]
         self.plan_fig_box.show(figures.plan_figure(plan))

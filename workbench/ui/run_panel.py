@@ -20,6 +20,7 @@ from workbench.ui.state import WorkbenchState
 
 _DONE_KIND = {"completed": "ok", "stopped": "info", "preempted": "info", "failed": "error"}
 _LOGGED = ("note", "warning", "checkpoint", "restart", "error", "end")  # events shown as log lines
+_STEP_EVERY_S = 0.05  # the progress line's quick path (see RunPanel._show_step)
 _BUTTON = dict(flex="0 0 auto", width="auto", min_width="84px")
 
 
@@ -31,8 +32,14 @@ class RunPanel:
         self.handle = None
         self._error: str | None = None
         self._stop_requested = False
+        self.stop_step: int | None = None  # the newest step the panel had when Stop was pressed
+        self._report = ""  # "Report written: ..." under the run's note, until the next run
         self._phase = ""  # start-up progress until the first step
         self._t0 = 0.0
+        self._carried = 0  # step events a resumed run took over from the run it continues
+        self._first_own: dict | None = None  # this run's first own step event (ETA)
+        self._step_shown_at = 0.0
+        self._checkpoints: tuple | None = None  # (uri, committed steps) -> newest complete step: see resumable_step
         self._render_lock = threading.Lock()  # the refresher thread and the kernel's thread both render
         self.run_button = w.Button(description="Run", icon="play", button_style="success",
                                    tooltip="Train this spec on local Ray", layout=w.Layout(**_BUTTON))
@@ -94,13 +101,15 @@ class RunPanel:
                 f"Predicted not to fit: the largest rank needs {max(r['total'] for r in est['per_rank']) / 2**30:.1f} GiB "
                 f"of {est['device_memory'] / 2**30:.1f} GiB. Change the layout (see Memory) before running.", "error")
             return
-        self._error, self.handle, self._stop_requested = None, None, False
+        self._error, self.handle, self._stop_requested, self._report = None, None, False, ""
         self._t0 = time.monotonic()
         self._phase = "starting Ray…" if not _ray_started() else f"starting {st.spec.world_size} rank(s)…"
         self.note.value = note_html(f"Starting {st.spec.world_size} worker(s) on local Ray…", "info")
         self.progress.max, self.progress.value = st.spec.train.steps, 0
         label = f"run {len(st.history) + 1}" + (" (resumed)" if resume else "")
-        st.start_events(label)
+        carried = _continued(st.snapshot(), self.resumable_step()) if resume else []
+        self._carried = sum(1 for e in carried if e.get("event") == "step")
+        st.start_events(label, carry=carried)
         threading.Thread(target=self._start_and_follow, args=(start, st.spec, resume), name="workbench-ui-run",
                          daemon=True).start()
 
@@ -126,12 +135,16 @@ class RunPanel:
         self.state.finish("failed" if state == "failed" else "completed")
 
     def stop(self) -> None:
-        """Ask the workers to stop after the current step (the run ends "preempted", resumable)."""
+        """Ask the workers to stop: every rank stops after the same step, at most one step after the
+        newest step this panel had when Stop was pressed (`stop_step`); the run ends "preempted"
+        (resumable when it writes checkpoints)."""
         self.stop_button.disabled = True
         self._stop_requested = True  # honoured as soon as the job exists, if it is still starting
-        self._phase = "stopping after this step…"
         if self.handle is not None:
-            self.handle.cancel()  # sets a flag: the driver's poll sends it to the ranks
+            self.handle.cancel()  # rank 0 reads it with the acknowledgement of its next step
+        # read after cancel(): no step delivered before the cancel is newer than this one
+        steps = [e["step"] for e in self.state.snapshot() if e.get("event") == "step"]
+        self.stop_step = steps[-1] if steps else 0
         self.render()
 
     def export_report(self) -> Path | None:
@@ -143,12 +156,15 @@ class RunPanel:
             return None
         path = Path(f"{spec.name}-report.html")
         write_report(events, spec, path)
-        self.note.value = note_html(f"Report written: {path.resolve()}", "ok")
+        self._report = note_html(f"Report written: {path.resolve()}", "ok")
+        self.render()
         return path
 
     # -- state -> widgets ----------------------------------------------------------------
     def _on_state(self, topic: str) -> None:
-        if topic == "spec" and not self.state.events:  # only Run's availability depends on the spec
+        if topic == "step":
+            self._show_step()
+        elif topic == "spec" and not self.state.events:  # only Run's availability depends on the spec
             self.run_button.disabled = self.state.run_state == "running" or self.state.spec is None
         elif topic in ("events", "run", "spec"):
             self.render()
@@ -165,13 +181,18 @@ class RunPanel:
         self.run_button.disabled = running or st.spec is None
         self.stop_button.disabled = not running or self._stop_requested
         self.report_button.disabled = running or not steps
-        can_resume = not running and st.run_state in ("preempted", "stopped", "failed") and _has_checkpoint(st.spec)
+        can_resume = (not running and st.run_state in ("preempted", "stopped", "failed")
+                      and self.resumable_step() is not None)
         self.resume_button.layout.display = "" if can_resume else "none"
         self.progress.max = max(self.progress.max, 1)
         self.progress.value = min(steps[-1]["step"], self.progress.max) if steps else 0
         self.progress.bar_style = {"completed": "success", "failed": "danger"}.get(st.run_state, "info")
-        self.progress_text.value = html.escape(self._progress_line(steps, running))
-        self.note.value = self._note(events, steps, running, can_resume)
+        own = steps[self._carried:]  # the carried ones ran before this run's start-up
+        self._first_own = own[0] if own else None
+        self.progress_text.value = html.escape(self._progress_line(steps[-1] if steps else None, self._first_own,
+                                                                   running))
+        ended = not running and st.run_state != "idle"  # (the idle and running notes keep what they show)
+        self.note.value = self._note(events, steps, running, can_resume) + (self._report if ended else "")
         history = [r for r in st.history if self.overlay.value]
         self.run_box.show(figures.run_figure(events, history=history, smooth=self.smooth.value,
                                                      log_loss=self.log_loss.value))
@@ -181,33 +202,55 @@ class RunPanel:
         self.timeline_box.show(figures.timeline_figure(events) if has_timeline else None)
         self.log.value = _log_html(events)
 
-    def _progress_line(self, steps: list[dict], running: bool) -> str:
+    def _progress_line(self, last: dict | None, first: dict | None, running: bool) -> str:
+        """The line beside the buttons, from the newest step event and this run's first own one."""
         state = self.state.run_state
         if state == "idle":
             return "idle"
-        step = steps[-1]["step"] if steps else 0
+        step = last["step"] if last else 0
         if not running:
-            return f"{state} at step {step} / {self.progress.max}"
+            stopped = f" (Stop pressed at step {self.stop_step})" if self._stop_requested else ""
+            return f"{state} at step {step} / {self.progress.max}{stopped}"
         elapsed = time.monotonic() - self._t0
         if self._stop_requested:
-            return f"stopping after step {step}… ({elapsed:.0f} s)"
-        if not steps:
+            return f"stopping: Stop pressed at step {self.stop_step}, at step {step} ({elapsed:.0f} s)"
+        if last is None:
             return f"{self._phase} {elapsed:.0f} s"
         eta = ""
-        if len(steps) >= 2:
-            per_step = (steps[-1]["time"] - steps[0]["time"]) / (len(steps) - 1) if "time" in steps[0] else None
-            if per_step:
-                eta = f", ETA {per_step * (self.progress.max - step):.0f} s"
+        if first is not None and step > first["step"] and "time" in first:  # this run's own steps only
+            per_step = (last["time"] - first["time"]) / (step - first["step"])
+            eta = f", ETA {per_step * (self.progress.max - step):.0f} s"
         return f"step {step} / {self.progress.max} · {elapsed:.0f} s elapsed{eta}"
+
+    def _show_step(self) -> None:
+        """The newest step in the progress line at once (the driver's thread, each step event; at
+        most every `_STEP_EVERY_S`), not with the next full redraw: a person presses Stop looking
+        at it, and the run ends at most one step after the step the panel had then."""
+        now = time.monotonic()
+        if now - self._step_shown_at < _STEP_EVERY_S or not self._render_lock.acquire(blocking=False):
+            return  # (a full redraw in progress shows a step as new)
+        try:
+            self._step_shown_at = now
+            last = self.state.last_step
+            if self._first_own is None:
+                self._first_own = last
+            if last is not None and self.state.run_state == "running":
+                self.progress.value = min(last["step"], self.progress.max)
+                self.progress_text.value = html.escape(self._progress_line(last, self._first_own, True))
+        finally:
+            self._render_lock.release()
 
     def _note(self, events: list[dict], steps: list[dict], running: bool, can_resume: bool) -> str:
         state = self.state.run_state
         if self._error is not None:
             return note_html(f"Run failed: {self._error}", "error")
         if running:
-            restarts = sum(1 for e in events if e.get("event") == "restart")
+            restarts = [e for e in events if e.get("event") == "restart"]
+            if any(e.get("attempt", 0) > 0 for e in restarts):
+                failed = sum(1 for e in restarts if e.get("attempt", 0) > 0)
+                return note_html(f"Restarted {failed} time(s) after a failure; resumed from the last checkpoint.")
             if restarts:
-                return note_html(f"Restarted {restarts} time(s); resumed from the last checkpoint.")
+                return note_html(f"Resumed from the checkpoint of step {restarts[-1].get('from_step', 0)}.")
             return "" if steps else self.note.value
         if state == "idle":
             return self.note.value
@@ -218,6 +261,26 @@ class RunPanel:
                      " It cannot be resumed: no checkpoint was written (set a checkpoint URI and interval under "
                      "Dispatch to make runs resumable).")
         return note_html(f"Run {state} after {step} step(s).{extra}", _DONE_KIND.get(state, "info"))
+
+    def resumable_step(self) -> int | None:
+        """The newest complete checkpoint's step under the spec's checkpoint.uri (None: no URI, no
+        complete checkpoint, or an unreachable store). Every file is verified (size and CRC-32, as
+        a resume does before any worker starts), once per set of committed steps: re-renders
+        after each edit list the store, they do not re-read it."""
+        spec = self.state.spec
+        if spec is None or not spec.checkpoint.uri:
+            return None
+        from workbench.runtime.checkpoint_store import Store
+
+        try:
+            store = Store(spec.checkpoint.uri)
+            key = (spec.checkpoint.uri, tuple(store.committed_steps()))
+            if self._checkpoints is None or self._checkpoints[0] != key:
+                manifest, _ = store.newest_complete()
+                self._checkpoints = (key, None if manifest is None else int(manifest["step"]))
+        except (OSError, ValueError, ImportError):  # unreachable or unknown store: nothing to resume from here
+            return None
+        return self._checkpoints[1]
 
     def _memory_figure(self, measured: dict):
         spec = self.state.spec
@@ -249,15 +312,13 @@ def _ray_started() -> bool:
     return bool(ray and ray.is_initialized())
 
 
-def _has_checkpoint(spec) -> bool:
-    if spec is None or not spec.checkpoint.uri:
-        return False
-    from workbench.runtime.checkpoint_store import Store
-
-    try:
-        return Store(spec.checkpoint.uri).latest_manifest() is not None
-    except Exception:  # noqa: BLE001 - an unreachable store means: nothing to resume from here
-        return False
+def _continued(events: list[dict], from_step: int | None) -> list[dict]:
+    """The events of the shown run up to the checkpoint a resume starts from, so that the resumed
+    run's curves continue them; none when the shown run did not reach that step (the checkpoint
+    came from elsewhere: its curve starts at the checkpoint)."""
+    if from_step is None or not any(e.get("event") == "step" and e["step"] == from_step for e in events):
+        return []
+    return [e for e in events if e.get("event") in ("step", "eval", "restart") and e.get("step", 0) <= from_step]
 
 
 def _device_bytes(gpu: str) -> int | None:

@@ -21,7 +21,8 @@ class WorkbenchState:
     """Spec + derived predictions + run events, with change notification.
 
     Topics passed to observers: "spec" (the spec or its error changed, estimate recomputed),
-    "plan" (planner result), "events" (new metrics, throttled), "run" (run started/ended).
+    "plan" (planner result), "events" (new metrics, throttled), "run" (run started/ended), "step"
+    (a step event, at once, on the runtime's thread: only quick work there).
     """
 
     def __init__(self, spec: JobSpec | dict | str | None = None, refresh_s: float = 0.5):
@@ -33,6 +34,7 @@ class WorkbenchState:
         self.plan: dict | None = None
         self._plan_key: str | None = None  # the job the plan answers, without the layout it picks
         self.events: list[dict] = []
+        self.last_step: dict | None = None  # the newest step event of the shown run
         self.history: list[dict] = []  # earlier runs of this session: {"label", "status", "events"}
         self.run_state = "idle"  # idle | running | completed | failed | stopped | preempted
         self._label = ""
@@ -120,18 +122,24 @@ class WorkbenchState:
             self.events.append(event)
             if event.get("event") == "end":
                 self.run_state = str(event.get("status", "completed"))
+            elif event.get("event") == "step":
+                self.last_step = event
         self._dirty.set()
+        if event.get("event") == "step":
+            self.notify("step")  # at once, on this thread: observers keep it quick (RunPanel._show_step)
 
     def snapshot(self) -> list[dict]:
         with self._lock:
             return list(self.events)
 
-    def start_events(self, label: str) -> None:
-        """Move the previous run's events to `history`, and start the throttled refresher thread."""
+    def start_events(self, label: str, carry: list[dict] = ()) -> None:
+        """Move the previous run's events to `history` and start the new run's with `carry` (a
+        resumed run continues the curves of the run it resumes); start the throttled refresher."""
         with self._lock:
             if self.events:
                 self.history.append({"label": self._label, "status": self.run_state, "events": self.events})
-            self.events, self._label = [], label
+            self.events, self._label = list(carry), label
+            self.last_step = next((e for e in reversed(self.events) if e.get("event") == "step"), None)
             self.run_state = "running"
         self.notify("run")
         self.notify("events")  # the previous run's curves go at once, not with the new run's first step

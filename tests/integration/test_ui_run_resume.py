@@ -1,0 +1,66 @@
+"""The run panel on the local Ray backend, without a browser: Run, Stop within one step of the
+step the panel had, Resume from the checkpoint the stop wrote, one continued loss curve."""
+import time
+
+import pytest
+
+pytest.importorskip("ipywidgets")
+pytest.importorskip("plotly")
+
+from workbench.ui.app import Workbench  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+STEPS = 40
+
+
+def wait_for(cond, what: str, limit_s: float = 300.0) -> None:
+    """Wait for a state; the limit only catches a hang."""
+    deadline = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < deadline, f"no {what} after {limit_s} s"
+        time.sleep(0.05)
+
+
+def steps_of(events: list[dict]) -> list[int]:
+    return [e["step"] for e in events if e["event"] == "step"]
+
+
+def test_run_stop_and_resume_from_the_panel(tmp_path):
+    uri = tmp_path / "ckpt"
+    wb = Workbench({"name": "panel-resume", "model": {"preset": "gpt-tiny"}, "layout": {"dp": 2},
+                    "train": {"steps": STEPS, "global_batch": 8, "micro_batch": 2},
+                    "resources": {"gpu": "cpu", "gpus_per_node": 2},
+                    "checkpoint": {"uri": str(uri), "every_steps": 5}}, refresh_s=0.1)
+    st, panel = wb.state, wb.run_panel
+    assert panel.resume_button.layout.display == "none"  # nothing under the URI yet
+
+    panel.run()
+    wait_for(lambda: len(steps_of(st.snapshot())) >= 7, "step 7")
+    panel.stop()
+    wait_for(lambda: st.run_state != "running", "the end of the stopped run")
+    stopped = st.snapshot()
+    end = stopped[-1]
+    assert end["event"] == "end" and end["status"] == "preempted", end
+    # by state: every rank stopped after the same step, at most one after the step the panel had
+    assert panel.stop_step <= end["step"] <= panel.stop_step + 1 < STEPS, (panel.stop_step, end)
+    assert steps_of(stopped) == list(range(1, end["step"] + 1))
+    assert end["step"] in [e["step"] for e in stopped if e["event"] == "checkpoint"]  # the stop saved its step
+    print(f"Stop pressed with step {panel.stop_step} in the panel; the run ended after step {end['step']}")
+    wait_for(lambda: panel.resumable_step() == end["step"], "the stop's checkpoint", limit_s=30)
+    panel.render()
+    assert panel.resume_button.layout.display == "" and "Resume continues" in panel.note.value
+
+    panel.resume_button.click()
+    wait_for(lambda: st.run_state != "running", "the end of the resumed run")
+    resumed = st.snapshot()
+    assert resumed[-1] == {"event": "end", "status": "completed", "step": STEPS}, panel.note.value
+    assert {"event": "restart", "attempt": 0, "from_step": end["step"]} in resumed
+    assert steps_of(resumed) == list(range(1, STEPS + 1))  # the stopped run's steps, then its own
+    assert [e["loss"] for e in resumed if e["event"] == "step"][:end["step"]] == [
+        e["loss"] for e in stopped if e["event"] == "step"]
+    panel.render()
+    fig = panel.run_box.figure
+    assert list(fig.data[0].x) == list(range(1, STEPS + 1))  # the chart continues the curve
+    assert [s.x0 for s in fig.layout.shapes if s.type == "line"] == [end["step"]] * 3
+    assert st.history[-1]["label"] == "run 1" and fig.data[3].name == "run 1"
+    assert panel.resume_button.layout.display == "none"  # completed: nothing to resume
