@@ -31,6 +31,7 @@ def test_cli_run_writes_the_metrics_contract(tmp_path):
     for e in memory:
         assert set(e["measured"]) >= {"params", "grads", "master", "optimizer", "activations", "peak"}
         assert all(isinstance(v, int) and v >= 0 for v in e["measured"].values())
+        assert e["step_time_s"] > 0 and e["cpu_s"] >= 0  # each rank's own step time
     assert events[-1] == {"event": "end", "status": "completed", "step": 12}
     assert "quickstart" in proc.stderr and "12/12" in proc.stderr  # the progress bar
 

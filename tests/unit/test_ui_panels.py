@@ -175,6 +175,8 @@ def test_resume_is_offered_for_a_complete_checkpoint_and_its_curve_continues(tmp
         st.add_event(e)
     panel.render()
     assert panel.resumable_step() == 3
+    # memory events (each rank's step time) come at step 1, every 5th and the last
+    assert "Step time per rank</b> (step 1)" in panel.rank_times.value and "rank 0: " in panel.rank_times.value
     assert panel.resume_button.layout.display == "" and "Resume continues from its newest checkpoint" in panel.note.value
     (uri / step_name(3) / MANIFEST).unlink()  # step 3 un-committed: step 2 is the newest complete one
     panel.render()
@@ -199,3 +201,14 @@ def test_resume_is_offered_for_a_complete_checkpoint_and_its_curve_continues(tmp
     assert list(fig.data[0].x) == [1, 2, 3, 4, 5, 6]  # one curve, continued
     assert [s.x0 for s in fig.layout.shapes if s.type == "line"] == [2, 2, 2]  # the resume, marked
     assert st.history[0]["label"] == "run 1" and [t.name for t in fig.data][3:] == ["run 1"]
+
+
+def test_step_time_per_rank_names_the_slowest_rank():
+    from workbench.ui import figures, run_panel
+
+    events = [{"event": "memory", "step": 5, "rank": r, "step_time_s": t, "cpu_s": t / 2, "measured": {}}
+              for r, t in ((0, 0.020), (1, 0.030), (2, 0.021))]
+    text = run_panel._rank_times_html(figures.latest_rank_times(events))
+    assert "(step 5; slowest rank 1: 1.50x the fastest)" in text
+    assert "rank 1: 30.0 ms <span style='color:#777'>(CPU 15.0 ms)</span>" in text
+    assert run_panel._rank_times_html({}) == ""

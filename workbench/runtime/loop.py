@@ -234,7 +234,7 @@ def _step(run: _Run, step: int, first: int, sink: Sink) -> float:
     gradient sync no wrapper does, the update; memory and step events. Returns the dp-mean loss."""
     spec, par, step_fn, meter, rank = run.spec, run.par, run.step_fn, run.meter, run.ctx.rank
     t, dp = spec.train, spec.layout.dp
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     step_fn.set_lr(lr_for(t, step))  # a pure function of the step: exact on resume
     micro = list(run.source.rank_batch(step, t.global_batch, run.where["dp"], dp).to(run.ctx.device)
                  .split(t.micro_batch))
@@ -254,7 +254,9 @@ def _step(run: _Run, step: int, first: int, sink: Sink) -> float:
     elapsed = time.perf_counter() - start
     if step == 1 or step == t.steps or step % MEMORY_EVERY == 0:
         held = step_fn.measured_states()
+        # Every rank's own step time (wall, and this process's CPU): where a rank is slower.
         sink({"event": "memory", "step": step, "rank": rank, "coords": run.where,
+              "step_time_s": elapsed, "cpu_s": time.process_time() - cpu_start,
               "measured": meter.measure(par.modules, held["optimizer"], master=held["master"],
                                         offloaded=held["offloaded"], params_are_master=par.params_are_master)})
     step_fn.zero_grad()

@@ -142,6 +142,15 @@ def latest_measured(events: list[dict]) -> dict[int, dict]:
     return out
 
 
+def latest_rank_times(events: list[dict]) -> dict[int, dict]:
+    """The newest step time per rank (a memory event's `step_time_s` and `cpu_s`): {rank: {step, wall, cpu}}."""
+    out: dict[int, dict] = {}
+    for e in events:
+        if e.get("event") == "memory" and "step_time_s" in e:
+            out[int(e["rank"])] = {"step": e["step"], "wall": e["step_time_s"], "cpu": e.get("cpu_s")}
+    return out
+
+
 def smoothed(values: list[float], weight: float) -> list[float]:
     """Exponential moving average (TensorBoard's smoothing): weight 0 keeps the values."""
     out, avg = [], None

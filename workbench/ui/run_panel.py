@@ -63,6 +63,7 @@ class RunPanel:
         self.run_box.add_class("wb-run-chart")
         self.mem_box = FigureBox()  # with the first memory event
         self.timeline_box = FigureBox()
+        self.rank_times = w.HTML()
         self.log = w.HTML()
         self.run_button.on_click(lambda _: self.run())
         self.resume_button.on_click(lambda _: self.run(resume=True))
@@ -76,7 +77,7 @@ class RunPanel:
                    layout=w.Layout(**wrap)),
             self.note, self.run_box,
             w.HBox([self.smooth, self.log_loss, self.overlay, self.report_button], layout=w.Layout(**wrap)),
-            self.mem_box, self.timeline_box, self.log], layout=w.Layout(max_width="100%"))
+            self.mem_box, self.rank_times, self.timeline_box, self.log], layout=w.Layout(max_width="100%"))
         state.observe(self._on_state)
         self.render()
 
@@ -198,6 +199,7 @@ class RunPanel:
                                                      log_loss=self.log_loss.value))
         measured = figures.latest_measured(events)
         self.mem_box.show(self._memory_figure(measured) if measured else None)
+        self.rank_times.value = _rank_times_html(figures.latest_rank_times(events))
         has_timeline = any(e.get("event") == "timeline" for e in events)
         self.timeline_box.show(figures.timeline_figure(events) if has_timeline else None)
         self.log.value = _log_html(events)
@@ -288,6 +290,26 @@ class RunPanel:
         fig = figures.memory_figure(self.state.estimate, measured, device_memory=device, height=320)
         title = "Memory per rank: measured beside predicted" if self.state.estimate else "Memory per rank: measured"
         return fig.update_layout(title_text=title)
+
+
+def _rank_times_html(times: dict[int, dict]) -> str:
+    """Each rank's newest step time, wall and CPU, and how much slower the slowest rank is."""
+    if not times:
+        return ""
+
+    def ms(seconds) -> str:
+        return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+    cells = "".join(f"<span style='margin-right:14px;white-space:nowrap'>rank {r}: {ms(t['wall'])} "
+                    f"<span style='color:#777'>(CPU {ms(t['cpu'])})</span></span>" for r, t in sorted(times.items()))
+    walls = {r: t["wall"] for r, t in times.items()}
+    slowest, fastest = max(walls, key=walls.__getitem__), min(walls.values())
+    spread = (f"; slowest rank {slowest}: {walls[slowest] / fastest:.2f}x the fastest"
+              if len(walls) > 1 and fastest > 0 else "")
+    steps = sorted({t["step"] for t in times.values()})
+    at = f"step {steps[-1]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+    return (f"<div class='wb-rank-times' style='font-size:12px;margin:4px 0'><b>Step time per rank</b> ({at}"
+            f"{spread})<div style='display:flex;flex-wrap:wrap'>{cells}</div></div>")
 
 
 def _log_html(events: list[dict]) -> str:
