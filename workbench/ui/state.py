@@ -2,7 +2,8 @@
 
 Widgets observe it and never talk to each other. Metrics arrive on a runtime thread; they are
 appended under a lock and a single refresher thread tells observers at most every
-``refresh_s`` seconds, so a fast run cannot flood the browser or block the kernel.
+``refresh_s`` seconds (and redraws at most a quarter of the time), so a fast run cannot flood
+the browser or block the kernel.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from workbench.errors import ConfigError
 from workbench.spec import JobSpec, load_spec
 
 Observer = Callable[[str], None]
+_SLEEP_PER_REDRAW = 3  # after a redraw the refresher sleeps 3x as long as it took: redraws <= 1/4 of the time
 
 
 class WorkbenchState:
@@ -158,11 +160,15 @@ class WorkbenchState:
             # at least once a second while running: the elapsed time moves on
             self._dirty.wait(timeout=1.0 if self.run_state == "running" else None)
             self._dirty.clear()
+            started = time.monotonic()
             self.notify("events")
             if self.run_state != shown:
                 shown = self.run_state
                 self.notify("run")
-            time.sleep(self.refresh_s)  # throttle: at most one redraw per refresh_s
+            # Throttle: at most one redraw per refresh_s, and never more than a quarter of the time:
+            # a redraw holds the GIL (building the figures), and the kernel's own thread must stay
+            # free for a click (Stop) however long the run's curves grow or however loaded the host.
+            time.sleep(max(self.refresh_s, _SLEEP_PER_REDRAW * (time.monotonic() - started)))
 
     def finish(self, status: str) -> None:
         """Mark the run as ended (when the runtime stopped without an "end" event)."""
