@@ -2,6 +2,8 @@
 
 JupyterLab runs in its own process group with isolated config/data/runtime dirs and this
 checkout on PYTHONPATH, so its kernels import the workbench under test; teardown kills the group.
+Server and browser are module-scoped: the notebook's kernel and its embedded Ray cluster end with
+the browser module instead of idling beside the rest of the suite.
 Chromium is the system package (apt-get install chromium), never a Playwright download.
 """
 import json
@@ -92,7 +94,7 @@ def shots():
     return d
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def lab_server(tmp_path_factory, work_dir):
     pytest.importorskip("jupyterlab")
     home = tmp_path_factory.mktemp("jhome")
@@ -116,7 +118,7 @@ def lab_server(tmp_path_factory, work_dir):
         log.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
     sync_api = pytest.importorskip("playwright.sync_api")
     if not os.path.exists(CHROMIUM):
