@@ -56,16 +56,20 @@ def label(cmdline: str) -> str:
 
 
 def snapshot() -> dict[int, tuple]:
-    """pid -> (group, command, CPU seconds, context switches, scheduling policy)."""
+    """pid -> (group, command, CPU seconds, context switches, scheduling policy), for every process
+    of the machine. Only this process's descendants (the embedded cluster, torchrun and their
+    ranks) can be ranks, Ray actors or Ray daemons: another job's on the same machine is "other"."""
     import psutil
 
+    ours = {p.pid for p in psutil.Process().children(recursive=True)}
     out = {}
     for p in psutil.process_iter(["cmdline", "name"]):
         try:
             cmd = " ".join(p.info["cmdline"] or [p.info["name"] or ""]).strip()  # Ray pads its titles
             t, c = p.cpu_times(), p.num_ctx_switches()
             policy = _POLICIES.get(os.sched_getscheduler(p.pid), "?") if _POLICIES else "?"
-            out[p.pid] = (group(cmd), label(cmd), t.user + t.system, c.voluntary + c.involuntary, policy)
+            grp = group(cmd) if p.pid in ours else "other"
+            out[p.pid] = (grp, label(cmd), t.user + t.system, c.voluntary + c.involuntary, policy)
         except (psutil.Error, OSError):  # exited between listing and reading, or not ours to read
             continue
     return out
