@@ -1,6 +1,6 @@
 """Chaos: what a spot run meets. A corrupt or truncated newest checkpoint, a disk that fills
 during a write, a resume with an incompatible spec, SIGTERM to `workbench run` at a random
-step, and SIGKILL of one Ray worker with max_failures=1."""
+step, and SIGKILL of a rank's process, then of a Ray worker, in one run (max_failures=2)."""
 import errno
 import functools
 import json
@@ -264,43 +264,52 @@ def _alive(pid: int) -> bool:
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("victim", ["rank_pid", "pid"])
-def test_sigkill_of_a_ray_worker_restarts_from_the_last_checkpoint(tmp_path, victim):
-    """SIGKILL of rank 1's process (what the OOM killer picks: the one holding the memory) or of
-    its Ray worker (which takes its rank down with it: no orphan keeps training or holding memory)."""
+def test_sigkill_of_a_rank_then_of_a_ray_worker_restarts_from_the_last_checkpoint(tmp_path):
+    """One run, two losses (max_failures=2): attempt 0 loses rank 1's process (what the OOM killer
+    picks: the one holding the memory), attempt 1 loses rank 1's Ray worker (which takes its rank
+    down with it). Each time, no process of the lost attempt is left (no orphan keeps training or
+    holding memory) and the next attempt continues the curve exactly from the last checkpoint."""
     import ray
 
     from workbench.launch import start
 
+    victims = ("rank_pid", "pid")
     spec = tiny(24, tmp_path, dp=2, every_steps=4)
-    spec["backend"] = {"name": "local", "max_failures": 1}
+    spec["backend"] = {"name": "local", "max_failures": len(victims)}
     handle = start(spec)
-    killed, workers, left = None, {}, None
+    workers: dict[int, dict[int, dict]] = {}  # attempt -> rank -> its worker event
+    killed: dict[int, int] = {}  # attempt -> the step of the checkpoint after which it lost a process
+    left: dict[int, list[int]] = {}  # attempt -> its processes still running once the next one started
+    attempt = 0
     try:
         for event in handle.follow(timeout_s=480):
-            if event["event"] == "worker" and event["attempt"] == 0:
-                workers[event["rank"]] = event
-            if event["event"] == "worker" and event["attempt"] == 1 and left is None:
-                # the group restarted: the first attempt's processes, ranks included, are gone
-                left = [pid for w in workers.values() for pid in (w["pid"], w["rank_pid"]) if _alive(pid)]
-            if killed is None and event["event"] == "checkpoint" and 1 in workers:
-                os.kill(workers[1][victim], signal.SIGKILL)
-                killed = {"after_checkpoint": event["step"],
-                          "steps_seen": max(e["step"] for e in handle.events if e["event"] == "step")}
+            if event["event"] == "worker":
+                workers.setdefault(event["attempt"], {})[event["rank"]] = event
+                if event["attempt"] > attempt:  # the group restarted: the lost attempt's processes are gone
+                    attempt = event["attempt"]
+                    left[attempt - 1] = [pid for w in workers[attempt - 1].values()
+                                         for pid in (w["pid"], w["rank_pid"]) if _alive(pid)]
+            if (event["event"] == "checkpoint" and attempt < len(victims) and attempt not in killed
+                    and 1 in workers.get(attempt, {})):
+                os.kill(workers[attempt][1][victims[attempt]], signal.SIGKILL)
+                killed[attempt] = event["step"]
         assert handle.status().state.value == "completed", handle.status()
     finally:
         handle.cancel()
         ray.shutdown()
-    assert left == [], (victim, workers)
-    assert killed is not None, "no checkpoint event arrived"
+    assert sorted(killed) == [0, 1], killed
+    assert left == {0: [], 1: []}, workers
     events = handle.events
-    cut = next(i for i, e in enumerate(events) if e["event"] == "restart")
-    restart = events[cut]
-    last_ckpt = max(e["step"] for e in events[:cut] if e["event"] == "checkpoint")
-    assert restart == {"event": "restart", "attempt": 1, "from_step": last_ckpt}
-    assert last_ckpt >= killed["after_checkpoint"]
-    before, after = losses(events[:cut]), losses(events[cut:])
-    assert sorted(after) == list(range(last_ckpt + 1, 25))
-    redone = [k for k in before if k > last_ckpt]  # steps run again after the restart
-    assert [after[k] for k in redone] == [before[k] for k in redone]  # the curve continues exactly
+    cuts = [i for i, e in enumerate(events) if e["event"] == "restart"]
+    assert len(cuts) == 2, [events[i] for i in cuts]
+    bounds = [0, *cuts, len(events)]
+    for n, cut in enumerate(cuts, start=1):
+        last_ckpt = max(e["step"] for e in events[:cut] if e["event"] == "checkpoint")
+        assert events[cut] == {"event": "restart", "attempt": n, "from_step": last_ckpt}
+        assert last_ckpt >= killed[n - 1]
+        before, after = losses(events[bounds[n - 1]:cut]), losses(events[cut:bounds[n + 1]])
+        assert sorted(after) == list(range(last_ckpt + 1, last_ckpt + 1 + len(after)))
+        redone = [k for k in before if k in after]  # steps run again after the restart
+        assert [after[k] for k in redone] == [before[k] for k in redone]  # the curve continues exactly
+    assert sorted(losses(events[cuts[-1]:])) == list(range(events[cuts[-1]]["from_step"] + 1, 25))
     assert events[-1] == {"event": "end", "status": "completed", "step": 24}

@@ -64,3 +64,6 @@ def test_run_stop_and_resume_from_the_panel(tmp_path):
     assert [s.x0 for s in fig.layout.shapes if s.type == "line"] == [end["step"]] * 3
     assert st.history[-1]["label"] == "run 1" and fig.data[3].name == "run 1"
     assert panel.resume_button.layout.display == "none"  # completed: nothing to resume
+    assert panel.progress.value == STEPS and panel.progress_text.value == f"completed at step {STEPS} / {STEPS}"
+    measured = [t for t in panel.mem_box.figure.data if t.name == "params"]  # the memory chart's measured bars
+    assert measured and all(v > 0 for v in measured[0].y if v is not None), measured
