@@ -15,6 +15,11 @@ if ! command -v chromium >/dev/null; then
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q torch==2.13.0 -e '.[all,dev]' -c requirements/constraints.txt 2>&1 | { grep -v '^WARNING: Location' || true; }
+# jsonschema imports rfc3987-syntax when it is installed (JupyterLab's jupyter-events pulls it in) and
+# compiles its Lark grammar at import: 1.35 s of CPU in every process that imports ray (each Ray
+# daemon, worker and relay; an embedded cluster's start-up 17 s -> 5 s of CPU). It only adds the
+# iri/uri format checks, which nothing here uses (docs/testing.md).
+.venv/bin/pip uninstall -q -y rfc3987-syntax 2>/dev/null || true
 .venv/bin/ruff check workbench backends bench tests  # lint (pyproject: [tool.ruff])
 .venv/bin/mypy  # types of the torch-free core (pyproject: [tool.mypy])
 exec .venv/bin/python -m pytest "$@"
