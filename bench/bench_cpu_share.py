@@ -39,7 +39,8 @@ def config(quick: bool) -> dict:
 
 
 def group(cmdline: str) -> str:
-    if "_rank_main" in cmdline or ("workbench.cloud_entry" in cmdline and "torch.distributed.run" not in cmdline):
+    launcher = "torch.distributed.run" in cmdline or "bench.torchrun" in cmdline  # torchrun's agent, not a rank
+    if "_rank_main" in cmdline or ("workbench.cloud_entry" in cmdline and not launcher):
         return "ranks"
     if any(d in cmdline for d in _DAEMONS):
         return "Ray daemons"
@@ -120,7 +121,7 @@ def run_torchrun(spec: dict, window: tuple[int, int]) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-cpu-") as tmp:
         path = Path(tmp) / "spec.json"
         path.write_text(json.dumps(spec))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={spec['layout']['dp']}",
+        cmd = [sys.executable, "-m", "bench.torchrun", "--standalone", f"--nproc_per_node={spec['layout']['dp']}",
                "-m", "workbench.cloud_entry", "--spec", str(path)]
         proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         for line in proc.stdout:

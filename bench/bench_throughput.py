@@ -90,7 +90,7 @@ def run_workbench(spec_path: Path, work: Path, timeout_s: float) -> dict:
 
 
 def _torchrun(args: list[str], world: int, timeout_s: float) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", *args]
+    cmd = [sys.executable, "-m", "bench.torchrun", "--standalone", f"--nproc_per_node={world}", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -98,7 +98,7 @@ def _torchrun(args: list[str], world: int, timeout_s: float) -> subprocess.Compl
 
 
 def run_plain(spec_path: Path, work: Path, world: int, timeout_s: float) -> dict:
-    """bench/plain_ddp.py under torchrun (python -m torch.distributed.run --standalone)."""
+    """bench/plain_ddp.py under torchrun (python -m bench.torchrun --standalone)."""
     out = work / "plain.json"
     _torchrun([str(ROOT / "bench" / "plain_ddp.py"), "--spec", str(spec_path), "--out", str(out)], world, timeout_s)
     data = json.loads(out.read_text())

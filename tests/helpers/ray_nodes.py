@@ -20,6 +20,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.helpers.procs import OWN_GROUP
+
 # GCS declares a node dead after `period x threshold` without a health-check answer (default
 # 3 s x 5); shorter here so that a killed node is noticed in seconds.
 HEALTH_CHECK_ENV = {"RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "6"}
@@ -95,7 +97,7 @@ class RayNodes:
         log_path = temp_dir / "node.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, env=self._env(temp_dir), stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+                                    **OWN_GROUP)
         node = Node(name, proc, temp_dir, log_path)
         deadline = time.monotonic() + _START_S
         while proc.poll() is None and time.monotonic() < deadline:

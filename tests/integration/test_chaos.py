@@ -19,6 +19,7 @@ import torch
 import yaml
 from fsspec.implementations.memory import MemoryFileSystem
 
+from tests.helpers.procs import OWN_GROUP
 from workbench.errors import ConfigError
 from workbench.runtime.checkpoint import CheckpointError, CheckpointWarning
 from workbench.runtime.checkpoint_store import Store
@@ -191,7 +192,7 @@ def _read_events(path: Path) -> list[dict]:
 def _workbench_run(spec_path: Path, metrics: Path, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.Popen([sys.executable, "-m", "workbench.cli", "run", str(spec_path), "--metrics-out",
-                             str(metrics), "--no-progress", *extra], cwd=ROOT, env=env, start_new_session=True,
+                             str(metrics), "--no-progress", *extra], cwd=ROOT, env=env, **OWN_GROUP,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.procs import OWN_GROUP
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
@@ -38,17 +40,18 @@ def free_port() -> int:
 
 
 def start_nodes(spec: Path, dirs: list[str], entry: str, extra_env: dict | None = None) -> list[subprocess.Popen]:
-    """`torchrun --nnodes 2 --node_rank N ...` per node, as SageMaker's torch_distributed launcher starts them."""
+    """`torchrun --nnodes 2 --node_rank N ...` per node, as SageMaker's torch_distributed launcher starts them
+    (`bench.torchrun`: torchrun with its ranks kept in this session, as tests/helpers/procs.py says why)."""
     port, procs = free_port(), []
     for node, folder in enumerate(dirs):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
         env.update(PYTHONPATH=str(ROOT), WORKBENCH_CLOUD="generic", WORKBENCH_CHECKPOINT_DIR=folder,
                    **((extra_env or {}).get(node, {})))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+        cmd = [sys.executable, "-m", "bench.torchrun", "--nnodes=2", f"--node_rank={node}",
                "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", "-m", entry,
                "--spec", str(spec)]
         procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, start_new_session=True))
+                                      text=True, **OWN_GROUP))
     return procs
 
 

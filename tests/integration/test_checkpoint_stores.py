@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("s3fs")
 
+from tests.helpers.procs import OWN_GROUP  # noqa: E402
 from tests.integration.test_cloud_sagemaker import aws_env, moto_server  # noqa: E402,F401 - fixtures
 from workbench.runtime.checkpoint import CheckpointWarning  # noqa: E402
 from workbench.runtime.checkpoint_lease import LEASE, Lease, LeaseHeld  # noqa: E402
@@ -81,7 +82,7 @@ def start_owner(uri: str, tmp_path: Path) -> subprocess.Popen:
     spec.write_text(json.dumps(tiny(uri, steps=100_000, every_steps=1000)))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WORKBENCH_CLOUD": "generic"}
     return subprocess.Popen([sys.executable, "-m", "workbench.cloud_entry", "--spec", str(spec)], env=env,
-                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **OWN_GROUP)
 
 
 def wait_for_lease(store: Store, owner: subprocess.Popen) -> dict:

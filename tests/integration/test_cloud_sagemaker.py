@@ -21,6 +21,7 @@ pytest.importorskip("moto")
 
 from backends.base import JobState  # noqa: E402
 from backends.sagemaker import SageMakerBackend  # noqa: E402
+from tests.helpers.procs import OWN_GROUP  # noqa: E402
 from workbench.spec import load_spec  # noqa: E402
 
 pytestmark = [pytest.mark.cloud, pytest.mark.timeout(120)]
@@ -41,7 +42,7 @@ def moto_server(tmp_path_factory):
     port = _free_port()
     exe = Path(sys.executable).parent / "moto_server"
     env = {**os.environ, "MOTO_ENABLE_RECORDING": "1", "MOTO_RECORDER_FILEPATH": str(record)}
-    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], env=env, start_new_session=True,
+    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], env=env, **OWN_GROUP,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -75,6 +75,7 @@ def test_cpu_share_groups_processes_by_role():
     assert group("/venv/bin/python -c import sys; from backends.local_ray import _rank_main; _rank_main(5)") == "ranks"
     assert group("/venv/bin/python -u -m workbench.cloud_entry --spec s.json") == "ranks"
     assert group("/venv/bin/python -m torch.distributed.run --standalone -m workbench.cloud_entry") == "other"
+    assert group("/venv/bin/python -m bench.torchrun --standalone -m workbench.cloud_entry") == "other"
     assert group("ray::RankRelay") == "Ray actors"
     assert group("ray::RankRelay.run") == "Ray actors"
     assert group("ray::DashboardAgent") == "Ray daemons"
