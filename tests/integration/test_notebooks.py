@@ -7,8 +7,11 @@ import importlib
 import os
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
+
+from tests.helpers.procs import popen_own_group
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -36,7 +39,9 @@ def execute(name: str, tmp_path: Path, extra_cells: list[str] = (), timeout: int
                RAY_ADDRESS="local")
     client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
-    client.execute(env=env)  # starts the kernel with env, runs every cell, shuts the kernel down
+    # jupyter_client starts every kernel in a session of its own: keep it in this one (procs.py)
+    with mock.patch("jupyter_client.launcher.Popen", popen_own_group):
+        client.execute(env=env)  # starts the kernel with env, runs every cell, shuts the kernel down
     return nb
 
 
