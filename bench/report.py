@@ -50,7 +50,11 @@ def sec_throughput(r, doc, img) -> str:
            "the runtime adds from what Ray adds. **plain torchrun DDP**: `bench/plain_ddp.py`, the script a user "
            "would write. Runs alternate (A B C, C B A, ...); each is timed from the wall-clock ends of its steps "
            "after the warm-up steps, so process and Ray start-up are excluded. The embedded Ray cluster starts "
-           "once and stays up, idle, through the torchrun arms too."]
+           "once and stays up, idle, through the torchrun arms too. Both torchrun arms start through "
+           "`python -m bench.torchrun`, torchrun with each rank in the benchmark's session: torchelastic gives "
+           "each rank a session of its own, and under Linux's autogroup a session is a scheduling group of its "
+           "own, so the arms would not compete for the CPU alike on a busy host (results up to 1 December 2026 "
+           "were measured with plain torchrun, on a quiet host)."]
     miss = _missing("throughput", r)
     if miss:
         return "\n\n".join(out + [miss])
