@@ -9,6 +9,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -144,3 +146,19 @@ def _fmt(value) -> str:
 
 def mib(n_bytes: float) -> float:
     return n_bytes / 2**20
+
+
+# How the benchmarks and the suite start a process they must be able to end with whatever it
+# started: a process group of its own (`os.killpg(proc.pid, sig)` reaches them all), inside the
+# caller's session. Not a session of its own: with Linux's autogroup (on by default,
+# /proc/sys/kernel/sched_autogroup_enabled) every session is a scheduling group, and on this
+# machine's kernel a process in another session than busy ones got 2-5 % of a core
+# (docs/testing.md, "Under load"). Python 3.10 has no `process_group`; there a new session is
+# the only way to a group of its own.
+OWN_GROUP: dict = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+
+
+def popen_own_group(*args, start_new_session: bool = False, **kwargs) -> subprocess.Popen:
+    """`subprocess.Popen` for a launcher that asks for a session of its own (torchelastic for each
+    rank, jupyter_client for each kernel): a process group of its own instead."""
+    return subprocess.Popen(*args, **kwargs, **(OWN_GROUP if start_new_session else {}))

@@ -10,19 +10,11 @@ the torchrun arm's ranks were left runnable for minutes with 2-4 % of a core (do
 torchelastic ends a rank with `os.killpg(rank_pid, sig)`, which a process group of its own keeps
 working.
 """
-import subprocess
-import sys
-
 from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 from torch.distributed.run import main
 
-
-def _popen(*args, start_new_session: bool = False, **kwargs) -> subprocess.Popen:
-    if start_new_session and sys.version_info >= (3, 11):
-        return subprocess.Popen(*args, process_group=0, **kwargs)
-    return subprocess.Popen(*args, start_new_session=start_new_session, **kwargs)
-
+from bench.common import popen_own_group
 
 if __name__ == "__main__":
-    subprocess_handler.Popen = _popen  # the name torchelastic's SubprocessHandler calls
+    subprocess_handler.Popen = popen_own_group  # the name torchelastic's SubprocessHandler calls
     main()

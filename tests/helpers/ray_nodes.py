@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.helpers.procs import OWN_GROUP
+from bench.common import OWN_GROUP
 
 # GCS declares a node dead after `period x threshold` without a health-check answer (default
 # 3 s x 5); shorter here so that a killed node is noticed in seconds.

@@ -19,7 +19,7 @@ import torch
 import yaml
 from fsspec.implementations.memory import MemoryFileSystem
 
-from tests.helpers.procs import OWN_GROUP
+from bench.common import OWN_GROUP
 from workbench.errors import ConfigError
 from workbench.runtime.checkpoint import CheckpointError, CheckpointWarning
 from workbench.runtime.checkpoint_store import Store

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.procs import OWN_GROUP
+from bench.common import OWN_GROUP
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +41,7 @@ def free_port() -> int:
 
 def start_nodes(spec: Path, dirs: list[str], entry: str, extra_env: dict | None = None) -> list[subprocess.Popen]:
     """`torchrun --nnodes 2 --node_rank N ...` per node, as SageMaker's torch_distributed launcher starts them
-    (`bench.torchrun`: torchrun with its ranks kept in this session, as tests/helpers/procs.py says why)."""
+    (`bench.torchrun`: torchrun with its ranks kept in this session, as bench/common.py says why)."""
     port, procs = free_port(), []
     for node, folder in enumerate(dirs):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}

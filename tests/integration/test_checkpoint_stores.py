@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("s3fs")
 
-from tests.helpers.procs import OWN_GROUP  # noqa: E402
+from bench.common import OWN_GROUP  # noqa: E402
 from tests.integration.test_cloud_sagemaker import aws_env, moto_server  # noqa: E402,F401 - fixtures
 from workbench.runtime.checkpoint import CheckpointWarning  # noqa: E402
 from workbench.runtime.checkpoint_lease import LEASE, Lease, LeaseHeld  # noqa: E402

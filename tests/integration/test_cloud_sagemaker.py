@@ -21,7 +21,7 @@ pytest.importorskip("moto")
 
 from backends.base import JobState  # noqa: E402
 from backends.sagemaker import SageMakerBackend  # noqa: E402
-from tests.helpers.procs import OWN_GROUP  # noqa: E402
+from bench.common import OWN_GROUP  # noqa: E402
 from workbench.spec import load_spec  # noqa: E402
 
 pytestmark = [pytest.mark.cloud, pytest.mark.timeout(120)]

@@ -11,7 +11,7 @@ from unittest import mock
 
 import pytest
 
-from tests.helpers.procs import popen_own_group
+from bench.common import popen_own_group
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
