@@ -182,3 +182,35 @@ def test_llama_tp2_sequence_parallel_with_grouped_kv_heads(spawn_pools):
     # all-reduce's different summation order into a visible step (seen: 1 of 16384, 2.2e-5).
     for key, value in result["state"].items():
         torch.testing.assert_close(state[key], value, rtol=1e-4, atol=5e-5, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def _count_all_reduces(spec, emit):
+    """Train `spec`, then report how many tp all-reduces this rank issued (forward and backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counted = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops._c10d_functional.all_reduce.default:
+                counted.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        train(spec, emit)
+    emit({"event": "all_reduces", "count": len(counted)})
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_tensor_parallel_all_reduces_twice_forward_and_twice_backward_per_block(family, pool2):
+    # Megatron's count (and steptime.py's): per block, attention's and the MLP's row-parallel output
+    # forward, and their column-parallel input backward, once each however many linears share the
+    # input (wq/wk/wv; w1/w3). Two depths, one micro-batch: the difference is the blocks' share.
+    def count(layers):
+        model = {"family": family, "layers": layers, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 64}
+        spec = {"model": model, "layout": {"tp": 2}, "train": {"steps": 1, "global_batch": 2, "micro_batch": 2}}
+        (event, _) = [e for e in pool2.run(spec, fn=_count_all_reduces, timeout_s=240) if e["event"] == "all_reduces"]
+        return event["count"]
+
+    per_block = (count(4) - count(2)) / 2
+    assert per_block == 4, f"{family}: {per_block} tp all-reduces per block and micro-batch, Megatron's count is 4"

@@ -77,6 +77,14 @@ def _block_plan(block: nn.Module, sp: bool) -> dict:
     }
     if block.mlp.w3 is not None:
         plan["mlp.w3"] = ColwiseParallel()
+    if not sp:
+        # Megatron's f: attention / the MLP take their input as one replicated DTensor, so the
+        # column-parallel linears' partial input gradients add up locally and one all-reduce in
+        # backward sums them over tp (each linear would otherwise all-reduce its own: 3 in attention).
+        plan.update({
+            "attn": PrepareModuleInput(input_layouts=(Replicate(), None), desired_input_layouts=(Replicate(), None)),
+            "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+        })
     if sp:
         plan.update({
             "attn_norm": SequenceParallel(),
