@@ -26,6 +26,7 @@ BENCHMARKS = {
     "activation_ckpt": "bench.bench_activation_ckpt",
     "overhead": "bench.bench_overhead",
     "data": "bench.bench_data",  # (g) token shards and data prepare
+    "tp": "bench.bench_tp",  # (h) tensor parallel on local shards vs DTensor's styles
 }
 
 

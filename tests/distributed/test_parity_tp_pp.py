@@ -185,14 +185,14 @@ def test_llama_tp2_sequence_parallel_with_grouped_kv_heads(spawn_pools):
 
 
 def _count_all_reduces(spec, emit):
-    """Train `spec`, then report how many tp all-reduces this rank issued (forward and backward)."""
+    """Train `spec`, then report how many all-reduces this rank issued (DTensor's and c10d's)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     counted = []
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops._c10d_functional.all_reduce.default:
+            if func in (torch.ops._c10d_functional.all_reduce.default, torch.ops.c10d.allreduce_.default):
                 counted.append(func)
             return func(*args, **(kwargs or {}))
 

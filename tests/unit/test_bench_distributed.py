@@ -46,6 +46,16 @@ def test_overlap_variants(pool):
     assert r["compute_s"]["median"] > 0 and r["allreduce_s"]["median"] > 0
 
 
+@pytest.mark.timeout(180)
+def test_tensor_parallel_arms_train_the_same_model(pool):
+    from bench import bench_tp
+
+    r = bench_tp.run(quick=True, pool=pool)
+    assert r["loss_rel_diff"] < 1e-4  # the peer is the same model under DTensor's styles
+    for arm in bench_tp.ARMS:
+        assert r["arms"][arm]["cpu_s"]["median"] > 0 and r["arms"][arm]["wall_s"]["median"] > 0
+
+
 @pytest.mark.slow  # two torchrun processes of their own (torch import, process group)
 @pytest.mark.timeout(240)
 def test_plain_torchrun_peer_trains_like_the_runtime(tmp_path):

@@ -15,8 +15,10 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from workbench.parallel.local import shard_parameters
 
 SEQ_DIM = 1  # activations are (B, T, C)
 
@@ -78,12 +80,7 @@ class ShardSavingColwiseParallel(ParallelStyle):
     input is the tagged gathered tensor of `GatherSequenceInput`; it saves the shard, not the input."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def shard_params(_name, mod, mesh):
-            for name, param in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]),
-                                                          requires_grad=param.requires_grad))
-
-        distribute_module(module, device_mesh, shard_params)
+        shard_parameters(module, device_mesh, {"weight": Shard(0), "bias": Shard(0)})
 
         def forward(x):
             bias = module.bias.to_local() if module.bias is not None else None
@@ -93,11 +90,13 @@ class ShardSavingColwiseParallel(ParallelStyle):
         return module
 
 
+def column_parallel_linears(block: nn.Module) -> list[str]:
+    """A block's column-parallel linears: attention's q/k/v, the MLP's up (and SwiGLU's gate)."""
+    names = ["attn.wq", "attn.wk", "attn.wv", "mlp.w1"]
+    return names + (["mlp.w3"] if getattr(block.get_submodule("mlp"), "w3", None) is not None else [])
+
+
 def megatron_sp_plan(block: nn.Module) -> dict:
     """Plan entries that replace DTensor's gather-and-save at a block's column-parallel linears."""
-    plan = {"attn": GatherSequenceInput(), "mlp": GatherSequenceInput(),
-            "attn.wq": ShardSavingColwiseParallel(), "attn.wk": ShardSavingColwiseParallel(),
-            "attn.wv": ShardSavingColwiseParallel(), "mlp.w1": ShardSavingColwiseParallel()}
-    if getattr(block.get_submodule("mlp"), "w3", None) is not None:
-        plan["mlp.w3"] = ShardSavingColwiseParallel()
-    return plan
+    plan = {"attn": GatherSequenceInput(), "mlp": GatherSequenceInput()}
+    return plan | {name: ShardSavingColwiseParallel() for name in column_parallel_linears(block)}
