@@ -95,6 +95,7 @@ def wait_for_lease(store: Store, owner: subprocess.Popen) -> dict:
     pytest.fail(f"the owner never took the lease: {owner.stderr.read().decode()[-2000:] if owner.poll() else ''}")
 
 
+@pytest.mark.slow  # three processes; the lease rules themselves are fast tests (test_checkpoint_edges.py, below)
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_second_writer_is_refused_and_a_dead_owners_lease_taken_over(where, tmp_path, request):
     uri = str(tmp_path / "ckpt") if where == "local" else f"{request.getfixturevalue('bucket')}/run"

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(200)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(200)]
 
 _SCRIPT = textwrap.dedent("""
     import json, os, threading, time

@@ -17,6 +17,7 @@ SPEC = {"name": "tp2-pp2", "model": {"preset": "gpt-tiny"}, "data": {"source": "
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # tp2 x pp2 parity itself is a fast gloo test (test_parity_3d.py); this is the Ray route
 @pytest.mark.timeout(420)
 def test_tp2_pp2_through_ray_matches_single_process():
     result = workbench.run(SPEC, progress=False)

@@ -12,6 +12,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
 CLI = [sys.executable, "-m", "workbench.cli"]
 
 
+@pytest.mark.slow  # zero3 bf16 parity itself is a fast gloo test (test_parity_dp.py); this is the Ray route
 def test_zero3_bf16_runs_through_ray():
     # In this process: it shares the embedded cluster with the other local-Ray tests (the CLI's own
     # path, a process and a cluster of its own, is test_run_local's).

@@ -9,7 +9,8 @@ pytest.importorskip("plotly")
 
 from workbench.ui.app import Workbench  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+# slow: the browser test drives the same panel through Ray; test_ui_panels.py covers the panel's logic fast
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 STEPS = 40
 
 
