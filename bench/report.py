@@ -89,7 +89,14 @@ def sec_throughput(r, doc, img) -> str:
 RAY_DESIGN = """**How the Ray arm runs a rank.** One Ray actor per rank (`RankRelay`, in a placement group)
 starts its rank in a child process, as torchrun's agent starts its workers: torchrun's variables, a
 TCPStore served by rank 0's relay. The rank's process has no Ray in it; its events go over a pipe to
-its relay, and a driver thread polls the relays every 0.2 s for them and hands them the stop request.
+its relay, and a driver thread long-polls the relays for them; rank 0 waits after each step for the
+driver's acknowledgement of its step event, which carries the stop request, so Stop ends the run
+within one step of the step seen. (The numbers of this section were measured before that wait
+existed, when the driver polled every 0.2 s; the wait costs one round trip rank 0 -> relay -> driver
+-> relay -> rank 0 per step: step-to-step minus step time was 4.6-8.6 ms against 1.7-2.3 ms before
+(gpt-tiny, dp=2, ~20 ms steps, medians of 140 steps, 4 runs each at load 6-29 on 2 cores,
+2026-12-01): up to a quarter of gpt-tiny's throughput; a direct driver-rank 0 socket instead of
+two Ray calls would cut it.)
 Every Ray worker process of the embedded cluster runs under Linux's `SCHED_BATCH` policy (a
 `worker_process_setup_hook`), a relay under `SCHED_IDLE` once its rank has started; the ranks run
 under the normal policy. Ray's core worker wakes each actor process ~100 times a second (its signal
@@ -216,7 +223,9 @@ def sec_activation_ckpt(r, doc, img) -> str:
            "One process, the runtime with `activation_checkpointing` none / selective (attention core) / full every 2nd block / full, "
            "alternated. Memory: activations saved for backward, measured by the runtime's saved-tensor meter, with "
            "the prediction beside it; time: CPU time per step (recomputation is CPU work; robust to other "
-           "processes' load), wall clock beside it."]
+           "processes' load), wall clock beside it. Under SDPA's fused kernel `selective` saves only each "
+           "attention core's log-sum-exp (docs/strategies.md): next to nothing on this model, for one more "
+           "attention forward per block."]
     miss = _missing("activation_ckpt", r)
     if miss:
         return "\n\n".join(out + [miss])
@@ -234,7 +243,7 @@ def sec_activation_ckpt(r, doc, img) -> str:
     return "\n\n".join(out)
 
 
-def sec_tp(r) -> str:
+def sec_tp(r, doc, img) -> str:
     out = ["## h) Tensor parallel: blocks on local shards against DTensor's styles",
            "The same tp=2 job on the same 2 gloo ranks, alternated round by round: the runtime as it is (attention "
            "and the MLP multiply local shards, with Megatron's f/g all-reduces; parallel/tp.py) and the runtime with "
@@ -298,7 +307,8 @@ def sec_data(r, doc, img) -> str:
            "rank's batch read from the shards, timed alone, as a share of that step. Last, `workbench data "
            "prepare` (read, BPE-encode, write shards + index) against the tokenizers library's own "
            "`encode_batch` over the same files' lines with the same trained BPE (reading included), in MB of text "
-           "per second."]
+           "per second. The library peer calls `encode_batch` (with character offsets) on each file's lines; "
+           "`prepare` calls `encode_batch_fast` (no offsets) on ~1 MiB pieces and writes the shards."]
     miss = _missing("data", r)
     if miss:
         return "\n\n".join(out + [miss])
@@ -353,23 +363,24 @@ def write_report(results_dir: Path | None = None, doc: Path | None = None, img_d
     res = {n: read_result(n, results_dir) for n in
            ("throughput", "cpu_share", "memory", "pipeline", "overlap", "activation_ckpt", "overhead", "data", "tp",
             "gpu_1b")}
-    machines = [r["machine"] for r in res.values() if r and "machine" in r]
+    machines = [r["machine"] for n, r in res.items() if r and "machine" in r and n != "gpu_1b"]
     parts = [HEADER]
     if machines:
         m = machines[0]
+        dates = sorted(x["date_utc"] for x in machines)
         loads = [x["load_avg_1m"] for x in machines]
         quick = any(r.get("quick") for r in res.values() if r)
         parts.append(
-            f"**Where these numbers come from:** {m['date_utc']}, a {m['cpus']}-core VM (1-minute load average "
-            f"{min(loads):.1f}..{max(loads):.1f} at the end of each benchmark; other jobs may share the host), "
-            f"Python {m['python']}, torch {m['torch']}, gloo on CPU, one intra-op thread per process. Absolute "
-            "numbers mean little here; the ratios between peers measured side by side are the point."
+            f"**Where these numbers come from:** {dates[0]} to {dates[-1]} (each section says when it ran), a "
+            f"{m['cpus']}-core VM (1-minute load average {min(loads):.1f}..{max(loads):.1f} at the end of each "
+            f"benchmark; other jobs may share the host), Python {m['python']}, torch {m['torch']}, gloo on CPU, one "
+            "intra-op thread per process. Absolute numbers mean little here; the ratios between peers measured "
+            "side by side are the point."
             + (" **These are --quick smoke numbers (tiny sizes, one round), not the real benchmark.**" if quick else ""))
-    parts += [sec_throughput(res["throughput"], doc, img), sec_cpu_share(res["cpu_share"], doc, img),
-              sec_memory(res["memory"], doc, img),
-              sec_pipeline(res["pipeline"], doc, img), sec_overlap(res["overlap"], doc, img),
-              sec_activation_ckpt(res["activation_ckpt"], doc, img), sec_overhead(res["overhead"], doc, img),
-              sec_data(res["data"], doc, img), sec_tp(res["tp"])]
+    sections = [(sec_throughput, "throughput"), (sec_cpu_share, "cpu_share"), (sec_memory, "memory"),
+                (sec_pipeline, "pipeline"), (sec_overlap, "overlap"), (sec_activation_ckpt, "activation_ckpt"),
+                (sec_overhead, "overhead"), (sec_data, "data"), (sec_tp, "tp")]
+    parts += [_measured(section(res[name], doc, img), res[name]) for section, name in sections]
     parts.append(PROFILE + _hotpath(results_dir))
     parts.append(GPU if res["gpu_1b"] is None else sec_gpu(res["gpu_1b"]))
     doc.parent.mkdir(parents=True, exist_ok=True)
@@ -389,10 +400,12 @@ with dp=2, to see what besides the two training ranks wants the two cores. What 
   that measurement stands for every memory event. `DTensor` is imported once, not per call. The
   pipeline's hooks follow the same switch.
 - Ray workers made two actor calls per rank per step, one of them blocking (`ray.get` of the stop
-  flag). Now the rank sends its events over a pipe to its relay actor and the driver polls the
-  relays every 0.2 s for them, handing them the stop request (`backends/local_ray.py`): no Ray call
-  on the training step; the driver still sees events within ~0.5 s and the `end` event is still
-  the last.
+  flag). Then the rank sent its events over a pipe to its relay actor and the driver polled the
+  relays every 0.2 s for them, handing them the stop request: no Ray call on the training step, but
+  the driver saw events ~0.25 s late and Stop ended the run 7-20 steps after the step seen. Now
+  the driver long-polls the relays (events arrive 3-5 ms after the rank sent them) and rank 0 waits
+  for the acknowledgement of each step event, which carries the stop (`backends/local_ray.py`,
+  `_rank_main`): one round trip per step, and Stop ends the run within one step of the step seen.
 - Gradients are zeroed in one `torch._foreach_zero_` call instead of one `zero_()` per parameter
   (they are zeroed in place, not set to None: DDP's gradients are views into its buckets).
 - Each rank runs in a child process of its Ray actor, which only relays; the embedded cluster's Ray
@@ -408,6 +421,14 @@ the same step, the loss all-reduce over dp (the logged loss is the global-batch 
 measurement every `MEMORY_EVERY` steps. What remains at start-up: the embedded cluster, one relay
 process per rank, and each relay starts its rank's process (a Python with torch: a few seconds).
 The start-up is the "launch to end of step 1" column of (a)."""
+
+
+def _measured(text: str, r: dict | None) -> str:
+    """A section and, when it has a result, the date and load it was measured at."""
+    if not r or "machine" not in r:
+        return text
+    m = r["machine"]
+    return f"{text}\n\n_Measured {m['date_utc']}, 1-minute load average {m['load_avg_1m']:.1f} at its end._"
 
 
 def _hotpath(results_dir: Path) -> str:
