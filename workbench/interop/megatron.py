@@ -24,9 +24,10 @@ from workbench.interop.common import (
     set_path,
     unexpressed_fields,
 )
+from workbench.interop.shell import read_script
 
 # Flags that take no value (store_true in Megatron's parser, or torchrun's).
-_SWITCHES = {"--bf16", "--fp16", "--sequence-parallel", "--use-distributed-optimizer", "--use-torch-fsdp2",
+_SWITCHES = {"--bf16", "--fp16", "--deepspeed", "--checkpoint-activations", "--use-rotary-position-embeddings", "--sequence-parallel", "--use-distributed-optimizer", "--use-torch-fsdp2",
              "--use-megatron-fsdp", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
              "--group-query-attention", "--optimizer-cpu-offload", "--recompute-activations", "--mock-data",
              "--overlap-grad-reduce", "--overlap-param-gather", "--use-flash-attn", "--standalone",
@@ -35,34 +36,91 @@ _SWITCHES = {"--bf16", "--fp16", "--sequence-parallel", "--use-distributed-optim
 # torchrun's own flags; only the rank count matters to the job.
 _LAUNCHER = {"--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_rank", "--node-rank", "--master_addr",
              "--master-addr", "--master_port", "--master-port", "--rdzv_backend", "--rdzv-backend", "--rdzv_endpoint",
-             "--rdzv-endpoint", "--rdzv_id", "--rdzv-id", "--standalone"}
+             "--rdzv-endpoint", "--rdzv_id", "--rdzv-id", "--standalone", "--num_gpus", "--num_nodes", "--hostfile"}
 _SHARDING = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+_GPUS_PER_NODE = 8  # assumed when the script gives no rank count and the layout needs more
 _GPT2_VOCAB = 50257  # --vocab-file/--merge-file name the GPT-2 BPE tokenizer
 
 
-def parse(text: str) -> dict:
-    """A shell command line (or a script of them) -> {flag: value, or True for a switch}, simple $VARs resolved."""
-    vars_ = dict(re.findall(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=([^\s$()`]+)\s*(?:#.*)?$", text, re.M))
+class Parsed(dict):
+    """{flag: value, or True for a switch}, with what the script left open: the program it runs,
+    the variables that could not be resolved (name -> why) and assignments under tests that could
+    not be evaluated (name -> the test)."""
+
+    program: str = ""
+    unresolved: dict[str, str]
+    skipped: dict[str, str]
+
+
+def parse(text: str) -> Parsed:
+    """A launch script (or one command line) -> the training command's flags, the script's variables resolved.
+
+    The training command is the one that runs a ``*.py`` program (the one with most flags if several);
+    before the program only the launcher's rank counts are kept. Without any program every flag is read.
+    """
     try:
-        tokens = shlex.split(text.replace("\\\n", " "), comments=True)
-    except ValueError as e:
+        script = read_script(text)
+    except (ValueError, IndexError, RecursionError) as e:
         raise ConfigError(f"not a Megatron-LM command line: {e} (unbalanced quotes?).") from None
-    args: dict = {}
-    for i, tok in enumerate(tokens):
+    chosen, program_at, flags_seen = None, -1, -1
+    everything: list[str] = []
+    for cmd in script.commands:
+        words = _resplit(cmd.words)
+        if words[:1] == ["eval"]:
+            words = words[1:]
+        if not words or words[0] in ("echo", "printf", "cat", "mkdir", "sed", "wget", "ds_ssh", "export"):
+            continue
+        everything += words
+        at = next((i for i, w in enumerate(words) if w.endswith(".py")), -1)
+        count = sum(w.startswith("--") for w in words)
+        if at >= 0 and count > flags_seen:
+            chosen, program_at, flags_seen = (cmd, words), at, count
+    if chosen is None:
+        words, cmd_unresolved, cmd_skipped, program = everything, {}, {}, ""
+    else:
+        cmd, words = chosen
+        cmd_unresolved, cmd_skipped, program = cmd.unresolved, cmd.skipped, words[program_at].rsplit("/", 1)[-1]
+        words = _launcher_flags(words[:program_at]) + words[program_at:]
+    args = Parsed()
+    args.program, args.unresolved, args.skipped = program, dict(cmd_unresolved), dict(cmd_skipped)
+    for i, tok in enumerate(words):
         if not tok.startswith("--"):
             continue
         flag, sep, value = tok.partition(" ") if " " in tok else tok.partition("=")  # "--flag value" quoted as one
         if not sep:
-            nxt = tokens[i + 1] if i + 1 < len(tokens) else None
+            nxt = words[i + 1] if i + 1 < len(words) else None
             takes = (flag not in _SWITCHES and nxt is not None and not nxt.startswith("--")
                      and not nxt.endswith((".py", "(", ")")))
             value = nxt if takes else True
-        if isinstance(value, str):
-            value = re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: vars_.get(m.group(1), m.group(0)), value)
         args[flag] = value
     if not any(k not in _LAUNCHER for k in args):
         raise ConfigError("not a Megatron-LM command line: no --flags found (e.g. --tensor-model-parallel-size).")
     return args
+
+
+def _launcher_flags(words: list[str]) -> list[str]:
+    """torchrun's (or deepspeed's) rank counts before the program; srun's and the rest are the cluster's."""
+    out: list[str] = []
+    for i, w in enumerate(words):
+        if w.split("=", 1)[0] in _LAUNCHER:
+            out.append(w)
+            if "=" not in w and w not in _SWITCHES and i + 1 < len(words) and not words[i + 1].startswith("-"):
+                out.append(words[i + 1])
+    return out
+
+
+def _resplit(words: list[str]) -> list[str]:
+    """Words that hold a whole command or several flags (``sh -c "$run_cmd"``, ``"--flag value"``) split again."""
+    out: list[str] = []
+    for w in words:
+        if re.search(r"\s", w.strip()) and (w.lstrip().startswith("--") or ".py" in w or " --" in w):
+            try:
+                out += shlex.split(w)
+            except ValueError:
+                out += w.split()
+        else:
+            out.append(w)
+    return out
 
 
 def dump(args: list[str]) -> str:
@@ -99,9 +157,42 @@ class _Args:
             raise ConfigError(f"Megatron-LM flag {flag} {value!r}: expected a {kind.__name__}.") from None
 
 
+# Megatron-LM's other model providers: what they train, none of it a decoder-only GPT/Llama.
+_NOT_GPT = {"bert": "a BERT encoder (bidirectional attention, masked-LM and sentence-order losses)",
+            "t5": "a T5 encoder-decoder (span corruption, separate encoder and decoder stacks)",
+            "ict": "an ICT retriever (two BERT encoders)", "mamba": "a Mamba hybrid (state-space layers)",
+            "retro": "RETRO (a decoder with chunked cross-attention to retrieved text)",
+            "vlm": "a vision-language model", "vision": "a vision transformer"}
+# Flags whose value switches nothing on: saying them sets nothing and is not listed.
+_NEUTRAL = {"--context-parallel-size": "1", "--expert-model-parallel-size": "1"}
+
+
+def _check_program(args: dict) -> None:
+    program = getattr(args, "program", "")
+    kind = re.fullmatch(r"pretrain_([a-z0-9]+?)(?:_[a-z0-9_]+)?\.py", program)
+    if program and kind and kind.group(1) != "gpt":
+        what = _NOT_GPT.get(kind.group(1), f"the model of {program}")
+        raise ConfigError(f"Megatron-LM's {program} trains {what}, not a GPT/Llama decoder; the spec's models are "
+                          "decoder-only transformers (model.family gpt or llama), so importing it would train a "
+                          "different model. Import a pretrain_gpt.py script, or give the model as model.factory.")
+
+
+def _script_notes(args: dict, notes: Notes) -> None:
+    """Name each shell variable the command line uses that could not be resolved, and each skipped assignment."""
+    for name, why in sorted(getattr(args, "unresolved", {}).items()):
+        shown = "a $(...) command substitution" if not name else ("$" + name)
+        notes.note(f"{shown} on the command line is not resolved ({why}); flags that take it keep "
+                   "Megatron's default and are named below")
+    for name, test in sorted(getattr(args, "skipped", {}).items()):
+        notes.note(f"${name} is also set inside `if {test}`, a test this import cannot evaluate; "
+                   "read without that assignment")
+
+
 def to_spec(args: dict, dp: int | None = None) -> tuple[dict, list[str]]:
     """Parsed Megatron-LM flags -> (raw spec dict, warnings); `dp` is used if torchrun's line does not fix it."""
+    _check_program(args)
     notes = Notes("megatron")
+    _script_notes(args, notes)
     a, raw = _Args(args, notes), {}
     _layout(a, raw, notes, dp)
     _precision(a, raw, notes)
@@ -113,7 +204,7 @@ def to_spec(args: dict, dp: int | None = None) -> tuple[dict, list[str]]:
         set_path(raw, "checkpoint.every_steps", a.get("--save-interval", kind=int))
     if a.get("--save"):
         set_path(raw, "checkpoint.uri", a.get("--save"))
-    used = a.used | {k for k in args if k in _LAUNCHER}
+    used = a.used | {k for k in args if k in _LAUNCHER} | {k for k, v in _NEUTRAL.items() if args.get(k) == v}
     for flag, value in args.items():
         if flag not in used and value is not False:
             why = ("the spec's schedule counts iterations, not samples" if flag.startswith("--lr-") and
@@ -132,10 +223,23 @@ def _layout(a: _Args, raw: dict, notes: Notes, launcher_dp: int | None) -> None:
         if nodes > 1:
             set_path(raw, "resources.nodes", nodes)
             set_path(raw, "resources.gpus_per_node", procs)
-    elif not launcher_dp:
-        started = f"torchrun starts {nodes} x {procs} ranks, not a multiple of" if procs else "no torchrun rank count;"
-        notes.note(f"{started} tp({tp}) x pp({pp}); dp=1 assumed: give it with --set layout.dp=N "
-                   "(and resources.nodes / gpus_per_node)")
+    else:
+        if not launcher_dp:
+            started = (f"torchrun starts {nodes} x {procs} ranks, not a multiple of" if procs
+                       else "no torchrun rank count;")
+            notes.note(f"{started} tp({tp}) x pp({pp}); dp=1 assumed: give it with --set layout.dp=N "
+                       "(and resources.nodes / gpus_per_node)")
+        if not procs and dp * tp * pp > _GPUS_PER_NODE:  # nodes of 8 GPUs rather than one node of them all
+            procs = _GPUS_PER_NODE
+            notes.note(f"the script does not say how many GPUs a node has; {_GPUS_PER_NODE} assumed: "
+                       f"resources.gpus_per_node={procs} (change with --set resources.gpus_per_node=N)")
+        if procs:  # the script's GPUs per node stay what a node has; the nodes are what the layout needs
+            need = -(-dp * tp * pp // procs)
+            set_path(raw, "resources.gpus_per_node", procs)
+            set_path(raw, "resources.nodes", need)
+            if need != nodes:
+                notes.note(f"dp({dp}) x tp({tp}) x pp({pp}) = {dp * tp * pp} ranks on nodes of {procs} GPUs "
+                           f"(--nproc-per-node): resources.nodes={need} (the script says --nnodes {nodes})")
     set_path(raw, "layout", {"dp": dp, "tp": tp, "pp": pp})
     virtual = a.get("--virtual-pipeline-model-parallel-size", None, int)
     per_stage = a.get("--num-layers-per-virtual-pipeline-stage", None, int)
@@ -146,6 +250,11 @@ def _layout(a: _Args, raw: dict, notes: Notes, launcher_dp: int | None) -> None:
         raw["layout"].update(pp_schedule="interleaved-1f1b", virtual_stages=virtual)
     if a.get("--sequence-parallel") and tp > 1:  # Megatron turns it off itself when tp is 1
         raw["layout"]["sequence_parallel"] = True
+    if a.get("--deepspeed") and a.get("--zero-stage") is not None:  # Megatron-DeepSpeed: DeepSpeed's ZeRO stage
+        raw["layout"]["zero"] = a.get("--zero-stage", kind=int)
+    if a.get("--deepspeed_config"):
+        notes.unmapped("--deepspeed_config", a.get("--deepspeed_config"), "the DeepSpeed config is a file of its own: import it with "
+                       "--format deepspeed (batch, precision and ZeRO there must agree with these flags)")
     if a.get("--use-torch-fsdp2"):
         raw["layout"]["zero"] = 3
     elif a.get("--use-megatron-fsdp"):
@@ -183,6 +292,10 @@ def _train(a: _Args, raw: dict, notes: Notes) -> None:
         set_path(raw, "train.global_batch", a.get("--global-batch-size", micro * raw["layout"]["dp"], int))
     if a.get("--train-iters"):
         set_path(raw, "train.steps", a.get("--train-iters", kind=int))
+    elif a.get("--train-samples") and raw.get("train", {}).get("global_batch"):
+        steps = _samples_to_iters(a, "--train-samples", raw, notes)
+        if steps:
+            set_path(raw, "train.steps", steps)
     optimizer = a.get("--optimizer", "adam")
     name = {"adam": "adamw", "sgd": "sgd"}.get(optimizer)  # Megatron's adam decouples weight decay (AdamW)
     if name is None:
@@ -222,6 +335,10 @@ def _schedule(a: _Args, raw: dict, notes: Notes) -> None:
     train["schedule"] = _STYLES[style]
     decay_iters = a.get("--lr-decay-iters", None, int)
     warmup = a.get("--lr-warmup-iters", 0, int)
+    if decay_iters is None and a.get("--lr-decay-samples"):
+        decay_iters = _samples_to_iters(a, "--lr-decay-samples", raw, notes)
+    if not warmup and a.get("--lr-warmup-samples"):
+        warmup = _samples_to_iters(a, "--lr-warmup-samples", raw, notes) or 0
     fraction = a.get("--lr-warmup-fraction", None, float)
     if fraction is not None:  # Megatron: warmup = fraction x decay iterations
         span = decay_iters or steps
@@ -252,6 +369,20 @@ def _schedule(a: _Args, raw: dict, notes: Notes) -> None:
         notes.note(lag_note("Megatron", "the count of iterations already taken"))
 
 
+def _samples_to_iters(a: _Args, flag: str, raw: dict, notes: Notes) -> int | None:
+    """Megatron counts these in samples, one global batch per iteration: samples / global batch iterations."""
+    samples, batch = a.get(flag, None, int), raw.get("train", {}).get("global_batch")
+    if not samples or not batch:
+        return None
+    iters = max(1, round(samples / batch))
+    exact = "" if samples % batch == 0 else f" (rounded from {samples / batch:g})"
+    ramp = (" --rampup-batch-size makes the early iterations smaller, so Megatron takes more of them;"
+            if a.get("--rampup-batch-size") else "")
+    notes.note(f"{flag} {samples} / global batch {batch} = {iters} iterations{exact};{ramp} the spec counts "
+               "iterations")
+    return iters
+
+
 def _wsd_iters(steps: int) -> int:
     from workbench.schedule import WSD_DECAY_FRACTION
 
@@ -280,10 +411,16 @@ def _recompute(a: _Args, raw: dict, notes: Notes) -> None:
     if a.get("--recompute-activations") or granularity == "selective":  # the attention core, as ours
         set_path(raw, "layout.activation_checkpointing", "selective")
         return
-    if granularity != "full":
+    # Older Megatron-LM (and Megatron-DeepSpeed): --checkpoint-activations is --activations-checkpoint-method
+    # uniform, each unit --activations-checkpoint-num-layers (1) blocks: the full recompute of today.
+    old_method = a.get("--activations-checkpoint-method") or ("uniform" if a.get("--checkpoint-activations") else None)
+    if granularity != "full" and old_method is None:
         return
     set_path(raw, "layout.activation_checkpointing", "full")
-    method, count = a.get("--recompute-method", "uniform"), a.get("--recompute-num-layers", 1, int)
+    if granularity == "full":
+        method, count = a.get("--recompute-method", "uniform"), a.get("--recompute-num-layers", 1, int)
+    else:
+        method, count = old_method, a.get("--activations-checkpoint-num-layers", 1, int)
     if (method, count) != ("uniform", 1):
         notes.unmapped("--recompute-method", f"{method} x {count}", "the spec's full recompute checkpoints every "
                        "block on its own or every k-th block (layout.checkpoint_every); mapped to every block")
@@ -295,9 +432,10 @@ def _model(a: _Args, raw: dict, notes: Notes) -> None:
         notes.note("--num-layers, --hidden-size and --num-attention-heads are not all given; the spec keeps its "
                    "default model (set model.* with --set)")
         return
-    llama_flags = {"--swiglu": a.get("--swiglu"), "--normalization": a.get("--normalization") == "RMSNorm",
-                   "--position-embedding-type": a.get("--position-embedding-type") == "rope",
-                   "--disable-bias-linear": a.get("--disable-bias-linear")}
+    norm = a.get("--normalization")
+    rope = a.get("--position-embedding-type") == "rope" or bool(a.get("--use-rotary-position-embeddings"))
+    llama_flags = {"--swiglu": a.get("--swiglu"), "--normalization": str(norm).lower() == "rmsnorm",
+                   "--position-embedding-type": rope, "--disable-bias-linear": a.get("--disable-bias-linear")}
     llama = any(llama_flags.values())
     if llama and not all(llama_flags.values()):
         missing = [f for f, on in llama_flags.items() if not on]
@@ -309,6 +447,9 @@ def _model(a: _Args, raw: dict, notes: Notes) -> None:
              "tie_embeddings": not a.get("--untie-embeddings-and-output-weights")}
     if a.get("--group-query-attention"):
         model["kv_heads"] = a.get("--num-query-groups", 1, int)
+    elif a.get("--num-key-value-heads"):  # Megatron-DeepSpeed's name
+        model["kv_heads"] = a.get("--num-key-value-heads", kind=int)
+    _experts(a, notes)
     if a.get("--ffn-hidden-size"):
         model["ffn_hidden"] = a.get("--ffn-hidden-size", kind=int)
     if seq:
@@ -317,6 +458,18 @@ def _model(a: _Args, raw: dict, notes: Notes) -> None:
         if positions != seq and not llama:
             notes.unmapped("--max-position-embeddings", positions, f"the spec's gpt learns seq_len({seq}) positions")
     raw["model"] = model
+
+
+def _experts(a: _Args, notes: Notes) -> None:
+    experts = a.get("--num-experts")
+    if isinstance(experts, str) and "$" not in experts:
+        count = max(int(float(x)) for x in experts.split())  # Megatron-DeepSpeed takes one count per layer group
+        if count > 1:
+            topk = a.get("--moe-router-topk")
+            notes.note(f"--num-experts {experts}: the script trains a mixture-of-experts model ({count} experts "
+                       f"per MoE layer{f', top-{topk} routing' if topk else ''}); the spec has no experts, "
+                       "so the imported job is a DIFFERENT, dense model with one MLP per block, fewer parameters "
+                       "and other results. The --moe-* flags below are not mapped")
 
 
 def _vocab(a: _Args, tp: int, notes: Notes) -> int:
