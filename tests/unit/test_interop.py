@@ -366,7 +366,7 @@ def keep_environ():
 def test_deepspeed_parses_the_export(layout, dtype, monkeypatch):
     from deepspeed.runtime import config as ds_config
 
-    s = spec(layout, dtype, train={"global_batch": 32, "micro_batch": 2, "grad_clip": 1.0})
+    s = spec(layout, dtype, train={"global_batch": 32, "micro_batch": 2, "grad_clip": 1.0, "optimizer": "adamw"})
     cfg = json.loads(export_config(s, "deepspeed")[0])
     # DeepSpeed reads the data-parallel world size from its launcher's process group.
     monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)

@@ -47,7 +47,7 @@ def detect_format(text: str, filename: str = "") -> str:
 
 
 def import_text(text: str, format: str | None = None, *, name: str = "job",
-                overrides: list[str] | None = None):
+                overrides: list[str] | None = None, base: str | Path | None = None):
     """Translate an engine's config text into a validated JobSpec.
 
     Args:
@@ -56,6 +56,7 @@ def import_text(text: str, format: str | None = None, *, name: str = "job",
         name: the job name (the engines' configs carry none that fits).
         overrides: ``["layout.dp=8", ...]`` applied before validation, for what the file leaves to
             the launcher (e.g. the world size).
+        base: the config's folder, where files it names are read (an Accelerate deepspeed_config_file).
     Returns:
         (JobSpec, warnings): one warning per key that has no counterpart here.
     Raises:
@@ -70,13 +71,15 @@ def import_text(text: str, format: str | None = None, *, name: str = "job",
     dp = apply_overrides({}, overrides or []).get("layout", {}).get("dp")
     label = engine.__name__.rsplit(".", 1)[-1]
     try:
-        raw, warnings = engine.to_spec(engine.parse(text), dp=int(dp) if dp else None)
+        extra = {"base": Path(base) if base is not None else None} if label == "accelerate" else {}
+        raw, warnings = engine.to_spec(engine.parse(text), dp=int(dp) if dp else None, **extra)
     except ConfigError:
         raise
     except (TypeError, ValueError, AttributeError) as e:  # a number that is text, a section that is a value, ...
         raise ConfigError(f"the {label} config has a value of the wrong type ({e}). Fix that value; "
                           "docs/interop.md lists the keys read and what they must hold.") from None
     raw = {"name": name, **raw}
+    _check_length(raw, overrides or [], label, warnings)
     try:
         spec = load_spec(apply_overrides(raw, overrides or []))
     except ConfigError as e:
@@ -90,6 +93,20 @@ def import_text(text: str, format: str | None = None, *, name: str = "job",
     return spec, warnings
 
 
+def _check_length(raw: dict, overrides: list[str], label: str, warnings: list[str]) -> None:
+    """A warmup that the file states but a run length it leaves to the script: ask for the length, not a shorter warmup."""
+    from workbench.spec import TrainSpec
+
+    train = raw.get("train", {})
+    given = "steps" in train or any(o.split("=", 1)[0].strip() == "train.steps" for o in overrides)
+    warmup = train.get("warmup_steps", 0)
+    if not given and isinstance(warmup, int) and warmup >= TrainSpec().steps:
+        raise ConfigError(f"the {label} config warms the learning rate up over {warmup} steps but does not say how "
+                          f"long the run is (the spec's default train.steps is {TrainSpec().steps}). Give the run's "
+                          f"length: --set train.steps=N with N > {warmup}."
+                          + "".join(f"\n  note: {w}" for w in warnings if w.startswith(f"{label}:")))
+
+
 def import_config(path: str | Path, format: str | None = None, overrides: list[str] | None = None):
     """`import_text` on a file; the job is named after the file. Raises ConfigError if unreadable."""
     path = Path(path)
@@ -99,7 +116,8 @@ def import_config(path: str | Path, format: str | None = None, overrides: list[s
         raise ConfigError(f"cannot read config {str(path)!r}: {e}. Pass the path of a DeepSpeed JSON, Accelerate "
                           "YAML, Megatron-LM command line or torchtitan TOML.") from None
     fmt = format or detect_format(text, path.name)
-    return import_text(text, fmt, name=path.stem.replace("_", "-") or "job", overrides=overrides)
+    return import_text(text, fmt, name=path.stem.replace("_", "-") or "job", overrides=overrides,
+                       base=path.parent)
 
 
 def export_config(spec, engine: str) -> tuple[str, list[str]]:

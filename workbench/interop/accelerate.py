@@ -6,10 +6,12 @@ sizes, the optimizer and clipping (outside the DeepSpeed plugin) live in the tra
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import yaml
 
 from workbench.errors import ConfigError
-from workbench.interop.common import Notes, batch_split, flatten, set_path, unexpressed_fields
+from workbench.interop.common import Notes, batch_split, flatten, said, set_path, unexpressed_fields
 from workbench.parallelism import Parallelism
 from workbench.spec import TrainSpec
 
@@ -17,7 +19,9 @@ from workbench.spec import TrainSpec
 _NEUTRAL = {"compute_environment": "LOCAL_MACHINE", "machine_rank": 0, "main_training_function": "main",
             "rdzv_backend": "static", "same_network": True, "downcast_bf16": "no", "gpu_ids": "all",
             "fsdp_config.fsdp_state_dict_type": "SHARDED_STATE_DICT",
-            "fsdp_config.fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}  # ours shards block by block
+            "fsdp_config.fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # ours shards block by block
+            "parallelism_config.parallelism_config_cp_size": 1,  # context parallelism off
+            "deepspeed_config.zero3_init_flag": False}
 _DTYPES = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
 _FSDP1 = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0}
 _SCRIPT = "the training script sets it (Accelerate's config has no field for it)"
@@ -38,8 +42,12 @@ def dump(cfg: dict) -> str:
     return yaml.safe_dump(cfg, sort_keys=False)
 
 
-def to_spec(cfg: dict, dp: int | None = None) -> tuple[dict, list[str]]:
-    """An Accelerate config dict -> (raw spec dict, warnings); `dp` is the launcher's if the file leaves it."""
+def to_spec(cfg: dict, dp: int | None = None, base: Path | None = None) -> tuple[dict, list[str]]:
+    """An Accelerate config dict -> (raw spec dict, warnings); `dp` is the launcher's if the file leaves it.
+
+    `base` is the folder of the YAML: a ``deepspeed_config_file`` is read from there (relative paths are
+    the YAML's, as `accelerate launch` run beside it reads them).
+    """
     notes, flat, raw = Notes("accelerate"), flatten(cfg), {}
     used = {k for k, v in _NEUTRAL.items() if flat.get(k) == v}
 
@@ -55,12 +63,14 @@ def to_spec(cfg: dict, dp: int | None = None) -> tuple[dict, list[str]]:
         set_path(raw, "precision.dtype", dtype)
     if get("use_cpu"):
         set_path(raw, "resources.gpu", "cpu")
-    elif "use_cpu" in flat:
-        notes.note("use_cpu: false runs on GPUs of a type the file does not name; the spec keeps resources.gpu=cpu: "
-                   "set it with --set resources.gpu=NAME (e.g. h100-80gb)")
+    elif kind not in ("NO", "MULTI_CPU"):
+        notes.note("the job runs on the GPUs Accelerate finds, of a type the file does not name: resources.gpu is "
+                   "left unset (exports say GPUs again); set it with --set resources.gpu=NAME (e.g. h100-80gb)")
     dp = _world(get, raw, notes, dp)
     if kind == "FSDP":
         _fsdp(get, raw, notes)
+    elif kind == "DEEPSPEED" and get("deepspeed_config.deepspeed_config_file"):
+        _deepspeed_file(get, raw, notes, dp, base)
     elif kind == "DEEPSPEED":
         _deepspeed(get, raw, notes, dp)
     elif kind not in ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA",
@@ -85,6 +95,12 @@ def _world(get, raw: dict, notes: Notes, launcher_dp: int | None) -> int:
     """Machines, processes and the tp/dp split of them; returns dp."""
     machines, procs = int(get("num_machines", 1)), int(get("num_processes", 1))
     tp = int(get("parallelism_config.parallelism_config_tp_size", 1))
+    cp = int(get("parallelism_config.parallelism_config_cp_size", 1))
+    if cp > 1:  # the processes are dp x tp x cp; the spec has no context parallelism
+        notes.unmapped("parallelism_config.parallelism_config_cp_size", cp,
+                       f"context parallelism splits each sequence over {cp} ranks; the spec has none, so those ranks "
+                       f"are not part of the imported job (dp = num_processes / (tp x cp)): a different layout")
+        tp *= cp
     replicate = int(get("parallelism_config.parallelism_config_dp_replicate_size", 1))
     shard = int(get("parallelism_config.parallelism_config_dp_shard_size", 1))
     if procs < 1:
@@ -101,11 +117,12 @@ def _world(get, raw: dict, notes: Notes, launcher_dp: int | None) -> int:
                           f"num_processes({procs}) / tp_size({tp}) = {dp}. Fix the parallelism_config sizes.")
     if replicate > 1 and shard > 1:
         notes.note(f"hybrid sharding (replicate {replicate} x shard {shard}) becomes plain sharding over dp={dp}")
+    tp //= cp
     set_path(raw, "layout.dp", dp)
     set_path(raw, "layout.tp", tp)
     if machines > 1:
         set_path(raw, "resources.nodes", machines)
-        set_path(raw, "resources.gpus_per_node", procs // machines)
+        set_path(raw, "resources.gpus_per_node", procs // machines // cp)
     return dp
 
 
@@ -128,10 +145,42 @@ def _fsdp(get, raw: dict, notes: Notes) -> None:
         set_path(raw, "layout.activation_checkpointing", "full")
 
 
+def _deepspeed_file(get, raw: dict, notes: Notes, dp: int, base: Path | None) -> None:
+    """deepspeed_config_file: Accelerate hands that ds_config to DeepSpeed whole (the inline keys are then not
+    read), so the stage, precision, batch, clipping, optimizer and schedule are the file's."""
+    from workbench.interop import deepspeed as ds
+
+    name = str(get("deepspeed_config.deepspeed_config_file"))
+    path = (base / name) if base is not None and not Path(name).is_absolute() else Path(name)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        where = f"{path}: {e.strerror or e}" if base is not None else "imported from text, no folder to read it from"
+        notes.unmapped("deepspeed_config.deepspeed_config_file", name,
+                       f"the ZeRO stage, precision, batch and optimizer live in that file, which is not readable "
+                       f"here ({where}); nothing of it is assumed (the spec's defaults stand in): import it with "
+                       "--format deepspeed, or keep it beside the YAML")
+        return
+    sub, lines = ds.to_spec(ds.parse(text), dp)
+    for section, fields in sub.items():
+        for key, value in fields.items():
+            if section == "layout" and key == "dp":
+                continue  # the launcher's processes decide dp; the file's batch sizes are checked by load_spec
+            if section == "precision" and "dtype" in raw.get("precision", {}) and key == "dtype":
+                if raw["precision"]["dtype"] != value:
+                    notes.note(f"mixed_precision gives {raw['precision']['dtype']}, {name} gives {value}: "
+                               "DeepSpeed takes the file's")
+            set_path(raw, f"{section}.{key}", value)
+    for line in lines:
+        notes.lines.append(f"{line} (in {name})" if line.startswith("deepspeed") else line)
+    for key in ("zero_stage", "offload_optimizer_device", "offload_param_device", "gradient_accumulation_steps",
+                "gradient_clipping"):
+        if get(f"deepspeed_config.{key}") not in (None, "none"):
+            notes.unmapped(f"deepspeed_config.{key}", get(f"deepspeed_config.{key}"),
+                           f"Accelerate does not read it beside deepspeed_config_file; {name}'s value is used")
+
+
 def _deepspeed(get, raw: dict, notes: Notes, dp: int) -> None:
-    if get("deepspeed_config.deepspeed_config_file"):
-        notes.unmapped("deepspeed_config.deepspeed_config_file", get("deepspeed_config.deepspeed_config_file"),
-                       "import that file itself: workbench import FILE --format deepspeed")
     set_path(raw, "layout.zero", int(get("deepspeed_config.zero_stage", 2)))
     opt_dev = get("deepspeed_config.offload_optimizer_device", "none") or "none"
     param_dev = get("deepspeed_config.offload_param_device", "none") or "none"
@@ -159,8 +208,15 @@ def from_spec(spec) -> tuple[dict, list[str]]:
                  "downcast_bf16": "no", "machine_rank": 0, "main_training_function": "main",
                  "mixed_precision": {"fp32": "no"}.get(spec.precision.dtype, spec.precision.dtype),
                  "num_machines": res.nodes, "num_processes": lay.world_size, "rdzv_backend": "static",
-                 "same_network": True, "use_cpu": res.gpu == "cpu"}
-    expressed = ["precision.dtype", "layout.dp", "layout.zero", "resources.nodes", "resources.gpus_per_node"]
+                 "same_network": True}
+    cpu = res.gpu == "cpu" and said(spec, "resources.gpu")
+    if said(spec, "resources.gpu"):
+        cfg["use_cpu"] = cpu
+    else:  # the spec's default device is no statement about the job: Accelerate uses the GPUs it finds
+        notes.note("the spec does not set resources.gpu: use_cpu is not written, so Accelerate runs on the GPUs "
+                   "it finds (--set resources.gpu=cpu for a CPU config)")
+    expressed = ["precision.dtype", "layout.dp", "layout.zero", "resources.nodes", "resources.gpus_per_node",
+                 "resources.gpu"]
     # ZeRO 2/3 go through the plugin that says more of the spec: FSDP2 holds activation checkpointing
     # and tp, DeepSpeed's holds gradient clipping and accumulation.
     deepspeed = lay.zero == 1 or lay.offload == "nvme" or (
@@ -178,7 +234,7 @@ def from_spec(spec) -> tuple[dict, list[str]]:
                               "fsdp_state_dict_type": "SHARDED_STATE_DICT"}
         expressed += ["layout.offload"] + (["layout.activation_checkpointing"] if lay.activation_checkpointing == "full" else [])
     elif cfg["num_processes"] > 1:
-        cfg["distributed_type"] = "MULTI_CPU" if res.gpu == "cpu" else "MULTI_GPU"
+        cfg["distributed_type"] = "MULTI_CPU" if cpu else "MULTI_GPU"
     if lay.tp > 1 and cfg["distributed_type"] == "FSDP":  # Accelerate composes tp with FSDP only
         cfg["parallelism_config"] = {"parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": lay.dp,
                                      "parallelism_config_tp_size": lay.tp}

@@ -133,6 +133,17 @@ def _inert(spec) -> set[str]:
     return out
 
 
+def said(spec, key: str) -> bool:
+    """Whether the spec says `key` ("train.lr"): set explicitly, or different from the default.
+
+    An export writes what the spec says; a field the spec leaves at its default was never stated
+    (e.g. imported from a config that left it to the training script), so writing it would invent it.
+    """
+    section, name = key.split(".", 1)
+    sec = getattr(spec, section)
+    return name in sec.model_fields_set or getattr(sec, name) != getattr(type(sec)(), name)
+
+
 def batch_split(spec) -> tuple[int, int]:
     """(micro_batch, accumulation steps per dp rank) of a validated spec."""
     tr = spec.train

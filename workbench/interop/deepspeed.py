@@ -18,6 +18,7 @@ from workbench.interop.common import (
     Notes,
     batch_split,
     flatten,
+    said,
     scaled,
     set_path,
     unexpressed_fields,
@@ -43,12 +44,18 @@ def to_spec(cfg: dict, dp: int | None = None) -> tuple[dict, list[str]]:
     notes, flat, raw, used = Notes("deepspeed"), flatten(cfg), {}, set()
 
     def get(key, default=None):
+        """The key's value, DeepSpeed's default when absent, None when 'auto' (the HF Trainer's, named)."""
         used.add(key)
         value = flat.get(key, default)
         if value == "auto":
-            notes.unmapped(key, value, "'auto' is filled in by the Hugging Face Trainer at launch")
-            return default
+            if key not in auto:
+                notes.unmapped(key, value, "'auto' is filled in by the Hugging Face Trainer at launch; the spec's "
+                               "own value stands in")
+            auto.add(key)
+            return None
         return value
+
+    auto: set[str] = set()
 
     _batch(get, raw, notes, dp)
     _zero(get, raw, notes)
@@ -62,9 +69,10 @@ def to_spec(cfg: dict, dp: int | None = None) -> tuple[dict, list[str]]:
 
 
 def _batch(get, raw: dict, notes: Notes, launcher_dp: int | None) -> None:
+    """DeepSpeed's own rules (runtime/config.py _configure_train_batch_size): any two of the three give the
+    third, one alone takes accumulation 1; dp is the launcher's world size over tp x pp."""
     tb, mb, gas = get("train_batch_size"), get("train_micro_batch_size_per_gpu"), get("gradient_accumulation_steps")
-    if mb:
-        set_path(raw, "train.micro_batch", mb)
+    tb, mb, gas = (int(v) if v is not None else None for v in (tb, mb, gas))
     if tb and mb and gas:
         dp, rest = divmod(tb, mb * gas)
         if rest or not dp:
@@ -74,21 +82,49 @@ def _batch(get, raw: dict, notes: Notes, launcher_dp: int | None) -> None:
                 "number. Fix one of the three.")
         set_path(raw, "layout.dp", dp)
         set_path(raw, "train.global_batch", tb)
+        set_path(raw, "train.micro_batch", mb)
         return
-    if tb or (mb and gas):
-        set_path(raw, "train.global_batch", tb or mb * gas * (launcher_dp or 1))
+    dp = launcher_dp or 1
     if launcher_dp:
         set_path(raw, "layout.dp", launcher_dp)
+    elif tb or mb or gas:
+        notes.note("the data-parallel size is the launcher's world size and this config does not fix it "
+                   "(it needs train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps); "
+                   "dp=1 assumed: give it with --set layout.dp=N")
+    if tb and not mb:  # DeepSpeed: micro = batch / (accumulation x dp), accumulation 1 when absent
+        mb, rest = divmod(tb, (gas or 1) * dp)
+        if rest or not mb:
+            raise ConfigError(f"DeepSpeed batch sizes disagree: train_batch_size({tb}) / (gradient_accumulation_steps"
+                              f"({gas or 1}) x dp({dp})) is not a whole number. Fix the batch, or give the world size "
+                              "with --set layout.dp=N.")
+    if mb and not tb:
+        tb = mb * (gas or 1) * dp
+    if not tb and not mb and gas:  # the micro-batch is the script's (or 'auto'): the spec's stands in
+        from workbench.spec import TrainSpec
+
+        mb = TrainSpec().micro_batch
+        tb = mb * gas * dp
+        notes.note(f"train_micro_batch_size_per_gpu is not in this config (the script's DataLoader, or 'auto'); "
+                   f"micro_batch={mb} assumed, so global_batch = {mb} x gradient_accumulation_steps({gas}) x dp({dp}) "
+                   f"= {tb} (change both with --set)")
+    elif not tb and not mb:
+        notes.note("no batch size in this config (the training script's, or 'auto'): the spec's default "
+                   "global_batch and micro_batch stand in (give them with --set train.global_batch=N)")
         return
-    notes.note("the data-parallel size is the launcher's world size and this config does not fix it "
-               "(it needs train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps); "
-               "dp=1 assumed: give it with --set layout.dp=N (and train.global_batch)")
+    set_path(raw, "train.global_batch", tb)
+    set_path(raw, "train.micro_batch", mb)
 
 
 def _zero(get, raw: dict, notes: Notes) -> None:
-    set_path(raw, "layout.zero", get("zero_optimization.stage", 0))
+    set_path(raw, "layout.zero", get("zero_optimization.stage", 0) or 0)
     opt_dev = get("zero_optimization.offload_optimizer.device", "none") or "none"
     param_dev = get("zero_optimization.offload_param.device", "none") or "none"
+    # DeepSpeed's older keys (still read by zero/config.py, deprecated): cpu_offload is offload_optimizer
+    # to the CPU, cpu_offload_params offload_param to the CPU.
+    if get("zero_optimization.cpu_offload") and opt_dev == "none":
+        opt_dev = "cpu"
+    if get("zero_optimization.cpu_offload_params") and param_dev == "none":
+        param_dev = "cpu"
     device = opt_dev if opt_dev != "none" else param_dev
     if device != "none":
         set_path(raw, "layout.offload", device)
@@ -123,16 +159,19 @@ def _precision(get, raw: dict, notes: Notes) -> None:
 def _optimizer(get, raw: dict, notes: Notes, flat: dict) -> None:
     kind = get("optimizer.type")
     if kind is None:
+        notes.note("no optimizer block: DeepSpeed uses the optimizer the training script builds; the spec's "
+                   "default (adamw, lr 3e-4, no weight decay) stands in and is not exported (set train.* with --set)")
         return
     name = {"adam": "adamw" if get("optimizer.params.adam_w_mode", True) else "adam",
             "adamw": "adamw", "sgd": "sgd"}.get(str(kind).lower())
-    if name is None:
-        notes.unmapped("optimizer.type", kind, "the spec's optimizers are adamw, adam and sgd")
-        return
-    set_path(raw, "train.optimizer", name)
-    for key in ("lr", "weight_decay"):
+    for key in ("lr", "weight_decay"):  # the same meaning under every optimizer
         if get(f"optimizer.params.{key}") is not None:
             set_path(raw, f"train.{key}", float(flat[f"optimizer.params.{key}"]))
+    if name is None:
+        notes.unmapped("optimizer.type", kind, "the spec's optimizers are adamw, adam and sgd; adamw used with "
+                       "this lr and weight decay")
+        return
+    set_path(raw, "train.optimizer", name)
     if name == "sgd":
         checks = (("momentum", 0.0, SGD_MOMENTUM),)  # torch.optim.SGD's default momentum is 0
     else:
@@ -164,9 +203,10 @@ def _scheduler(get, raw: dict, notes: Notes, flat: dict) -> None:
     p = "scheduler.params."
     warmup = get(p + "warmup_num_steps", 1000)
     set_path(raw, "train.schedule", schedule)
-    set_path(raw, "train.warmup_steps", max(2, int(warmup)))  # DeepSpeed warms up at least 2 steps
-    if warmup < 2:
-        notes.note(f"scheduler.params.warmup_num_steps={warmup}: DeepSpeed uses max(2, it); warmup_steps=2")
+    if warmup is not None:
+        set_path(raw, "train.warmup_steps", max(2, int(warmup)))  # DeepSpeed warms up at least 2 steps
+        if warmup < 2:
+            notes.note(f"scheduler.params.warmup_num_steps={warmup}: DeepSpeed uses max(2, it); warmup_steps=2")
     wtype = get(p + "warmup_type", "log")
     if wtype != "linear":
         notes.unmapped(p + "warmup_type", wtype, "the spec's warmup rises linearly; mapped to linear warmup")
@@ -174,10 +214,10 @@ def _scheduler(get, raw: dict, notes: Notes, flat: dict) -> None:
         from workbench.spec import TrainSpec
 
         lr = raw.get("train", {}).get("lr", TrainSpec().lr)  # WarmupCosineLR scales the optimizer's lr
-        start = get(p + "warmup_min_ratio", 0.0)
+        start = get(p + "warmup_min_ratio", 0.0) or 0.0
         if start:
             notes.unmapped(p + "warmup_min_ratio", start, "the spec's warmup starts from 0; mapped as 0")
-        set_path(raw, "train.min_lr", scaled(float(get(p + "cos_min_ratio", 0.0001)), lr))
+        set_path(raw, "train.min_lr", scaled(float(get(p + "cos_min_ratio", 0.0001) or 0.0), lr))
     else:
         peak = get(p + "warmup_max_lr", 0.001 if schedule == "linear" else None)  # their defaults
         if peak is not None:
@@ -186,17 +226,22 @@ def _scheduler(get, raw: dict, notes: Notes, flat: dict) -> None:
                 notes.note(f"scheduler.params.warmup_max_lr={peak} overrides optimizer.params.lr={optimizer_lr} "
                            "as the peak: train.lr takes it")
             set_path(raw, "train.lr", float(peak))
-        start = float(get(p + "warmup_min_lr", 0.0))
+        start = float(get(p + "warmup_min_lr", 0.0) or 0.0)
         if schedule == "linear":
             set_path(raw, "train.min_lr", start)
         if start:
             notes.unmapped(p + "warmup_min_lr", start, "DeepSpeed's warmup starts from it; the spec's starts from "
                            "0" + (" (it is kept as train.min_lr, where the decay ends)" if schedule == "linear" else ""))
     total = get(p + "total_num_steps")
-    if schedule != "constant" and total is not None:
+    if flat.get(p + "total_num_steps") == "auto":
+        pass  # named as 'auto'
+    elif schedule != "constant" and total is not None:
         set_path(raw, "train.steps", int(total))  # the decay ends there: the run's length
     elif schedule != "constant":
         notes.note(f"{kind} without scheduler.params.total_num_steps: the decay ends at train.steps (--set it)")
+    else:
+        notes.note("WarmupLR holds the rate until the training script stops: the run's length is not in this "
+                   "config; give it with --set train.steps=N")
     if schedule == "cosine":  # WarmupLR and WarmupDecayLR at iteration k are ours at step k; this one is not
         notes.note("WarmupCosineLR's decay runs one iteration ahead of the spec's cosine (it counts the first "
                    "decay iteration as 1 and reaches cos_min_ratio at total_num_steps - 1)")
@@ -249,11 +294,18 @@ def from_spec(spec) -> tuple[dict, list[str]]:
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
         "gradient_clipping": tr.grad_clip,
-        "optimizer": _optimizer_out(tr),
         "zero_optimization": zero,
     }
-    expressed = ["train.global_batch", "train.micro_batch", "layout.dp", "train.grad_clip", "train.optimizer",
-                 "train.lr", "train.weight_decay", "layout.zero", "precision"]
+    if not (said(spec, "train.global_batch") or said(spec, "train.micro_batch")):
+        notes.note(f"the spec does not set its batch sizes; DeepSpeed needs them: its defaults are written "
+                   f"(train_batch_size {tr.global_batch}, micro {micro}, accumulation {accum}): assumed values")
+    expressed = ["train.global_batch", "train.micro_batch", "layout.dp", "train.grad_clip", "layout.zero", "precision"]
+    if any(said(spec, f"train.{k}") for k in ("optimizer", "lr", "weight_decay")):
+        cfg["optimizer"] = _optimizer_out(tr)
+        expressed += ["train.optimizer", "train.lr", "train.weight_decay"]
+    else:  # an optimizer block replaces the training script's optimizer: never invented
+        notes.note("the spec does not set train.optimizer, lr or weight_decay: no optimizer block is written, so "
+                   "DeepSpeed uses the optimizer the training script builds")
     scheduler = _scheduler_out(tr, notes, expressed)
     if scheduler:
         cfg["scheduler"] = scheduler

@@ -80,7 +80,7 @@ def parse(text: str) -> Parsed:
     else:
         cmd, words = chosen
         cmd_unresolved, cmd_skipped, program = cmd.unresolved, cmd.skipped, words[program_at].rsplit("/", 1)[-1]
-        words = _launcher_flags(words[:program_at]) + words[program_at:]
+        words = _launcher_flags(words[:program_at]) + _no_redirections(words[program_at:])
     args = Parsed()
     args.program, args.unresolved, args.skipped = program, dict(cmd_unresolved), dict(cmd_skipped)
     for i, tok in enumerate(words):
@@ -96,6 +96,19 @@ def parse(text: str) -> Parsed:
     if not any(k not in _LAUNCHER for k in args):
         raise ConfigError("not a Megatron-LM command line: no --flags found (e.g. --tensor-model-parallel-size).")
     return args
+
+
+def _no_redirections(words: list[str]) -> list[str]:
+    """`&> log`, `2>&1`, `> out` (left in a command kept in a string and run with eval) are the shell's."""
+    out, skip = [], False
+    for w in words:
+        if skip:
+            skip = False
+        elif re.fullmatch(r"\d*(>>?|<|&>>?)&?", w):
+            skip = True
+        elif not re.match(r"\d*(>>?|<|&>>?)\S", w):
+            out.append(w)
+    return out
 
 
 def _launcher_flags(words: list[str]) -> list[str]:

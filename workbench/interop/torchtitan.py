@@ -43,6 +43,22 @@ FLAVORS = {
     "70B": dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=_ffn(8192, 1.3, 4096), vocab=128256),
     "405B": dict(layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=_ffn(16384, 1.2, 4096), vocab=128256),
 }
+# The older layout's llama2 (torchtitan/models/llama/__init__.py at a09cde3, September 2024): rope_theta
+# 10000 like ours, the vocabulary of Llama 2's SentencePiece tokenizer (32000).
+LLAMA2_FLAVORS = {
+    "7B": dict(layers=32, hidden=4096, heads=32, kv_heads=32, ffn_hidden=_ffn(4096), vocab=32000),
+    "13B": dict(layers=40, hidden=5120, heads=40, kv_heads=40, ffn_hidden=_ffn(5120), vocab=32000),
+    "70B": dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=_ffn(8192, 1.3, 4096), vocab=32000),
+}
+# The older layout (until late 2024) kept the degrees in [training] and [experimental]; same meanings.
+_OLD_KEYS = {"training.data_parallel_degree": "parallelism.data_parallel_shard_degree",
+             "training.data_parallel_shard_degree": "parallelism.data_parallel_shard_degree",
+             "training.data_parallel_replicate_degree": "parallelism.data_parallel_replicate_degree",
+             "training.tensor_parallel_degree": "parallelism.tensor_parallel_degree",
+             "experimental.pipeline_parallel_degree": "parallelism.pipeline_parallel_degree",
+             "experimental.pipeline_parallel_schedule": "parallelism.pipeline_parallel_schedule",
+             "training.warmup_steps": "lr_scheduler.warmup_steps",
+             "checkpoint.enable_checkpoint": "checkpoint.enable"}
 _SCHEDULES = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved1F1B": "interleaved-1f1b",
               "InterleavedZeroBubble": "zero-bubble"}
 _DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
@@ -66,8 +82,10 @@ def dump(cfg: dict) -> str:
     """A TOML document of sections of scalars and lists (all a torchtitan job config needs)."""
     out = []
     for section, fields in cfg.items():
-        out.append(f"[{section}]")
-        out += [f"{key} = {_toml_value(value)}" for key, value in fields.items()]
+        if set(fields) != {"#"}:  # a section of only a comment is not written (an empty table means defaults)
+            out.append(f"[{section}]")
+        out += [f"# [{section}] {value}" if key == "#" else f"{key} = {_toml_value(value)}"
+                for key, value in fields.items()]
         out.append("")
     return "\n".join(out)
 
@@ -89,6 +107,16 @@ def _toml_value(value) -> str:
 def to_spec(cfg: dict, dp: int | None = None) -> tuple[dict, list[str]]:
     """A torchtitan job config dict -> (raw spec dict, warnings); `dp` fills data_parallel_shard_degree=-1."""
     notes, flat, raw = Notes("torchtitan"), flatten(cfg), {}
+    old_layout = any(k in flat for k in _OLD_KEYS)
+    for old, new in _OLD_KEYS.items():
+        if old in flat and new not in flat:
+            flat[new] = flat.pop(old)
+    if flat.get("training.data_parallel_type") == "ddp":  # the older layout's DDP over the dp degree
+        flat["parallelism.data_parallel_replicate_degree"] = flat.pop("parallelism.data_parallel_shard_degree", -1)
+        flat["parallelism.data_parallel_shard_degree"] = 1
+        flat.pop("training.data_parallel_type")
+    elif flat.get("training.data_parallel_type") == "fsdp":
+        flat.pop("training.data_parallel_type")
     used = {k for k, v in _NEUTRAL.items() if flat.get(k) == v}
     for section, switch in _SWITCHED.items():
         if not flat.get(switch):
@@ -102,7 +130,7 @@ def to_spec(cfg: dict, dp: int | None = None) -> tuple[dict, list[str]]:
     _training(get, raw, notes, pp)
     _optimizer(get, raw, notes)
     _activation_checkpoint(get, raw, notes)
-    _model(get, raw, notes)
+    _model(get, raw, notes, old_layout)
     _checkpoint(get, raw)
     _lr_scheduler(get, raw, notes)
     notes.unmapped_rest(flat, used)
@@ -194,6 +222,9 @@ def _parallelism(get, raw: dict, notes: Notes, launcher_dp: int | None) -> int:
         if is_multi_stage(lay["pp_schedule"]):
             layers = FLAVORS.get(get("model.flavor", "debugmodel"), {}).get("layers")
             lay["virtual_stages"] = layers // (pp * per_stage) if per_stage and layers else 2
+    if pp == 1:  # a pipeline's settings without a pipeline switch nothing on
+        for key in ("schedule", "layers_per_stage", "microbatch_size"):
+            get(f"parallelism.pipeline_parallel_{key}")
     if get("training.enable_cpu_offload"):
         lay["offload"] = "cpu"
     raw["layout"] = lay
@@ -249,15 +280,21 @@ def _activation_checkpoint(get, raw: dict, notes: Notes) -> None:
                        "recomputes the attention core, Korthikanti et al.); none used")
 
 
-def _model(get, raw: dict, notes: Notes) -> None:
+def _model(get, raw: dict, notes: Notes, old_layout: bool = False) -> None:
     name, flavor = get("model.name", "llama3"), get("model.flavor", "debugmodel")
     seq = int(get("training.seq_len", 2048))
-    if name != "llama3" or flavor not in FLAVORS:
-        notes.unmapped("model.flavor", f"{name}/{flavor}", f"the shapes known here are llama3 {', '.join(FLAVORS)}; "
-                       "the spec keeps its default model (set model.* with --set)")
+    # The older llama3 debugmodel had 8 layers and the test tokenizer's vocabulary: only the big flavors match.
+    known = ({f: d for f, d in FLAVORS.items() if f != "debugmodel" or not old_layout} if name == "llama3"
+             else LLAMA2_FLAVORS if name == "llama2" else {})
+    if flavor not in known:
+        older = " (this older layout's debugmodel is another shape)" if old_layout and name == "llama3" else ""
+        notes.unmapped("model.flavor", f"{name}/{flavor}", f"no shape is known here for it (llama3 "
+                       f"{', '.join(FLAVORS)}; llama2 {', '.join(LLAMA2_FLAVORS)}{older}): the spec keeps its default "
+                       "model, a different model (set model.* with --set)")
         return
-    raw["model"] = {"family": "llama", **FLAVORS[flavor], "seq_len": seq, "tie_embeddings": False}
-    notes.note(f"llama3 uses rope_theta={_ROPE_THETA}; the spec's llama family uses 10000")
+    raw["model"] = {"family": "llama", **known[flavor], "seq_len": seq, "tie_embeddings": False}
+    if name == "llama3":
+        notes.note(f"llama3 uses rope_theta={_ROPE_THETA}; the spec's llama family uses 10000")
 
 
 def _checkpoint(get, raw: dict) -> None:
@@ -278,9 +315,10 @@ def from_spec(spec) -> tuple[dict, list[str]]:
     expressed = ["layout.dp", "layout.tp", "layout.pp", "layout.zero", "train.global_batch", "train.micro_batch",
                  "train.steps", "train.grad_clip", "train.seed", "train.lr", "train.weight_decay", "precision.dtype"]
     par = Parallelism.from_spec(spec)
-    parallelism = {"data_parallel_replicate_degree": 1 if par.fsdp else lay.dp,
-                   "data_parallel_shard_degree": lay.dp if par.fsdp else 1,
-                   "fsdp_reshard_after_forward": "never" if par.fsdp and not par.reshard_after_forward else "default",
+    fsdp = par.fsdp or lay.zero >= 2  # ZeRO 2/3 on one rank is still FSDP's layout: -1 keeps it sharded
+    parallelism = {"data_parallel_replicate_degree": 1 if fsdp else lay.dp,
+                   "data_parallel_shard_degree": (lay.dp if lay.dp > 1 else -1) if fsdp else 1,
+                   "fsdp_reshard_after_forward": "never" if fsdp and lay.zero == 2 else "default",
                    "tensor_parallel_degree": lay.tp, "pipeline_parallel_degree": lay.pp}
     if lay.zero == 1:
         notes.unexpressed("layout.zero", 1, "torchtitan shards all of parameters, gradients and optimizer state "
@@ -301,7 +339,10 @@ def from_spec(spec) -> tuple[dict, list[str]]:
         expressed.append("layout.offload")
     if lay.pp > 1:
         _pipeline_out(spec, parallelism, expressed, micro)
-    cfg = {"job": {"dump_folder": "."}, "model": _model_out(spec, notes, expressed),
+    model = _model_out(spec, notes, expressed)
+    cfg = {"job": {"dump_folder": "."}, "model": model or {"#": "no [model] fields: the spec's model matches no "
+                                                                   "torchtitan flavour; torchtitan would build its default "
+                                                                   "(llama3 debugmodel): set name and flavor"},
            "optimizer": {"name": "Adam" if tr.optimizer == "adam" else "AdamW", "lr": tr.lr, "beta1": ADAM_BETAS[0],
                          "beta2": ADAM_BETAS[1], "eps": 1e-8, "weight_decay": tr.weight_decay},
            "lr_scheduler": _lr_scheduler_out(tr, notes, expressed),
