@@ -29,11 +29,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--report", help="write a self-contained HTML report of the run to this file")
     run.add_argument("--no-progress", action="store_true", help="no terminal progress bar")
 
-    command("validate", "Check the spec; exit 2 with the reason if it is invalid.")
+    validate = command("validate", "Check the spec; exit 2 with the reason if it is invalid.")
     memory = command("memory", "Predicted memory per rank.")
     memory.add_argument("--json", action="store_true", help="machine-readable output")
     plan = command("plan", "Candidate layouts for the spec's resources, best first.")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
+    for c in (validate, memory, plan):
+        c.add_argument("--trust-factory", action="store_true",
+                       help="let planning import and call model.factory (it is code); same as model.trust_factory: true")
     plan.add_argument("--top", type=int, default=10, help="how many candidates to show (default 10)")
     dispatch = command("dispatch", "Submit the job to a backend, or print the request with --dry-run.")
     dispatch.add_argument("--backend", help="local | ray | sagemaker | vertex | azureml (default: the spec's)")
@@ -105,10 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _load(args):
+def _load(args, layout: bool = True):
     from workbench.spec import load_spec
 
-    return load_spec(args.spec, args.overrides)
+    trust = ["model.trust_factory=true"] if getattr(args, "trust_factory", False) else []
+    return load_spec(args.spec, [*args.overrides, *trust], layout=layout)
 
 
 def _run(args) -> int:
@@ -139,9 +143,8 @@ def _memory(args) -> int:
 
 def _plan(args) -> int:
     from workbench.planner import plan
-    from workbench.spec import load_spec
 
-    result = plan(load_spec(args.spec, args.overrides, layout=False))  # plan searches layouts
+    result = plan(_load(args, layout=False))  # plan searches layouts
     print(json.dumps(result.to_dict(top=args.top), indent=2) if args.json else result.table(top=args.top))
     return 0
 
@@ -184,8 +187,6 @@ def _emit(text: str, warnings: list[str], output: str | None) -> int:
     else:
         sys.stdout.write(text)
     return 0
-
-
 
 
 def _data(args) -> int:

@@ -53,10 +53,10 @@ def checkpoint_dir(uri: str) -> tuple[str, dict]:
 def load_checkpoint_model(uri: str):
     """(model, spec): the checkpoint's weights in a plain fp32 model on CPU, any layout."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from workbench.models import GPT
+    from workbench.runtime.checkpoint_safe import SafeLoadPlanner, UnsafeCheckpoint, reader_for, unsafe_cause
     from workbench.spec import load_spec
 
     path, manifest = checkpoint_dir(uri)
@@ -65,13 +65,21 @@ def load_checkpoint_model(uri: str):
         raise ConfigError("export/sample: a factory model has no known architecture here; load its checkpoint with "
                           "torch.distributed.checkpoint into your own module.")
     model = GPT(spec.model.shape()).float()
-    reader = (FsspecReader if "://" in path else FileSystemReader)(path)
-    saved = set(reader.read_metadata().state_dict_metadata)
-    state = {k: v for k, v in model.state_dict().items() if f"model.{k}" in saved}
-    missing = [k for k in model.state_dict() if k not in state and not (k == "head.weight" and spec.model.shape().tie_embeddings)]
-    if missing:
-        raise ConfigError(f"checkpoint {path} lacks {missing[:3]}: it was not written by this model shape.")
-    dcp.load({"model": state}, storage_reader=reader, no_dist=True)
+    reader = reader_for("://" not in path)(path)
+    try:
+        saved = set(reader.read_metadata().state_dict_metadata)
+        state = {k: v for k, v in model.state_dict().items() if f"model.{k}" in saved}
+        missing = [k for k in model.state_dict()
+                   if k not in state and not (k == "head.weight" and spec.model.shape().tie_embeddings)]
+        if missing:
+            raise ConfigError(f"checkpoint {path} lacks {missing[:3]}: it was not written by this model shape.")
+        dcp.load({"model": state}, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    except (UnsafeCheckpoint, CheckpointException) as e:
+        if unsafe_cause(e) is None:
+            raise
+        raise ConfigError(f"checkpoint {path} holds files that are not plain checkpoint data ({unsafe_cause(e)}); "
+                          "nothing was loaded. Export from a checkpoint written by workbench that nobody else can "
+                          "write to.") from None
     model.load_state_dict(state, strict=False)
     return model.eval(), spec
 

@@ -60,15 +60,21 @@ def start(spec, on_event: Callable[[dict], None] | None = None, resume: bool = F
 
 def check_resume_from_checkpoint(spec: JobSpec, or_fresh: bool = False) -> None:
     """Before any worker starts: ConfigError if the newest complete checkpoint's spec is
-    incompatible, or if there are checkpoints and every one is corrupt (unless `or_fresh`)."""
+    incompatible, if it holds anything but data (a planted pickle), or if there are checkpoints
+    and every one is corrupt (unless `or_fresh`)."""
     if not spec.checkpoint.uri:
         return
-    from workbench.runtime.checkpoint_store import Store, all_rejected
+    from workbench.runtime.checkpoint_safe import scan_step, unsafe_refusal
+    from workbench.runtime.checkpoint_store import Store, all_rejected, manifest_spec
     from workbench.validate import check_resume
 
-    manifest, rejected = Store(spec.checkpoint.uri).newest_complete()
+    store = Store(spec.checkpoint.uri)
+    manifest, rejected = store.newest_complete()
     if manifest is not None:
-        check_resume(spec, load_spec(manifest["spec"], layout=False))
+        check_resume(spec, manifest_spec(manifest, spec.checkpoint.uri))
+        unsafe = scan_step(store, manifest["step"], manifest)
+        if unsafe:
+            raise unsafe_refusal(spec.checkpoint.uri, manifest["step"], unsafe)
     elif rejected and not or_fresh:
         raise all_rejected(spec.checkpoint.uri, rejected)
 

@@ -6,7 +6,6 @@ so a pipeline stage that drops blocks (or the embedding, or the head) keeps stab
 """
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -153,29 +152,38 @@ class GPT(nn.Module):
 def build_model_meta(spec: JobSpec) -> nn.Module:
     """The model with parameters on the meta device (no memory), ready to be parallelized."""
     m = spec.model
+    if m.factory is not None:
+        with torch.device("meta"):
+            return call_factory(m.factory, m.kwargs)
     if m.params is not None:
         raise ConfigError(
             f"model: {{params: {m.params:g}}} is a size alone, for planning (workbench memory/plan). "
             "To run, give a preset or a shape, e.g. model: {preset: gpt-tiny}."
         )
-    if m.factory is not None:
-        with torch.device("meta"):
-            return call_factory(m.factory, m.kwargs)
     with torch.device("meta"):
         return GPT(m.shape())
 
 
 def call_factory(path: str, kwargs: dict) -> nn.Module:
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        raise ConfigError(f"model.factory {path!r}: expected 'pkg.module:function'.")
+    """Call a model factory under the trust rules of workbench/factory.py and check what it returns."""
+    import inspect
+
+    from workbench.factory import resolve
+
+    fn = resolve(path)
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"model.factory {path!r}: cannot import it ({e}). Is the module on PYTHONPATH?") from None
+        inspect.signature(fn).bind(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"model.factory {path!r} does not take model.kwargs {sorted(kwargs)}: {e}.") from None
+    except ValueError:
+        pass  # no signature to check (some classes defined in C)
     model = fn(**kwargs)
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"model.factory {path!r} returned {type(model).__name__}, not a torch.nn.Module.")
+        raise ConfigError(f"model.factory {path!r} returned {type(model).__name__}, not a torch.nn.Module. A factory "
+                          "returns the model (forward(tokens) -> logits), built from model.kwargs.")
+    if not any(True for _ in model.parameters()):
+        raise ConfigError(f"model.factory {path!r} returned a {type(model).__name__} without parameters: nothing "
+                          "would train. Return the model whose forward(tokens) gives logits.")
     return model
 
 

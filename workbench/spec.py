@@ -50,9 +50,10 @@ class ModelSpec(_Section):
     vocab: int | None = Field(None, gt=0, description="Vocabulary size.")
     seq_len: int | None = Field(None, gt=0, description="Sequence length (tokens per sample).")
     tie_embeddings: bool | None = Field(None, description="Share the embedding and output head weights.")
-    params: float | None = Field(None, gt=0, description="A size alone (e.g. 7.5e9): planning of model states only, nothing to run.")
+    params: float | None = Field(None, gt=0, description="A size alone (e.g. 7.5e9): planning of model states only, nothing to run. Beside a factory: the size planning uses without running it.")
     factory: str | None = Field(None, description="'pkg.module:function' returning an nn.Module (forward(tokens) -> logits).")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the factory.")
+    trust_factory: bool = Field(False, description="Let planning (validate, memory, plan, the notebook) import and call model.factory to count its parameters; a factory is code (workbench/factory.py). Without it, planning uses model.params.")
 
     def shape(self) -> ModelShape:
         """The resolved architecture (preset + overrides). Raises ConfigError if incomplete."""

@@ -42,9 +42,13 @@ def validate_spec(spec: JobSpec, layout: bool = True) -> None:
 def _check_model(spec: JobSpec) -> None:
     m = spec.model
     kinds = [k for k, v in (("preset", m.preset), ("params", m.params), ("factory", m.factory)) if v is not None]
-    if "params" in kinds and len(kinds) > 1 or "factory" in kinds and "preset" in kinds:
-        raise ConfigError(f"model: give one of preset, params or factory, not {' and '.join(kinds)}.")
+    if "preset" in kinds and len(kinds) > 1:
+        raise ConfigError(f"model: give one of preset, params or factory, not {' and '.join(kinds)} "
+                          "(params may stand beside a factory: the size planning uses without running it).")
     if m.factory is not None:
+        from workbench.factory import check_origin
+
+        check_origin(m.factory)  # finds the module without running any of its code
         if m.vocab is None or m.seq_len is None:
             raise ConfigError("model.factory: also give vocab and seq_len so the data pipeline can feed the model, "
                               "e.g. model: {factory: 'mypkg.models:build', vocab: 256, seq_len: 64}.")
@@ -71,14 +75,14 @@ def _check_resources(spec: JobSpec, layout: bool = True) -> None:
 
 def _check_layout(spec: JobSpec) -> None:
     lay, m = spec.layout, spec.model
-    if m.params is not None:
-        return
     if m.factory is not None:
         if lay.tp > 1 or lay.pp > 1:
             raise ConfigError(
                 f"layout: tp={lay.tp}, pp={lay.pp} need the built-in GPT family (its block structure is what "
                 "gets split); a factory model runs with data parallelism (dp, zero) only. Set tp=1 and pp=1."
             )
+        return
+    if m.params is not None:
         return
     shape = m.shape()
     for name, value in (("heads", shape.heads), ("kv_heads", shape.kv_heads), ("hidden", shape.hidden),
@@ -149,7 +153,7 @@ def _check_backend(spec: JobSpec) -> None:
 
 def check_runnable(spec: JobSpec) -> None:
     """Rules for running (not just planning) a spec in this release."""
-    if spec.model.params is not None:
+    if spec.model.params is not None and spec.model.factory is None:
         raise ConfigError(
             f"model: {{params: {spec.model.params:g}}} is a size alone, for planning (workbench memory/plan). "
             "To run, give a preset or a shape, e.g. model: {preset: gpt-tiny}."

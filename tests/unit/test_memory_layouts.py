@@ -173,13 +173,15 @@ def test_does_not_fit_is_reported():
     assert est.fits is False and "DOES NOT FIT" in est.table()
 
 
-def test_factory_model_gets_model_states_from_its_meta_parameters():
+def test_a_trusted_factory_model_gets_model_states_from_its_meta_parameters():
     s = load_spec({"model": {"factory": "torch.nn:Linear", "kwargs": {"in_features": 100, "out_features": 10},
-                             "vocab": 256, "seq_len": 64}, "layout": {"dp": 2}, "resources": {"gpus_per_node": 2}})
+                             "vocab": 256, "seq_len": 64, "trust_factory": True},
+                   "layout": {"dp": 2}, "resources": {"gpus_per_node": 2}})
     r = rank0(s)
     assert r["params"] == 4 * 1010 and r["optimizer"] == 8 * 1010 and r["activations"] == 0
     with pytest.raises(ConfigError, match="cannot import"):
-        estimate_memory(load_spec({"model": {"factory": "no_such_mod:f", "vocab": 256, "seq_len": 64}}))
+        estimate_memory(load_spec({"model": {"factory": "no_such_mod:f", "vocab": 256, "seq_len": 64,
+                                             "trust_factory": True}}))
 
 
 def test_cli_memory_json(capsys, tmp_path):

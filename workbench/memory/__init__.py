@@ -127,12 +127,19 @@ def layout_from_spec(spec) -> Layout:
 
 
 def model_of(spec):
-    """The model's ModelShape, or its parameter count (a size-only or a factory model)."""
+    """The model's ModelShape, or its parameter count (a size-only or a factory model).
+
+    A factory is imported and called (on the meta device) only when the user trusts it
+    (workbench/factory.py); `model.params` beside it is used as it is.
+    """
     if spec.model.params is not None:
         return float(spec.model.params)
     if spec.model.factory is not None:
-        # Count the factory model's parameters on the meta device (nothing is allocated).
+        from workbench.factory import planning_refusal
         from workbench.models import build_model_meta
+
+        if not spec.model.trust_factory:
+            raise planning_refusal(spec.model.factory)
 
         model = build_model_meta(spec)
         return float(sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()))
@@ -150,7 +157,7 @@ def estimate_memory(spec, convention: str | None = None) -> MemoryEstimate:
     Returns:
         MemoryEstimate; `.to_dict()` is the `workbench memory --json` schema.
     Raises:
-        ConfigError: invalid spec, or a factory that cannot be imported.
+        ConfigError: invalid spec, or a factory that is not trusted (model.trust_factory) or cannot be imported.
     """
     from workbench.catalog import get_device
     from workbench.errors import ConfigError
@@ -161,7 +168,7 @@ def estimate_memory(spec, convention: str | None = None) -> MemoryEstimate:
     model = model_of(spec)
     lay = layout_from_spec(spec)
     if convention is None:
-        convention = "zero-paper" if spec.model.params is not None else "workbench"
+        convention = "zero-paper" if spec.model.params is not None and spec.model.factory is None else "workbench"
     if convention not in CONVENTIONS:
         raise ConfigError(f"convention {convention!r}: use one of {', '.join(CONVENTIONS)}.")
     dev = get_device(spec.resources.gpu)

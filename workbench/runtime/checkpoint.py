@@ -21,6 +21,14 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from workbench.errors import ConfigError
 from workbench.parallel.tied import saved_names
 from workbench.runtime.checkpoint_reshard import fill_optim, home, layout_diff, load_canonical, local_part, master_state
+from workbench.runtime.checkpoint_safe import (
+    SafeLoadPlanner,
+    UnsafeCheckpoint,
+    load_value,
+    reader_for,
+    unsafe_cause,
+    unsafe_refusal,
+)
 from workbench.runtime.checkpoint_state import (
     module_keys,
     rng_state,
@@ -37,6 +45,7 @@ from workbench.runtime.checkpoint_store import (
     describe_error,
     disk_full,
     manifest_or_problem,
+    manifest_spec,
     new_manifest,
 )
 
@@ -295,11 +304,18 @@ class Checkpointer:
                 self._warn(f"checkpoint step {step} under {self.uri} is incomplete or corrupt "
                            f"({rejected[-1][1]}); falling back to the previous complete checkpoint")
                 continue
-            for note in check_resume(load_spec(self.spec), load_spec(manifest["spec"], layout=False)):
+            for note in check_resume(load_spec(self.spec), manifest_spec(manifest, self.uri)):
                 self._warn(note)
-            self._load(step, manifest)
-            if manifest.get("world_size") == self.world:  # per-rank streams only map 1:1 on the same world
-                set_rng_state(self.store.read_torch(f"{self.store.step_dir(step)}/rng-rank{self.rank:05d}.pt"))
+            unsafe = sorted({p for part in self._gather(self._restore_rng(step, manifest)) for p in part})
+            if unsafe:
+                raise unsafe_refusal(self.uri, step, unsafe)
+            try:
+                self._load(step, manifest)
+            except (Exception, CheckpointException) as e:
+                cause = unsafe_cause(e)
+                if cause is None:
+                    raise
+                raise unsafe_refusal(self.uri, step, [str(cause)]) from None
             self.last_saved_step = step
             self._last_save_time = self.clock()
             return step
@@ -308,15 +324,24 @@ class Checkpointer:
         self._warn(f"no complete checkpoint under {self.uri}; starting from step 0")
         return 0
 
+    def _restore_rng(self, step: int, manifest: dict) -> list[str]:
+        """Set this rank's RNG streams from the step's RNG file; [why] when that file is not an RNG state."""
+        if manifest.get("world_size") != self.world:  # per-rank streams only map 1:1 on the same world
+            return []
+        name = f"rng-rank{self.rank:05d}.pt"
+        try:
+            set_rng_state(load_value(self.store.read_bytes(f"{self.store.step_dir(step)}/{name}")))
+        except (UnsafeCheckpoint, ValueError) as e:
+            return [f"{name}: {e}"]
+        return []
+
     def _load(self, step: int, manifest: dict) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         path = self.store.step_dir(step)
         url = self.store.url(path)
-        reader = FileSystemReader if self.store.local else FsspecReader
+        reader = reader_for(self.store.local)
         saved = {key.split(".", 1)[0] for key in reader(url).read_metadata().state_dict_metadata}
         state, back = self._state_dict()
         layout, saved_layout = self.spec.get("layout", {}), manifest.get("layout", {})
@@ -331,7 +356,8 @@ class Checkpointer:
                     "or start a fresh run.")
             self._warn(f"the checkpoint of step {step} has no {part!r} state; it starts fresh")
         present = {k: v for k, v in state.items() if k not in missing}
-        dcp.load(present, storage_reader=reader(url), process_group=self.group, no_dist=self.group is None)
+        dcp.load(present, storage_reader=reader(url), planner=SafeLoadPlanner(), process_group=self.group,
+                 no_dist=self.group is None)
         set_model_state_dict(self.module, module_keys(present["model"], back["model"]))
         if self.optimizer is not None:
             set_optimizer_state_dict(self.module, self.optimizer, module_keys(present["optim"], back["optim"]),
@@ -349,7 +375,8 @@ class Checkpointer:
         from workbench.models import build_model_meta
         from workbench.spec import load_spec
 
-        writer_model = build_model_meta(load_spec(manifest["spec"]))
+        # check_resume made the writer's model this run's: build it from our spec, never from the file's
+        writer_model = build_model_meta(load_spec(self.spec))
         order = [(n, p.shape) for n, p in writer_model.named_parameters() if p.requires_grad]
         optimizer = self.spec.get("train", {}).get("optimizer", "adamw")
         dist_kwargs = {"process_group": self.group, "no_dist": self.group is None}
@@ -364,7 +391,7 @@ class Checkpointer:
             master.load_state_dict(master_state(master, canonical))
         if "scaler" in state and "scaler" in saved:
             scaler = {"scaler": state["scaler"]}
-            dcp.load(scaler, storage_reader=reader(url), **dist_kwargs)
+            dcp.load(scaler, storage_reader=reader(url), planner=SafeLoadPlanner(), **dist_kwargs)
             self.extra_state["scaler"].load_state_dict(scaler["scaler"])
         self._warn(f"the checkpoint of step {step} keeps its optimizer state in {home(saved)!r}, this run in "
                    f"{home(set(state))!r} ({layout_diff(manifest.get('layout', {}), self.spec.get('layout', {}))}): "

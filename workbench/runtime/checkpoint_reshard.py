@@ -40,19 +40,21 @@ def load_canonical(reader_factory, url: str, manifest: dict, param_order: list[t
     """Read a checkpoint's model/optimizer state into canonical form (every rank reads it all).
 
     Args:
-        reader_factory: FileSystemReader or FsspecReader.
+        reader_factory: checkpoint_safe's reader class for the store.
         param_order: the writer's trainable parameters as (canonical name, shape).
         optimizer: train.optimizer (which moments to expect).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from workbench.runtime.checkpoint_safe import SafeLoadPlanner
+
     meta = reader_factory(url).read_metadata().state_dict_metadata
     targets: dict = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
                      if isinstance(m, TensorStorageMetadata) and k.split(".", 1)[0] in ("model", "optim", "master")}
     if "master.num_steps" in meta:
         targets["master.num_steps"] = 0  # a non-tensor: DCP replaces the value
-    dcp.load(targets, storage_reader=reader_factory(url), **dcp_kwargs)
+    dcp.load(targets, storage_reader=reader_factory(url), planner=SafeLoadPlanner(), **dcp_kwargs)
     names = MOMENTS[optimizer]
     if "master.num_steps" in targets:  # the master keeps full tensors by canonical name (parallel/master.py)
         kinds = ["master"] + [f"moment{i}" for i in range(len(names))]

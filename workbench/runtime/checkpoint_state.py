@@ -53,21 +53,35 @@ def _merge_into(dst: nn.Module, src: nn.Module) -> None:
 
 
 def rng_state() -> dict:
-    """This process's random number generator states (torch CPU and CUDA, Python, NumPy)."""
+    """This process's random number generator states (torch CPU and CUDA, Python, NumPy) as tensors,
+    ints and floats only: a checkpoint's RNG file loads with weights_only=True (checkpoint_safe)."""
     import numpy as np
 
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    version, internal, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state = {"torch": torch.get_rng_state(),
+             "python": torch.tensor(internal, dtype=torch.int64), "python_version": version, "python_gauss": gauss,
+             "numpy": torch.from_numpy(keys.astype(np.int64)), "numpy_pos": int(pos),
+             "numpy_has_gauss": int(has_gauss), "numpy_gauss": float(cached)}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore `rng_state()`'s output. Raises ValueError when it is not such a state."""
     import numpy as np
 
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    try:
+        python = (int(state["python_version"]), tuple(int(x) for x in state["python"].tolist()),
+                  state["python_gauss"])
+        numpy = ("MT19937", state["numpy"].numpy().astype(np.uint32), int(state["numpy_pos"]),
+                 int(state["numpy_has_gauss"]), float(state["numpy_gauss"]))
+        random.setstate(python)
+        np.random.set_state(numpy)
+        torch.set_rng_state(state["torch"])
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        raise ValueError(f"not an RNG state written by this version ({type(e).__name__}: {e})") from None
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 

@@ -172,11 +172,10 @@ class Store:
         with self.fs.open(path, "wb") as f:
             torch.save(obj, f)
 
-    def read_torch(self, path: str):
-        import torch
-
+    def read_bytes(self, path: str) -> bytes:
+        """A file's bytes (load a `write_torch` file with checkpoint_safe.load_value: data only)."""
         with self.fs.open(path, "rb") as f:
-            return torch.load(f, weights_only=False)  # our own RNG states (Python and NumPy objects)
+            return f.read()
 
     # -- retention ----------------------------------------------------------------------
     def doomed(self, kept: list[int], *, current: int) -> list[str]:
@@ -231,6 +230,24 @@ def all_rejected(uri: str, rejected: list[tuple[int, str]]):
         "explicitly with --resume-or-fresh (or without --resume, or with another checkpoint.uri).")
 
 
+def manifest_spec(manifest: dict, uri: str):
+    """The spec a checkpoint records (layout rules skipped: another layout may resume it). It is
+    data like the rest of the manifest: validated, and nothing it names is imported here.
+
+    Raises:
+        ConfigError: the recorded spec is invalid, named as the checkpoint's.
+    """
+    from workbench.errors import ConfigError
+    from workbench.spec import load_spec
+
+    try:
+        return load_spec(manifest["spec"], layout=False)
+    except (ConfigError, KeyError, TypeError) as e:
+        raise ConfigError(f"cannot resume: the spec recorded in the checkpoint of step {manifest.get('step')} under "
+                          f"{uri} is not a valid spec ({e}). Nothing was loaded. Restore the checkpoint from a "
+                          "trusted copy, or start a fresh run with another checkpoint.uri.") from None
+
+
 def new_manifest(step: int, spec: dict, world_size: int, files: dict, save_s: float) -> dict:
     return {"format": FORMAT, "step": step, "spec": spec, "world_size": world_size,
             "layout": spec.get("layout", {}), "files": files, "created_unix": time.time(),
@@ -239,11 +256,11 @@ def new_manifest(step: int, spec: dict, world_size: int, files: dict, save_s: fl
 
 def describe_error(e: BaseException) -> str:
     """A one-line cause, unwrapping DCP's per-rank CheckpointException; names a full disk."""
-    causes = list(_causes(e))
-    for inner in causes:
+    found = list(causes(e))
+    for inner in found:
         if isinstance(inner, OSError) and inner.errno == errno.ENOSPC:
             return f"no space left on device ({inner})"
-    root = causes[-1] if len(causes) > 1 and getattr(e, "failures", None) else e
+    root = found[-1] if len(found) > 1 and getattr(e, "failures", None) else e
     return f"{type(root).__name__}: {str(root).splitlines()[0] if str(root) else ''}"
 
 
@@ -267,7 +284,7 @@ def disk_full(store: Store, need_bytes: int) -> str | None:
             f"checkpoint needs about {need_bytes / 2**20:.1f} MiB")
 
 
-def _causes(e: BaseException):
+def causes(e: BaseException):
     seen, todo = set(), [e]
     while todo:
         cur = todo.pop()

@@ -202,7 +202,11 @@ def _train(spec, sink: Sink, should_stop: Callable[[], bool], resume: bool, gath
     t, rank = spec.train, run.ctx.rank
     ckpt = build_checkpointer(spec, run.par.modules, run.step_fn.optimizer, run.ctx.device, sink,
                               extra_state=run.step_fn.stateful())
-    first = ckpt.restore(or_fresh=resume == RESUME_OR_FRESH) + 1 if resume else 1
+    try:
+        first = ckpt.restore(or_fresh=resume == RESUME_OR_FRESH) + 1 if resume else 1
+    except BaseException:
+        ckpt.close()  # a refused resume leaves no lease behind
+        raise
     if resume and rank == 0:
         sink({"event": "restart", "attempt": attempt, "from_step": first - 1})
     step, loss_value, status = first - 1, float("nan"), "completed"

@@ -11,6 +11,7 @@ import statistics
 from datetime import datetime, timezone
 from pathlib import Path
 
+from workbench.errors import ConfigError
 from workbench.ui import figures
 
 _CSS = """body{font-family:'DejaVu Sans',Arial,sans-serif;margin:24px auto;max-width:1200px;color:#222}
@@ -90,7 +91,10 @@ def _estimate(spec) -> dict | None:
         from workbench.memory import estimate_memory
     except ImportError:
         return None
-    return estimate_memory(spec).to_dict()
+    try:
+        return estimate_memory(spec).to_dict()
+    except ConfigError:  # e.g. a factory model that planning may not run (workbench/factory.py)
+        return None
 
 
 def _header(spec, s: dict) -> str:

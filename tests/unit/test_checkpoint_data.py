@@ -1,0 +1,154 @@
+"""A checkpoint folder is data, never code (issue 31): a pickle planted in each file kind a
+checkpoint has (the RNG file, DCP's .metadata, a non-tensor value inside a shard, the manifest's
+spec), with its size and CRC-32 re-signed in the manifest, is refused by resume with exit 2, and
+the payload never runs (a marker file it would create stays absent)."""
+import io
+import json
+import os
+import pickle
+import sys
+
+import pytest
+import torch
+import yaml
+
+from workbench.cli import main as cli_main
+from workbench.errors import ConfigError
+from workbench.runtime.checkpoint_safe import load_metadata, scan_step
+from workbench.runtime.checkpoint_store import MANIFEST, Store
+from workbench.runtime.loop import train
+
+
+class Payload:
+    """Runs a shell command when unpickled (what an attacker with write access to the store plants)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def spec(uri) -> dict:
+    return {"name": "data-only", "model": {"preset": "gpt-tiny"},
+            "train": {"steps": 2, "global_batch": 4, "micro_batch": 4},
+            "checkpoint": {"uri": str(uri), "every_steps": 2}}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("clean")
+    train(spec(folder / "ckpt"), [].append)
+    return folder / "ckpt"
+
+
+@pytest.fixture
+def ckpt(trained, tmp_path):
+    import shutil
+
+    shutil.copytree(trained, tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def resign(step_dir, *names):
+    """Update the manifest's size and CRC-32 of the named files, as a forger would."""
+    store = Store(str(step_dir.parent))
+    manifest = json.loads((step_dir / MANIFEST).read_text())
+    for name in names:
+        manifest["files"][name] = store.checksum(str(step_dir / name))
+    (step_dir / MANIFEST).write_text(json.dumps(manifest))
+
+
+def torch_payload(marker) -> bytes:
+    buf = io.BytesIO()
+    torch.save({"torch": Payload(marker)}, buf)
+    return buf.getvalue()
+
+
+def plant_rng(step_dir, marker):
+    (step_dir / "rng-rank00000.pt").write_bytes(torch_payload(marker))
+    resign(step_dir, "rng-rank00000.pt")
+
+
+def plant_metadata(step_dir, marker):
+    (step_dir / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    resign(step_dir, ".metadata")
+
+
+def plant_value(step_dir, marker):
+    """Append a payload to a shard and point one non-tensor value (an optimizer's param_groups
+    entry) at it, through a .metadata that itself names only DCP's classes."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    with open(step_dir / ".metadata", "rb") as f:
+        metadata = load_metadata(f)
+    fqn = next(k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
+    info = metadata.storage_data[MetadataIndex(fqn)]
+    shard = step_dir / info.relative_path
+    payload, offset = torch_payload(marker), shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(payload)
+    metadata.storage_data[MetadataIndex(fqn)] = _StorageInfo(info.relative_path, offset, len(payload),
+                                                            info.transform_descriptors)
+    (step_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+    resign(step_dir, ".metadata", info.relative_path)
+
+
+PLANTS = {"rng": plant_rng, "metadata": plant_metadata, "value": plant_value}
+
+
+@pytest.mark.parametrize("kind", PLANTS)
+def test_a_planted_pickle_is_refused_by_the_driver_and_by_every_rank(ckpt, tmp_path, kind, capsys):
+    marker = tmp_path / f"pwned-{kind}"
+    step_dir = ckpt / "step-000000002"
+    PLANTS[kind](step_dir, marker)
+    store = Store(str(ckpt))
+    manifest, rejected = store.newest_complete()
+    assert manifest is not None and not rejected  # the forgery passes size and CRC-32: only the content betrays it
+    assert scan_step(store, 2, manifest)
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(spec(ckpt)))
+    assert cli_main(["run", str(spec_file), "--resume", "--no-progress"]) == 2  # before any worker starts
+    err = capsys.readouterr().err
+    assert "not plain checkpoint data" in err and "nothing was loaded or run" in err and "Traceback" not in err
+    with pytest.raises(ConfigError, match="not plain checkpoint data"):  # a rank resuming on its own (torchrun, clouds)
+        train(spec(ckpt), [].append, resume=True)
+    assert not marker.exists()
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-000000002"]  # nothing was deleted
+
+
+def test_a_manifest_naming_a_factory_runs_nothing(ckpt, tmp_path, monkeypatch, capsys):
+    """The manifest's spec is data too: a factory it names is compared, never imported."""
+    marker = tmp_path / "pwned-manifest"
+    (tmp_path / "evil_model.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+                                            "def build(**kw):\n    raise SystemExit\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    step_dir = ckpt / "step-000000002"
+    manifest = json.loads((step_dir / MANIFEST).read_text())
+    for factory in ("evil_model:build", "os:system"):
+        manifest["spec"]["model"] = {"factory": factory, "kwargs": {"command": f"touch {marker}"}, "vocab": 256,
+                                     "seq_len": 64}
+        (step_dir / MANIFEST).write_text(json.dumps(manifest))
+        spec_file = tmp_path / "spec.yaml"
+        spec_file.write_text(yaml.safe_dump(spec(ckpt)))
+        assert cli_main(["run", str(spec_file), "--resume", "--no-progress"]) == 2
+        assert "cannot resume" in capsys.readouterr().err
+        with pytest.raises(ConfigError):
+            train(spec(ckpt), [].append, resume=True)
+    assert not marker.exists() and "evil_model" not in sys.modules
+
+
+def test_rng_files_hold_tensors_and_numbers_only(ckpt):
+    state = torch.load(ckpt / "step-000000002" / "rng-rank00000.pt", weights_only=True)
+    assert {type(v) for v in state.values()} <= {torch.Tensor, int, float, type(None)}
+
+
+def test_a_clean_checkpoint_resumes_on_the_same_curve(ckpt, tmp_path):
+    """The allow-listed readers load everything our checkpoints hold (model, AdamW state, RNG)."""
+    full = []
+    train({**spec(tmp_path / "full"), "train": {"steps": 4, "global_batch": 4, "micro_batch": 4}}, full.append)
+    resumed = []
+    train({**spec(ckpt), "train": {"steps": 4, "global_batch": 4, "micro_batch": 4}}, resumed.append, resume=True)
+    loss = [e["loss"] for e in full if e["event"] == "step"]
+    assert [e["loss"] for e in resumed if e["event"] == "step"] == loss[2:]
