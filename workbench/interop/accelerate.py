@@ -235,6 +235,10 @@ def from_spec(spec) -> tuple[dict, list[str]]:
         expressed += ["layout.offload"] + (["layout.activation_checkpointing"] if lay.activation_checkpointing == "full" else [])
     elif cfg["num_processes"] > 1:
         cfg["distributed_type"] = "MULTI_CPU" if cpu else "MULTI_GPU"
+    if lay.zero >= 1:  # the spec says the stage, not the engine: name the plugin chosen for it
+        other = "FSDP plugin (FSDP2)" if deepspeed else "DeepSpeed plugin (ZeRO)"
+        notes.note(f"layout.zero={lay.zero} is written with the {'DeepSpeed plugin' if deepspeed else 'FSDP plugin'}, "
+                   f"the one that says more of this spec; the {other} shards the same state")
     if lay.tp > 1 and cfg["distributed_type"] == "FSDP":  # Accelerate composes tp with FSDP only
         cfg["parallelism_config"] = {"parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": lay.dp,
                                      "parallelism_config_tp_size": lay.tp}

@@ -61,8 +61,11 @@ def to_spec(cfg: dict, dp: int | None = None) -> tuple[dict, list[str]]:
     _zero(get, raw, notes)
     _precision(get, raw, notes)
     _optimizer(get, raw, notes, flat)
-    if get("gradient_clipping"):
-        set_path(raw, "train.grad_clip", float(flat["gradient_clipping"]))
+    clip = get("gradient_clipping", 1.0)  # DeepSpeed 0.19's default (runtime/constants.py) clips at 1.0
+    if clip is not None:
+        set_path(raw, "train.grad_clip", float(clip))
+        if "gradient_clipping" not in flat:
+            notes.note("no gradient_clipping: DeepSpeed's default 1.0 applies (train.grad_clip=1.0)")
     _scheduler(get, raw, notes, flat)
     notes.unmapped_rest(flat, used)
     return raw, notes.lines

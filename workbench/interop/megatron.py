@@ -215,7 +215,7 @@ def to_spec(args: dict, dp: int | None = None) -> tuple[dict, list[str]]:
     _model(a, raw, notes)
     if a.get("--save-interval"):
         set_path(raw, "checkpoint.every_steps", a.get("--save-interval", kind=int))
-    if a.get("--save"):
+    if isinstance(a.get("--save"), str):  # a placeholder such as `<Specify path>` leaves no value
         set_path(raw, "checkpoint.uri", a.get("--save"))
     used = a.used | {k for k in args if k in _LAUNCHER} | {k for k, v in _NEUTRAL.items() if args.get(k) == v}
     for flag, value in args.items():
