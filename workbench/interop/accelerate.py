@@ -65,7 +65,7 @@ def to_spec(cfg: dict, dp: int | None = None, base: Path | None = None) -> tuple
         set_path(raw, "resources.gpu", "cpu")
     elif kind not in ("NO", "MULTI_CPU"):
         notes.note("the job runs on the GPUs Accelerate finds, of a type the file does not name: resources.gpu is "
-                   "left unset (exports say GPUs again); set it with --set resources.gpu=NAME (e.g. h100-80gb)")
+                   "left unset (an export writes no use_cpu unless the spec states a device); set it with --set resources.gpu=NAME (e.g. h100-80gb)")
     dp = _world(get, raw, notes, dp)
     if kind == "FSDP":
         _fsdp(get, raw, notes)

@@ -163,7 +163,7 @@ def _optimizer(get, raw: dict, notes: Notes, flat: dict) -> None:
     kind = get("optimizer.type")
     if kind is None:
         notes.note("no optimizer block: DeepSpeed uses the optimizer the training script builds; the spec's "
-                   "default (adamw, lr 3e-4, no weight decay) stands in and is not exported (set train.* with --set)")
+                   "default (adamw, lr 3e-4, no weight decay) stands in, and an export writes no optimizer block unless the spec states one (set train.* with --set)")
         return
     name = {"adam": "adamw" if get("optimizer.params.adam_w_mode", True) else "adam",
             "adamw": "adamw", "sgd": "sgd"}.get(str(kind).lower())
