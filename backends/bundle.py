@@ -3,8 +3,10 @@
 The bundle is an allow-list: the workbench and backends packages, the spec, requirements.txt and
 the project files the spec names (model.factory's module, data.path, backend.include), never the
 project directory as a whole. Inside what is named, caches, virtualenvs, links, anything .gitignore
-names and anything that looks like a credential (by name or by content) are still left out: a
-cloud job never needs your keys, it gets its own identity from the cloud.
+names and credential files and folders (by name, backends/secrets.py) are left out; every file that
+would ship, the spec included, is scanned for credentials by content, and one that holds any
+refuses the dispatch unless its path is in backend.secrets_allowlist. A cloud job never needs your
+keys: it gets its own identity from the cloud.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from backends.secrets import credential_name, refuse, scan_paths
 from workbench.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -35,19 +38,7 @@ MAX_BUNDLE_BYTES = 200 * 2**20
 MAX_BUNDLE_FILES = 20_000
 
 SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".tox", ".nox", ".mypy_cache", ".pytest_cache",
-             ".ruff_cache", ".ipynb_checkpoints", "node_modules", ".eggs", "checkpoints", ".cache",
-             # credential stores
-             ".aws", ".azure", ".gcloud", ".ssh", ".gnupg", ".docker", ".kube"}
-SECRET_NAMES = [".env", ".env.*", "*.env", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "id_rsa*", "id_ed25519*",
-                "id_ecdsa*", ".netrc", ".pypirc", ".git-credentials", "credentials", "credentials.json",
-                "*credentials*.json", "*service-account*.json", "*service_account*.json",
-                "application_default_credentials.json", "*.tfstate", "*.tfvars"]
-# Values, not just names: a real key has a body after the marker (so this file does not match itself).
-_SECRET_CONTENT = re.compile(
-    rb"\b(AKIA|ASIA)[0-9A-Z]{16}\b|-----BEGIN (RSA |EC |OPENSSH |DSA |ENCRYPTED )?PRIVATE KEY-----\s*[A-Za-z0-9+/]{20}"
-    rb"|\"private_key\"\s*:\s*\"-----BEGIN|\"private_key_id\"\s*:\s*\"[0-9a-f]{20}|aws_secret_access_key\s*=\s*[A-Za-z0-9+/]{30,}"
-    rb"|AccountKey=[A-Za-z0-9+/]{30,}|SharedAccessSignature=sv=[0-9]{4}-")
-_SCAN_LIMIT = 2 * 2**20  # look inside files up to this size
+             ".ruff_cache", ".ipynb_checkpoints", "node_modules", ".eggs", "checkpoints", ".cache"}
 
 
 @dataclass
@@ -56,7 +47,8 @@ class Bundle:
 
     files: dict[str, Path] = field(default_factory=dict)
     generated: dict[str, bytes] = field(default_factory=dict)
-    excluded_secrets: list[str] = field(default_factory=list)  # paths left out because they look like keys
+    excluded_secrets: list[str] = field(default_factory=list)  # credential files and folders left out, by name
+    allow: set[str] = field(default_factory=set)  # backend.secrets_allowlist: shipped whatever they hold
 
     def tar_gz(self) -> bytes:
         """The bundle as a reproducible gzip'd tarball (sorted names, fixed mtimes)."""
@@ -124,17 +116,6 @@ def _ignored(relpath: str, is_dir: bool, rules: list) -> bool:
     return ignored
 
 
-def _looks_secret(path: Path) -> bool:
-    if any(fnmatch.fnmatchcase(path.name, p) for p in SECRET_NAMES):
-        return True
-    try:
-        if path.stat().st_size <= _SCAN_LIMIT:
-            return bool(_SECRET_CONTENT.search(path.read_bytes()))
-    except OSError:
-        return True
-    return False
-
-
 def _is_venv(path: Path) -> bool:
     return (path / "pyvenv.cfg").exists() or (path / "conda-meta").is_dir()
 
@@ -163,9 +144,12 @@ def collect(root: str | Path, prefix: str = "", skip: set[Path] | None = None, b
                 if (entry.name in SKIP_DIRS or entry.name.endswith(".egg-info") or entry.resolve() in skip
                         or _is_venv(entry) or _ignored(relpath, True, rules)):
                     continue
+                if credential_name(prefix + relpath + "/.") and prefix + relpath not in bundle.allow:
+                    bundle.excluded_secrets.append(prefix + relpath + "/")
+                    continue
                 stack.append((entry, relpath, rules + _gitignore_rules(entry, relpath)))
             elif entry.is_file() and not _ignored(relpath, False, rules):
-                if _looks_secret(entry):
+                if credential_name(prefix + relpath) and prefix + relpath not in bundle.allow:
                     bundle.excluded_secrets.append(prefix + relpath)
                     continue
                 bundle.files[prefix + relpath] = entry
@@ -241,7 +225,7 @@ def build_bundle(spec: JobSpec, root: str | Path | None = None) -> Bundle:
     import workbench
 
     root = Path(root or os.getcwd()).resolve()
-    bundle = Bundle()
+    bundle = Bundle(allow=set(spec.backend.secrets_allowlist))
     for pkg in (workbench, backends):
         pkg_dir = Path(pkg.__file__).resolve().parent
         collect(pkg_dir, prefix=f"{pkg_dir.name}/", bundle=bundle)
@@ -253,7 +237,7 @@ def build_bundle(spec: JobSpec, root: str | Path | None = None) -> Bundle:
             continue
         if path.is_dir():
             collect(path, prefix=f"{rel}/", skip=skip, bundle=bundle)
-        elif path.is_file() and _looks_secret(path):
+        elif path.is_file() and credential_name(rel) and rel not in bundle.allow:
             bundle.excluded_secrets.append(rel)
         elif path.is_file():
             bundle.files[rel] = path
@@ -265,6 +249,9 @@ def build_bundle(spec: JobSpec, root: str | Path | None = None) -> Bundle:
         biggest = sorted(bundle.files, key=lambda n: bundle.files[n].stat().st_size, reverse=True)[:3]
         raise ConfigError(f"code bundle: {size / 2**20:.1f} MiB exceeds {MAX_BUNDLE_BYTES / 2**20:.0f} MiB. Largest files: "
                           f"{', '.join(biggest)}. Name fewer files in backend.include; read data from a bucket.")
+    findings = scan_paths(bundle.files, bundle.generated, bundle.allow)
+    if findings:
+        raise refuse(findings, root)
     return bundle
 
 

@@ -186,6 +186,7 @@ class BackendSpec(_Section):
     max_wait_s: int = Field(172800, gt=0, description="Clouds with spot: total time including waiting for capacity.")
     max_failures: int = Field(0, ge=0, description="Restart the worker group this many times after a worker dies, from the last checkpoint.")
     include: list[str] = Field(default_factory=list, description="Remote backends: project files or folders (globs relative to the directory you dispatch from) to ship in the code bundle, besides the workbench packages, the spec, requirements.txt, model.factory's module and data.path.")
+    secrets_allowlist: list[str] = Field(default_factory=list, description="Remote backends: bundle paths (relative to the directory you dispatch from, e.g. 'conf/test_keys.py') that ship although they look like credentials, by name or content: the scanner's false positives (backends/secrets.py).")
     elastic: bool = Field(False, description="Ray: when lost nodes leave too few for the layout, continue from the last checkpoint at a smaller dp with more gradient accumulation (same global batch, same loss curve) instead of waiting for capacity.")
     ray: RaySection = Field(default_factory=RaySection)
     sagemaker: SageMakerSection = Field(default_factory=SageMakerSection)

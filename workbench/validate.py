@@ -266,15 +266,44 @@ def _model_identity(old: JobSpec, new: JobSpec) -> list[tuple[str, object, objec
 
 def _check_training(spec: JobSpec) -> None:
     """Schedule, evaluation and tracking rules (workbench/schedule.py, docs/training.md)."""
-    from urllib.parse import urlsplit
-
     from workbench.schedule import check_schedule
 
     check_schedule(spec.train)
     if spec.train.eval_every and spec.data.source != "synthetic" and spec.data.val_fraction <= 0:
         raise ConfigError(f"train.eval_every={spec.train.eval_every} needs held-out data, but data.val_fraction is 0. "
                           "Set data.val_fraction (e.g. 0.05) or eval_every=0.")
-    uri = spec.tracking.mlflow
-    if uri and urlsplit(uri).password is not None:
-        raise ConfigError("tracking.mlflow: the URI carries a password, which would travel with the spec. Remove it "
-                          "and set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD in the environment instead.")
+    _check_urls(spec.to_dict())
+
+
+# Query parameters that carry a credential (pre-signed S3 URLs, Azure SAS, OAuth tokens, API keys).
+_CREDENTIAL_PARAMS = {"sig", "signature", "x-amz-signature", "x-amz-credential", "x-amz-security-token",
+                      "x-goog-signature", "x-goog-credential", "token", "access_token", "id_token", "refresh_token",
+                      "api_key", "apikey", "key", "secret", "client_secret", "password", "passwd", "auth"}
+_FIXES = {"tracking.mlflow": "set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in "
+                             "the environment instead",
+          "backend.ray.address": "set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) in the environment instead"}
+
+
+def _check_urls(raw, path: str = "") -> None:
+    """No URL anywhere in the spec carries a credential: a password in its user part, or a
+    credential query parameter. The spec travels (bundles, dry-runs, manifests, reports)."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    if isinstance(raw, dict):
+        for key, value in raw.items():
+            _check_urls(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(raw, list):
+        for i, value in enumerate(raw):
+            _check_urls(value, f"{path}[{i}]")
+    elif isinstance(raw, str) and "://" in raw:
+        try:
+            url = urlsplit(raw)
+            password = url.password
+        except ValueError:
+            return  # not a URL (e.g. a port that is not a number): nothing to leak from its parts
+        params = sorted({k.lower() for k, _ in parse_qsl(url.query, keep_blank_values=True)} & _CREDENTIAL_PARAMS)
+        if password is not None or params:
+            what = "a password" if password is not None else f"a credential in its query ({', '.join(params)})"
+            fix = _FIXES.get(path, "give the credential through the environment or the platform's secret store")
+            raise ConfigError(f"{path}: the URL carries {what}, which would travel with the spec (bundles, dry-runs, "
+                              f"checkpoint manifests, reports). Remove it and {fix}.")

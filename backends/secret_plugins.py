@@ -1,0 +1,29 @@
+"""detect-secrets plugins for the credentials its 1.5 release has no detector for (loaded by
+backends/secrets.py as custom plugins): Hugging Face tokens, Google OAuth secrets and Google
+credential JSON files."""
+import re
+
+from detect_secrets.plugins.base import RegexBasedDetector
+
+
+class HuggingFaceTokenDetector(RegexBasedDetector):
+    """Hugging Face user access tokens (hf_ + 34 letters) and organization API tokens (api_org_)."""
+
+    secret_type = "Hugging Face Token"  # pragma: allowlist secret
+    denylist = [re.compile(r"(?<![A-Za-z0-9_])(?:hf_[A-Za-z]{34,}|api_org_[A-Za-z]{34,})(?![A-Za-z0-9])")]
+
+
+class GoogleOAuthSecretDetector(RegexBasedDetector):
+    """Google OAuth client secrets (GOCSPX-...) and refresh tokens (1//...), as in client_secret_*.json
+    and the authorized_user token.json that gcloud and google-auth write."""
+
+    secret_type = "Google OAuth Secret"  # pragma: allowlist secret
+    denylist = [re.compile(r"GOCSPX-[A-Za-z0-9_-]{28}"), re.compile(r"(?<![A-Za-z0-9/])1//0[A-Za-z0-9_-]{40,}")]
+
+
+class GoogleCredentialsFileDetector(RegexBasedDetector):
+    """Google credential JSON by its type field (a service-account key, gcloud's authorized_user
+    token.json, a workload-identity config), whatever the file is called."""
+
+    secret_type = "Google Credentials JSON"  # pragma: allowlist secret
+    denylist = [re.compile(r'"type"\s*:\s*"(service_account|authorized_user|external_account)"')]

@@ -1,0 +1,238 @@
+"""What a code bundle never carries: credential files and folders by name, and credentials by
+content, found by detect-secrets' plugins (AWS, Azure, GitHub, GitLab, OpenAI, Slack, Stripe,
+private keys, JWTs, basic auth, passwords by keyword, high-entropy strings, ...) plus ours for
+Hugging Face and Google OAuth (backends/secret_plugins.py).
+
+Every shipped file is scanned whole, whatever its size, as a stream: lines longer than
+MAX_LINE_CHARS are cut into overlapping pieces, bytes that are not UTF-8 are read as Latin-1 so
+that a key inside a binary file is still seen. detect-secrets costs ~0.4 ms a line, so each block
+is first searched with the plugins' own regular expressions and only lines where one matches go
+through detect-secrets' line pipeline (its filters included, e.g. `# pragma: allowlist secret`).
+"""
+from __future__ import annotations
+
+import bisect
+import fnmatch
+import itertools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from workbench.errors import ConfigError
+
+# Files that are credentials whatever they hold (matched on the name), and folders that hold them.
+CREDENTIAL_NAMES = [
+    ".env", ".env.*", "*.env", ".envrc", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "*.keystore", "*.ppk",
+    "id_rsa*", "id_dsa*", "id_ed25519*", "id_ecdsa*", ".netrc", "_netrc", ".pypirc", ".npmrc", ".yarnrc.yml",
+    ".pgpass", ".git-credentials", ".dockercfg", "credentials", "credentials.json", "*credentials*.json",
+    "*service-account*.json", "*service_account*.json", "application_default_credentials.json",
+    "client_secret*.json", "token.json", "kaggle.json", "kubeconfig", "*.kubeconfig", ".htpasswd",
+    "*.tfstate", "*.tfstate.backup", "*.tfvars", "secrets.yaml", "secrets.yml", "secrets.toml",
+]
+CREDENTIAL_DIRS = {".aws", ".azure", ".gcloud", ".ssh", ".gnupg", ".docker", ".kube", ".kaggle", ".config/gcloud",
+                   ".config/gh", ".huggingface", ".cache/huggingface"}
+MAX_LINE_CHARS = 64 * 1024  # longer lines are scanned in pieces of this size ...
+OVERLAP_CHARS = 512  # ... each repeating the previous piece's last characters: no key is cut in two
+_BLOCK_BYTES = 1 << 20
+_SKIPPED_PLUGINS = {"IPPublicDetector"}  # a public IP address is not a credential
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A credential in a file that was to be shipped: where and what kind (never the value)."""
+
+    path: str
+    line: int
+    kind: str
+
+    def __str__(self) -> str:
+        return f"{self.path}, line {self.line}: {self.kind}"
+
+
+def credential_name(relpath: str) -> str | None:
+    """Why the file at `relpath` (relative, '/'-separated) is a credential by its name alone, or None."""
+    parts = relpath.split("/")
+    for i in range(len(parts) - 1):
+        if parts[i] in CREDENTIAL_DIRS or "/".join(parts[i:i + 2]) in CREDENTIAL_DIRS:
+            return f"credential folder {parts[i]}/"
+    if any(fnmatch.fnmatchcase(parts[-1], p) for p in CREDENTIAL_NAMES):
+        return "credential file (by its name)"
+    return None
+
+
+def _settings_config() -> dict:
+    from detect_secrets.core.plugins.util import get_mapping_from_secret_type_to_class
+
+    plugins = [{"name": cls.__name__} for cls in get_mapping_from_secret_type_to_class().values()
+               if cls.__module__.startswith("detect_secrets.plugins.") and cls.__name__ not in _SKIPPED_PLUGINS]
+    path = Path(__file__).with_name("secret_plugins.py")
+    plugins += [{"name": name, "path": path.as_uri()}
+                for name in ("HuggingFaceTokenDetector", "GoogleOAuthSecretDetector", "GoogleCredentialsFileDetector")]
+    return {"plugins_used": plugins}
+
+
+def _candidate_patterns(plugins) -> list[tuple[re.Pattern | None, list[re.Pattern]]] | None:
+    """Every regular expression the plugins search lines with, recompiled per line (MULTILINE), as
+    (gate, patterns): the patterns run only on lines where the gate matches (the keyword detector's
+    ~10 variants all need one of its keywords); None when a plugin has no such list (then every line
+    is a candidate)."""
+    from detect_secrets.plugins import keyword
+    from detect_secrets.plugins.high_entropy_strings import HighEntropyStringsPlugin
+
+    def per_line(patterns) -> list[re.Pattern]:
+        unique = {(p.pattern, p.flags): p for p in patterns}
+        return [re.compile(p.pattern, p.flags | re.MULTILINE) for p in unique.values()]
+
+    plain, keywords = [], []
+    for plugin in plugins:
+        if isinstance(plugin, keyword.KeywordDetector):
+            tables = [keyword.QUOTES_REQUIRED_DENYLIST_REGEX_TO_GROUP, *keyword.REGEX_BY_FILETYPE.values()]
+            keywords += [p for table in tables for p in table]
+        elif isinstance(plugin, HighEntropyStringsPlugin):
+            plain.append(plugin.regex)
+        elif hasattr(plugin, "denylist"):
+            plain += list(plugin.denylist)
+        else:
+            return None
+    groups: list[tuple[re.Pattern | None, list[re.Pattern]]] = [(None, per_line(plain))]
+    if keywords:
+        groups.append((re.compile("|".join(keyword.DENYLIST), re.IGNORECASE), per_line(keywords)))
+    return groups
+
+
+class Scanner:
+    """Scans files for credentials under one detect-secrets configuration (a context manager: the
+    library's settings are global while it is open). Clean files are remembered by path, size and
+    modification time for the life of the process."""
+
+    _clean: set[tuple[str, int, int]] = set()
+
+    def __enter__(self) -> Scanner:
+        from detect_secrets.core.plugins.util import get_mapping_from_secret_type_to_class
+        from detect_secrets.settings import get_plugins, get_settings, transient_settings
+
+        self._settings = transient_settings(_settings_config())
+        self._settings.__enter__()
+        # This heuristic drops every line that calls a function, which hides an OpenAI client built
+        # with its key inline from every detector; keyword matches need quotes in code anyway.
+        get_settings().disable_filters("detect_secrets.filters.heuristic.is_indirect_reference")  # pragma: allowlist secret
+        get_mapping_from_secret_type_to_class.cache_clear()  # cached before our plugins were configured
+        self.patterns = _candidate_patterns(get_plugins())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from detect_secrets.core.plugins.util import get_mapping_from_secret_type_to_class
+
+        self._settings.__exit__(*exc)
+        get_mapping_from_secret_type_to_class.cache_clear()
+
+    def scan_file(self, path: Path, relpath: str) -> Finding | None:
+        st = path.stat()
+        key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+        if key in self._clean:
+            return None
+        with open(path, "rb") as f:
+            found = self.scan_stream(f, relpath)
+        if found is None:
+            self._clean.add(key)
+        return found
+
+    def scan_bytes(self, data: bytes, relpath: str) -> Finding | None:
+        import io
+
+        return self.scan_stream(io.BytesIO(data), relpath)
+
+    def scan_stream(self, f, relpath: str) -> Finding | None:
+        """The first credential in a binary stream, read block by block (never whole)."""
+        from detect_secrets.core.scan import _process_line_based_plugins
+
+        for lines in _blocks(f):
+            for lineno, text in self._candidates(lines):
+                for secret in _process_line_based_plugins([(lineno, text)], filename=relpath):
+                    return Finding(relpath, lineno, secret.type)
+        return None
+
+    def _candidates(self, lines: list[tuple[int, str]]) -> list[tuple[int, str]]:
+        """The lines of a block where one of the plugins' expressions matches, searched block-wide."""
+        if self.patterns is None:
+            return lines
+        text = "\n".join(t for _, t in lines)
+        starts = list(itertools.accumulate((len(t) + 1 for _, t in lines[:-1]), initial=0))
+        hit: set[int] = set()
+        for gate, patterns in self.patterns:
+            if gate is not None and not gate.search(text):
+                continue
+            for p in patterns:
+                for m in p.finditer(text):
+                    first, last = bisect.bisect_right(starts, m.start()) - 1, bisect.bisect_right(starts, m.end()) - 1
+                    hit.update(range(first, last + 1))
+        return [lines[i] for i in sorted(hit)]
+
+
+def _blocks(f):
+    """Lists of (line number, text) of a binary stream, ~1 MiB a list; long lines come in
+    overlapping pieces."""
+    number, buf, decode = 1, "", _decoder()
+    while True:
+        block = f.read(_BLOCK_BYTES)
+        buf += decode(block, not block)
+        lines = buf.split("\n")
+        buf = lines.pop() if block else ""
+        out = []
+        for line in lines:
+            out += _pieces(number, line)
+            number += 1
+        while len(buf) > MAX_LINE_CHARS:  # a line longer than a piece that is still being read
+            out.append((number, buf[:MAX_LINE_CHARS]))
+            buf = buf[MAX_LINE_CHARS - OVERLAP_CHARS:]
+        if out:
+            yield out
+        if not block:
+            return
+
+
+def _pieces(number: int, line: str) -> list[tuple[int, str]]:
+    return [(number, line[start:start + MAX_LINE_CHARS])
+            for start in range(0, max(1, len(line) - OVERLAP_CHARS), MAX_LINE_CHARS - OVERLAP_CHARS)]
+
+
+def _decoder():
+    """UTF-8 where the stream is UTF-8, Latin-1 (every byte a character) from the first block that is not."""
+    import codecs
+
+    utf8, latin = codecs.getincrementaldecoder("utf-8")(), False
+
+    def decode(block: bytes, final: bool) -> str:
+        nonlocal latin
+        if not latin:
+            try:
+                return utf8.decode(block, final)
+            except UnicodeDecodeError:
+                latin = True
+        return block.decode("latin-1")
+
+    return decode
+
+
+def refuse(findings: list[Finding], root: Path) -> ConfigError:
+    """The dispatch's refusal: each file, line and kind (never the value), and the two fixes."""
+    listed = "; ".join(map(str, findings[:10])) + (f"; and {len(findings) - 10} more" if len(findings) > 10 else "")
+    return ConfigError(
+        f"code bundle: {len(findings)} file(s) to ship hold what looks like a credential ({listed}). A cloud job "
+        "gets its own identity from the cloud and never needs your keys. Remove the credential (read it from the "
+        "environment or the cloud's secret store), add the file to .gitignore, or, if it is a false positive, list "
+        f"its path (relative to {root}) in backend.secrets_allowlist, or mark the line '# pragma: allowlist secret'.")
+
+
+def scan_paths(files: dict[str, Path], generated: dict[str, bytes], allow: set[str]) -> list[Finding]:
+    """Findings in the bundle's files (arcname -> path) and generated files (arcname -> bytes),
+    except the allow-listed arcnames."""
+    findings = []
+    with Scanner() as scanner:
+        for name in sorted(files):
+            if name not in allow and (found := scanner.scan_file(files[name], name)):
+                findings.append(found)
+        for name in sorted(generated):
+            if name not in allow and (found := scanner.scan_bytes(generated[name], name)):
+                findings.append(found)
+    return findings

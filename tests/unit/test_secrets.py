@@ -1,0 +1,144 @@
+"""No secret leaves the machine (issue 31): a corpus of planted credentials of each kind, built at
+run time, never reaches a code bundle, a dispatch request or a dry-run output; a URL field with a
+credential is refused everywhere; the scanner reads files of any size as a stream."""
+import io
+import json
+import tarfile
+
+import pytest
+import yaml
+
+from backends import bundle as B
+from backends.secrets import MAX_LINE_CHARS, Scanner, credential_name
+from workbench.cli import main as cli_main
+from workbench.errors import ConfigError
+from workbench.spec import load_spec
+
+ALNUM = "Xq7Lm2Rt9Vb4Nc8Kd3Wf6Hj1Pz5Sg0Ya"
+
+
+def k(n: int, alphabet: str = ALNUM) -> str:
+    """n characters that look random (no literal secret lives in this file)."""
+    return (alphabet * (n // len(alphabet) + 1))[:n]
+
+
+AWS_SECRET = k(40, ALNUM + "+/")
+# (file name, content): each must refuse the dispatch by content
+BY_CONTENT = {
+    "settings.py": f"AWS_SECRET_ACCESS_KEY = '{AWS_SECRET}'\n",
+    "conf.ini": f'aws_secret_access_key = "{AWS_SECRET}"\n',
+    "big_corpus.txt": "the quick brown fox jumps over the lazy dog\n" * 50_000 + "id AKIA" + k(16).upper() + "\n",
+    "gh.py": "TOKEN = 'ghp_" + k(36) + "'\n",
+    "hf.py": "HF = 'hf_" + k(34, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJ") + "'\n",
+    "openai.py": "client = OpenAI(api_key='sk-" + k(20) + "T3BlbkFJ" + k(20) + "')\n",
+    "oauth.json": json.dumps({"installed": {"client_id": "1.apps", "client_secret": "GOCSPX-" + k(28)}}),
+    "user.json": json.dumps({"type": "authorized_user", "refresh_token": "1//0" + k(60)}),
+    "cluster.yaml": "users:\n- name: u\n  user:\n    token: eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0."
+                    "dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U\n",
+    "deploy.txt": "-----BEGIN OPENSSH PRIVATE KEY-----\n" + k(64) + "\n-----END OPENSSH PRIVATE KEY-----\n",
+    "storage.cfg": "DefaultEndpointsProtocol=https;AccountName=a;AccountKey=" + k(86, ALNUM + "+/") + "==\n",
+    "notify.py": "SLACK = 'xoxb-" + "1234567890-1234567890-" + k(24) + "'\n",
+    "db.py": 'db_password = "' + k(14) + '"\n',
+    "npm.txt": "//registry.npmjs.org/:_authToken=npm_" + k(36) + "\n",
+    "analysis.ipynb": json.dumps({"cells": [{"cell_type": "code", "source": ["import os\n", "os.environ"],
+                                             "outputs": [{"output_type": "execute_result", "data": {
+                                                 "text/plain": ["{'AWS_ACCESS_KEY_ID': 'AKIA" + k(16).upper() + "'}"]}}]}]}),
+    "long_line.json": "[" + '"x",' * (3 * MAX_LINE_CHARS // 4) + '"ghp_' + k(36) + '"]',
+}
+BY_NAME = [".envrc", "key.ppk", "kaggle.json", ".pgpass", ".npmrc", "client_secret_42.apps.json", "token.json",
+           ".config/gcloud/credentials.db", ".kube/config", ".aws/credentials", ".env.production"]
+SECRETS = [AWS_SECRET, "ghp_", "hf_", "T3BlbkFJ", "GOCSPX-", "1//0", "eyJhbGci", "PRIVATE KEY", "AccountKey=",
+           "xoxb-", "_authToken", "AKIA"]
+
+
+def project(root, files: dict):
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+@pytest.mark.parametrize("name", BY_CONTENT)
+def test_each_planted_credential_refuses_the_dispatch_naming_file_line_and_kind(tmp_path, name, capsys):
+    root = project(tmp_path, {"train.py": "x = 1\n", name: BY_CONTENT[name]})
+    spec = {"name": "s", "backend": {"include": ["*.py", name]}}
+    with pytest.raises(ConfigError) as err:
+        B.build_bundle(load_spec(spec), root)
+    message = str(err.value)
+    assert f"{name}, line " in message and "backend.secrets_allowlist" in message
+    assert not any(s in message for s in SECRETS)
+    spec_file = root / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(spec))
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        backend = ("sagemaker", "vertex", "azureml", "ray")[list(BY_CONTENT).index(name) % 4]
+        assert cli_main(["dispatch", str(spec_file), "--backend", backend, "--dry-run"]) == 2
+    finally:
+        os.chdir(cwd)
+    out = capsys.readouterr()
+    assert not any(s in out.out + out.err for s in SECRETS) and "Traceback" not in out.err
+    spec["backend"]["secrets_allowlist"] = [name]  # a false positive the user vouches for ships
+    assert name in B.build_bundle(load_spec(spec), root).files
+
+
+def test_credential_files_never_travel_and_the_rest_does(tmp_path):
+    root = project(tmp_path, {"train.py": "x = 1\n", **{n: "x = 1\n" for n in BY_NAME}})
+    b = B.build_bundle(load_spec({"backend": {"include": ["*", ".*", ".*/**/*"]}}), root)
+    assert "train.py" in b.files and not set(b.files) & set(BY_NAME)
+    assert all(credential_name(n) for n in BY_NAME) and not credential_name("train.py")
+    with tarfile.open(fileobj=io.BytesIO(b.tar_gz())) as tar:
+        assert not set(tar.getnames()) & set(BY_NAME)
+
+
+def test_a_secret_in_the_spec_itself_refuses_the_dispatch(tmp_path):
+    spec = load_spec({"model": {"factory": "m:build", "kwargs": {"token": "hf_" + k(34, "abcdefghijklmnopqrstuvwxyzAB")},
+                                "vocab": 256, "seq_len": 16}})
+    (tmp_path / "m.py").write_text("def build(**kw):\n    pass\n")
+    with pytest.raises(ConfigError, match=r"workbench_job.json, line \d+: "):
+        B.build_bundle(spec, tmp_path)
+
+
+@pytest.mark.parametrize("field,url", [
+    ("backend.ray.address", "http://user:PASSWORD@host:8265"),
+    ("tracking.mlflow", "https://bob:hunter2@mlflow.example.com"),
+    ("checkpoint.uri", "https://acct.blob.core.windows.net/c/ckpt?sv=2024-01-01&sig=abcdef"),
+    ("data.path", "https://bucket.s3.amazonaws.com/tokens?X-Amz-Credential=A%2F1&X-Amz-Signature=ff"),
+])
+def test_credentials_in_url_fields_are_refused_before_anything_prints(tmp_path, field, url, capsys):
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump({"name": "u"}))
+    for argv in (["validate"], ["dispatch", "--backend", "ray", "--dry-run"], ["export-config", "--to", "deepspeed"]):
+        assert cli_main([argv[0], str(spec_file), *argv[1:], "--set", f"{field}={url}"]) == 2
+        out = capsys.readouterr()
+        assert field in out.err and "would travel with the spec" in out.err
+        assert "PASSWORD" not in out.out and "hunter2" not in out.out + out.err and "sig=abcdef" not in out.out
+
+
+def test_urls_without_credentials_still_pass():
+    for field, url in (("backend.ray.address", "https://ray.example.com:8265"),
+                       ("checkpoint.uri", "abfs://container@account.dfs.core.windows.net/ckpt"),
+                       ("tracking.mlflow", "http://mlflow:5000/?experiment=3")):
+        load_spec({}, [f"{field}={url}"])
+
+
+def test_the_scanner_streams_files_of_any_size(tmp_path):
+    """A key after 5 MiB of binary data, and one across a cut of a 200 kB line, are both found."""
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:
+        for _ in range(5):
+            f.write(bytes(range(256)) * (1 << 12))
+        f.write(b"AKIA" + k(16).upper().encode() + b"\n")
+    line = "a " * (MAX_LINE_CHARS // 2 - 10) + "ghp_" + k(36) + " b" * MAX_LINE_CHARS
+    with Scanner() as scanner:
+        assert scanner.scan_file(big, "big.bin").kind == "AWS Access Key"
+        assert scanner.scan_bytes(line.encode(), "one_line.txt").kind == "GitHub Token"
+        assert scanner.scan_bytes(b"plain words and numbers 12345\n" * 1000, "clean.txt") is None
+
+
+def test_workbench_itself_ships_clean():
+    """Every bundle ships our packages: the scanner must find nothing in them."""
+    b = B.build_bundle(load_spec({}), B.Path(__file__).parent)
+    assert any(n.startswith("workbench/") for n in b.files)
