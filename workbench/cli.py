@@ -162,10 +162,14 @@ def _dispatch(args) -> int:
 
 
 def _import(args) -> int:
+    import yaml
+
     from workbench.interop import import_config
 
     spec, warnings = import_config(args.file, args.format, args.overrides)
-    return _emit(spec.to_yaml(), warnings, args.output)
+    # only what the config said: a default written out would read as the user's choice on export-config
+    said = spec.model_dump(mode="json", exclude_unset=True, exclude_none=True)
+    return _emit(yaml.safe_dump(said, sort_keys=False), warnings, args.output)
 
 
 def _export_config(args) -> int:

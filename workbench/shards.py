@@ -142,6 +142,13 @@ def prepare(inputs: list[str], out: str, *, tokenizer: str = "bpe", vocab_size: 
 
     files = _input_files(inputs)
     tok = build_tokenizer(tokenizer, (t for t, _ in iter_pieces(files, text_field)), vocab_size)
+    if tok.eos_id is None and tok.kind != "bytes":  # bytes join documents by design (docs/training.md)
+        import sys
+
+        from workbench.tokenizer import EOS, EOS_ALIASES
+
+        print(f"warning: {tokenizer} has no end-of-document token ({', '.join((EOS, *EOS_ALIASES))}): documents "
+              "are joined without a separator, so the model sees them as one text.", file=sys.stderr)
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
     fs, root = fsspec.core.url_to_fs(out)
     fs.makedirs(root, exist_ok=True)

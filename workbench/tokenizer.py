@@ -28,13 +28,17 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
+EOS_ALIASES = ("<|end_of_text|>", "</s>", "<eos>")  # a tokenizer.json's end of document when it has no EOS
+
+
 class HFTokenizer:
     """A `tokenizers.Tokenizer` (a trained BPE or any local tokenizer.json)."""
 
     def __init__(self, tok, kind: str):
         self.tok, self.kind = tok, kind
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
-        self.eos_id = tok.token_to_id(EOS)
+        # the end-of-document token under its usual names (GPT-2, Llama 3, Llama 2 / Mistral, Gemma)
+        self.eos_id = next((i for name in (EOS, *EOS_ALIASES) if (i := tok.token_to_id(name)) is not None), None)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         # encode_batch_fast skips the character offsets, which shards do not keep.
