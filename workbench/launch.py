@@ -60,21 +60,18 @@ def start(spec, on_event: Callable[[dict], None] | None = None, resume: bool = F
 
 def check_resume_from_checkpoint(spec: JobSpec, or_fresh: bool = False) -> None:
     """Before any worker starts: ConfigError if the newest complete checkpoint's spec is
-    incompatible, if it holds anything but data (a planted pickle), or if there are checkpoints
-    and every one is corrupt (unless `or_fresh`)."""
+    incompatible, or if there are checkpoints and every one is corrupt or holds anything but data
+    (a planted pickle) (unless `or_fresh`). The workers resume from that same step: they skip the
+    same ones, and also those whose tensors do not load."""
     if not spec.checkpoint.uri:
         return
-    from workbench.runtime.checkpoint_safe import scan_step, unsafe_refusal
+    from workbench.runtime.checkpoint_safe import scan_step
     from workbench.runtime.checkpoint_store import Store, all_rejected, manifest_spec
     from workbench.validate import check_resume
 
-    store = Store(spec.checkpoint.uri)
-    manifest, rejected = store.newest_complete()
+    manifest, rejected = Store(spec.checkpoint.uri).newest_complete(check=scan_step)
     if manifest is not None:
         check_resume(spec, manifest_spec(manifest, spec.checkpoint.uri))
-        unsafe = scan_step(store, manifest["step"], manifest)
-        if unsafe:
-            raise unsafe_refusal(spec.checkpoint.uri, manifest["step"], unsafe)
     elif rejected and not or_fresh:
         raise all_rejected(spec.checkpoint.uri, rejected)
 
@@ -134,7 +131,7 @@ def run(spec: JobSpec | dict | str, metrics_out: str | None = None, resume: bool
 
 
 def _record(event: dict, out, bar, name: str) -> None:
-    if out is not None and event["event"] != "error":
+    if out is not None:
         out.write(json.dumps(event) + "\n")
         out.flush()
     if event["event"] == "warning":

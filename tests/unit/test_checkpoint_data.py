@@ -111,7 +111,7 @@ def test_a_planted_pickle_is_refused_by_the_driver_and_by_every_rank(ckpt, tmp_p
     spec_file.write_text(yaml.safe_dump(spec(ckpt)))
     assert cli_main(["run", str(spec_file), "--resume", "--no-progress"]) == 2  # before any worker starts
     err = capsys.readouterr().err
-    assert "not plain checkpoint data" in err and "nothing was loaded or run" in err and "Traceback" not in err
+    assert "not plain checkpoint data" in err and "nothing in them ran" in err and "Traceback" not in err
     with pytest.raises(ConfigError, match="not plain checkpoint data"):  # a rank resuming on its own (torchrun, clouds)
         train(spec(ckpt), [].append, resume=True)
     assert not marker.exists()
@@ -152,3 +152,54 @@ def test_a_clean_checkpoint_resumes_on_the_same_curve(ckpt, tmp_path):
     train({**spec(ckpt), "train": {"steps": 4, "global_batch": 4, "micro_batch": 4}}, resumed.append, resume=True)
     loss = [e["loss"] for e in full if e["event"] == "step"]
     assert [e["loss"] for e in resumed if e["event"] == "step"] == loss[2:]
+
+
+def forge_empty(step_dir, marker):
+    """The manifest lists the shard as an empty file (size 0, CRC-32 of nothing)."""
+    (step_dir / "__0_0.distcp").write_bytes(b"")
+    resign(step_dir, "__0_0.distcp")
+
+
+def forge_random(step_dir, marker):
+    """The shard replaced by random bytes of the same size, its CRC-32 re-signed."""
+    shard = step_dir / "__0_0.distcp"
+    shard.write_bytes(os.urandom(shard.stat().st_size))
+    resign(step_dir, "__0_0.distcp")
+
+
+FOUR = {"steps": 4, "global_batch": 4, "micro_batch": 4}
+
+
+@pytest.fixture(scope="module")
+def trained4(tmp_path_factory):
+    """Checkpoints at steps 2 and 4, and the uninterrupted run's losses."""
+    folder = tmp_path_factory.mktemp("four") / "ckpt"
+    events = []
+    train({**spec(folder), "train": FOUR}, events.append)
+    return folder, [e["loss"] for e in events if e["event"] == "step"]
+
+
+@pytest.mark.parametrize("forge", [forge_empty, forge_random, plant_rng, plant_metadata, plant_value],
+                         ids=lambda f: f.__name__)
+def test_a_forged_newest_step_falls_back_to_the_intact_one_on_the_same_curve(trained4, tmp_path, forge):
+    """Issue 32, item 5: what passes size and CRC-32 but does not load is skipped, named, and the
+    run resumes from the newest intact step, exactly."""
+    import shutil
+
+    from workbench.launch import check_resume_from_checkpoint
+    from workbench.spec import load_spec
+
+    shutil.copytree(trained4[0], tmp_path / "ckpt")
+    four = {**spec(tmp_path / "ckpt"), "train": FOUR}
+    marker = tmp_path / "pwned"
+    forge(tmp_path / "ckpt" / "step-000000004", marker)
+    manifest, rejected = Store(str(tmp_path / "ckpt")).newest_complete(check=scan_step)
+    if forge is not forge_random:  # the driver sees these before any worker starts; random tensor bytes only the load
+        assert manifest["step"] == 2 and rejected[0][0] == 4 and "not plain checkpoint data" in rejected[0][1]
+    check_resume_from_checkpoint(load_spec(four))  # an intact step remains: no refusal
+    events = []
+    with pytest.warns(UserWarning, match="checkpoint step 4 under .* (could not be loaded|not plain)"):
+        train(four, events.append, resume=True)
+    assert {"event": "restart", "attempt": 0, "from_step": 2} in events
+    assert [(e["step"], e["loss"]) for e in events if e["event"] == "step"] == [(3, trained4[1][2]), (4, trained4[1][3])]
+    assert not marker.exists()

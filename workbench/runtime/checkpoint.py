@@ -27,7 +27,6 @@ from workbench.runtime.checkpoint_safe import (
     load_value,
     reader_for,
     unsafe_cause,
-    unsafe_refusal,
 )
 from workbench.runtime.checkpoint_state import (
     module_keys,
@@ -306,16 +305,12 @@ class Checkpointer:
                 continue
             for note in check_resume(load_spec(self.spec), manifest_spec(manifest, self.uri)):
                 self._warn(note)
-            unsafe = sorted({p for part in self._gather(self._restore_rng(step, manifest)) for p in part})
-            if unsafe:
-                raise unsafe_refusal(self.uri, step, unsafe)
-            try:
-                self._load(step, manifest)
-            except (Exception, CheckpointException) as e:
-                cause = unsafe_cause(e)
-                if cause is None:
-                    raise
-                raise unsafe_refusal(self.uri, step, [str(cause)]) from None
+            problems = self._load_step(step, manifest)
+            if problems:  # forged or planted files that passed size and CRC-32: the load is what finds them
+                rejected.append((step, "; ".join(problems[:3])))
+                self._warn(f"checkpoint step {step} under {self.uri} could not be loaded ({rejected[-1][1]}); "
+                           "falling back to the previous complete checkpoint")
+                continue
             self.last_saved_step = step
             self._last_save_time = self.clock()
             return step
@@ -323,6 +318,20 @@ class Checkpointer:
             raise all_rejected(self.uri, rejected)
         self._warn(f"no complete checkpoint under {self.uri}; starting from step 0")
         return 0
+
+    def _load_step(self, step: int, manifest: dict) -> list[str]:
+        """Load one verified step and this rank's RNG streams; what made that fail on any rank (the
+        same list on every rank), empty when it loaded. A failed load leaves partial state that the
+        next step's load overwrites whole."""
+        try:
+            self._load(step, manifest)
+            problems = self._restore_rng(step, manifest)
+        except ConfigError:
+            raise
+        except (Exception, CheckpointException) as e:
+            cause = unsafe_cause(e)
+            problems = [f"not plain checkpoint data ({cause})" if cause else f"unreadable ({describe_error(e)})"]
+        return sorted({p for part in self._gather(problems) for p in part})
 
     def _restore_rng(self, step: int, manifest: dict) -> list[str]:
         """Set this rank's RNG streams from the step's RNG file; [why] when that file is not an RNG state."""
@@ -332,7 +341,7 @@ class Checkpointer:
         try:
             set_rng_state(load_value(self.store.read_bytes(f"{self.store.step_dir(step)}/{name}")))
         except (UnsafeCheckpoint, ValueError) as e:
-            return [f"{name}: {e}"]
+            return [f"{name}: not plain checkpoint data ({e})" if isinstance(e, UnsafeCheckpoint) else f"{name}: {e}"]
         return []
 
     def _load(self, step: int, manifest: dict) -> None:

@@ -10,6 +10,7 @@ O_EXCL, S3's If-None-Match), and every write is read back and checked.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import threading
@@ -37,7 +38,11 @@ def run_id(env=os.environ) -> str:
 
 
 def ttl_s() -> float:
-    return float(os.environ.get("WORKBENCH_LEASE_TTL_S", DEFAULT_TTL_S))
+    try:
+        ttl = float(os.environ.get("WORKBENCH_LEASE_TTL_S", DEFAULT_TTL_S))
+    except ValueError:
+        return DEFAULT_TTL_S
+    return ttl if math.isfinite(ttl) and ttl > 0 else DEFAULT_TTL_S
 
 
 def _pid_alive(pid: int) -> bool:
@@ -50,20 +55,48 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+_MAX_PID = 1 << 22  # Linux's pid_max limit
+
+
+def _pid(owner: dict) -> int | None:
+    """The owner's pid when it is one a process can have (1 .. 2^22); 0 and -1 would signal groups."""
+    pid = owner.get("pid")
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid <= _MAX_PID else None
+
+
+def _heartbeat(owner: dict) -> float | None:
+    beat = owner.get("heartbeat_unix")
+    if isinstance(beat, bool) or not isinstance(beat, (int, float)) or not math.isfinite(beat):
+        return None
+    return float(beat)
+
+
 def stale_reason(owner: dict, now: float | None = None) -> str | None:
-    """Why a lease's owner is gone, or None while it may be alive."""
-    age = (now or time.time()) - float(owner.get("heartbeat_unix", 0))
-    if owner.get("host") == socket.gethostname() and not _pid_alive(int(owner.get("pid", -1))):
-        return f"its process {owner.get('pid')} on this host is gone"
-    if age > ttl_s():
-        return f"no heartbeat for {age:.0f} s (more than {ttl_s():.0f} s)"
+    """Why a lease's owner is gone, or None while it may be alive.
+
+    Hosts' clocks must agree within the TTL: a heartbeat more than a TTL in the future comes from a
+    clock that does not (or from a forged lease), and counts as stale like one a TTL in the past.
+    """
+    now = time.time() if now is None else now
+    beat, pid = _heartbeat(owner), _pid(owner)
+    if owner.get("host") == socket.gethostname() and (pid is None or not _pid_alive(pid)):
+        return f"its process {owner.get('pid')!r} on this host is gone" if pid else \
+            f"its pid {owner.get('pid')!r} is not a process's"
+    if beat is None:
+        return f"its heartbeat {owner.get('heartbeat_unix')!r} is not a time"
+    if now - beat > ttl_s():
+        return f"no heartbeat for {now - beat:.0f} s (more than {ttl_s():.0f} s)"
+    if beat - now > ttl_s():
+        return (f"its heartbeat is {beat - now:.0f} s in the future: a clock more than {ttl_s():.0f} s off "
+                "(keep hosts' clocks in sync, e.g. NTP)")
     return None
 
 
 def describe(owner: dict) -> str:
-    age = time.time() - float(owner.get("heartbeat_unix", 0))
-    return (f"run {owner.get('run_id')!r} (pid {owner.get('pid')} on host {owner.get('host')}, "
-            f"last heartbeat {age:.0f} s ago)")
+    beat = _heartbeat(owner)
+    ago = f"{time.time() - beat:.0f} s ago" if beat is not None else "never"
+    return (f"run {str(owner.get('run_id'))[:200]!r} (pid {str(owner.get('pid'))[:40]} on host "
+            f"{str(owner.get('host'))[:200]}, last heartbeat {ago})")
 
 
 class Lease:
@@ -87,13 +120,19 @@ class Lease:
                 "heartbeat_unix": time.time()}
 
     def read(self, path: str | None = None) -> dict | None:
+        """The lease's record; None when there is none, {} when it is torn or not a lease (stale)."""
+        path = path or self.path
+        if self.store.fs.isdir(path):
+            raise ConfigError(f"{path} is a folder, where the checkpoint lease file belongs. Remove it (or give "
+                              "this run another checkpoint.uri).")
         try:
-            with self.store.fs.open(path or self.path, "rb") as f:
-                return json.loads(f.read().decode())
+            with self.store.fs.open(path, "rb") as f:
+                record = json.loads(f.read(1 << 16).decode())
         except FileNotFoundError:
             return None
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             return {}  # a torn or garbage lease: nobody can be named, so it is stale
+        return record if isinstance(record, dict) else {}
 
     def _create(self, path: str, record: dict) -> bool:
         """Create `path` only if absent; True when this process's record is what it holds."""
@@ -165,7 +204,7 @@ class Lease:
                         describe(owner) if owner else "another run")
                     return
                 self._write()
-            except OSError:
+            except (OSError, ConfigError):
                 continue  # a transient store error: the next beat tries again, well within the TTL
 
     def release(self) -> None:

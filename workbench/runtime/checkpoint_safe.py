@@ -59,8 +59,10 @@ def load_value(data: io.BytesIO | bytes):
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
     try:
         return torch.load(stream, weights_only=True)
-    except pickle.UnpicklingError as e:
+    except pickle.UnpicklingError as e:  # a global outside torch's allow-list, or not a pickle at all
         raise UnsafeCheckpoint(f"a value is not plain data ({str(e).splitlines()[-1] if str(e) else e})") from None
+    except Exception as e:  # torn, empty or random bytes under a re-signed CRC-32
+        raise UnsafeCheckpoint(f"a value does not load ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 class _SafeMetadata:
@@ -120,7 +122,7 @@ def scan_step(store, step: int, manifest: dict) -> list[str]:
                 elif rel.startswith("rng-rank") and rel.endswith(".pt"):
                     load_value(f.read())
         except UnsafeCheckpoint as e:
-            problems.append(f"{rel}: {e}")
+            problems.append(f"{rel}: not plain checkpoint data ({e})")
     if problems or ".metadata" not in manifest.get("files", {}):
         return problems
     for fqn, item in getattr(metadata, "state_dict_metadata", {}).items():
@@ -134,21 +136,10 @@ def scan_step(store, step: int, manifest: dict) -> list[str]:
                 f.seek(info.offset)
                 load_value(f.read(info.length))
         except UnsafeCheckpoint as e:
-            problems.append(f"{info.relative_path} (value {fqn!r}): {e}")
+            problems.append(f"{info.relative_path} (value {fqn!r}): not plain checkpoint data ({e})")
         except (OSError, ValueError) as e:
             problems.append(f"{info.relative_path} (value {fqn!r}): unreadable ({type(e).__name__})")
     return problems
-
-
-def unsafe_refusal(uri: str, step: int, problems: list[str]):
-    """The ConfigError of a resume that found a checkpoint holding something other than data."""
-    from workbench.errors import ConfigError
-
-    return ConfigError(
-        f"cannot resume: the checkpoint of step {step} under {uri} holds files that are not plain checkpoint data "
-        f"({'; '.join(problems[:3])}). Loading them could run code, so nothing was loaded or run, and nothing was "
-        "deleted. Check who can write to this checkpoint location, restore the step from a trusted copy, or start "
-        "a fresh run with another checkpoint.uri.")
 
 
 def unsafe_cause(e: BaseException) -> UnsafeCheckpoint | None:

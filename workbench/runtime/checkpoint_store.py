@@ -96,13 +96,20 @@ class Store:
             raise CorruptCheckpoint(f"manifest is not a format-{FORMAT} manifest of step {step}")
         return manifest
 
-    def newest_complete(self) -> tuple[dict | None, list[tuple[int, str]]]:
+    def newest_complete(self, check=None) -> tuple[dict | None, list[tuple[int, str]]]:
         """(the manifest of the newest complete step or None, [(step, why) of newer rejected ones]),
-        checking every file in this one view (the driver's check before any worker starts)."""
+        checking every file in this one view (the driver's check before any worker starts).
+
+        Args:
+            check: (store, step, manifest) -> [problem], run on a step whose files all match
+                (e.g. checkpoint_safe.scan_step: its pickles are data).
+        """
         rejected = []
         for step in self.committed_steps():
             manifest, problem = manifest_or_problem(self, step)
             problems = [problem] if problem else self.verify(step, manifest)
+            if not problems and check is not None:
+                problems = check(self, step, manifest)
             if not problems:
                 return manifest, rejected
             rejected.append((step, "; ".join(problems[:3])))
@@ -224,9 +231,12 @@ def all_rejected(uri: str, rejected: list[tuple[int, str]]):
     from workbench.errors import ConfigError
 
     listed = "; ".join(f"{step_name(step)}: {why}" for step, why in rejected)
+    planted = any("not plain checkpoint data" in why for _, why in rejected)
     return ConfigError(
         f"cannot resume: every checkpoint under {uri} was rejected ({listed}). Nothing was loaded and nothing "
-        "was deleted. Restore the files (e.g. from the store's versioning or a backup), or start from step 1 "
+        "was deleted. " + (f"Files that are not plain checkpoint data are never unpickled, so nothing in them "
+                           f"ran; check who can write to {uri}. " if planted else "")
+        + "Restore the files (e.g. from the store's versioning or a backup), or start from step 1 "
         "explicitly with --resume-or-fresh (or without --resume, or with another checkpoint.uri).")
 
 

@@ -199,14 +199,30 @@ def _setup(spec: JobSpec, sink: Sink) -> _Run:
 def _train(spec, sink: Sink, should_stop: Callable[[], bool], resume: bool, gather_state: bool, attempt: int) -> dict:
     spec = load_spec(spec)
     run = _setup(spec, sink)
-    t, rank = spec.train, run.ctx.rank
+    rank = run.ctx.rank
     ckpt = build_checkpointer(spec, run.par.modules, run.step_fn.optimizer, run.ctx.device, sink,
                               extra_state=run.step_fn.stateful())
     try:
-        first = ckpt.restore(or_fresh=resume == RESUME_OR_FRESH) + 1 if resume else 1
+        step, loss_value, status = _loop(run, spec, ckpt, sink, should_stop, resume, attempt)
+        ckpt.close()
     except BaseException:
-        ckpt.close()  # a refused resume leaves no lease behind
+        with contextlib.suppress(BaseException):  # the original error is the one to report
+            ckpt.close()  # a failed or refused run leaves no lease behind (a full disk, a refused resume)
         raise
+    result = {"status": status, "step": step, "loss": loss_value}
+    if gather_state:
+        state = _gather_state(run)
+        if rank == 0:
+            result["state"] = state
+    if rank == 0:
+        sink({"event": "end", "status": status, "step": step})
+    return result
+
+
+def _loop(run: _Run, spec: JobSpec, ckpt, sink: Sink, should_stop: Callable[[], bool], resume, attempt: int) -> tuple:
+    """Restore (with `resume`), then train to the last step or a stop. Returns (step, loss, status)."""
+    t, rank = spec.train, run.ctx.rank
+    first = ckpt.restore(or_fresh=resume == RESUME_OR_FRESH) + 1 if resume else 1
     if resume and rank == 0:
         sink({"event": "restart", "attempt": attempt, "from_step": first - 1})
     step, loss_value, status = first - 1, float("nan"), "completed"
@@ -222,15 +238,7 @@ def _train(spec, sink: Sink, should_stop: Callable[[], bool], resume: bool, gath
         if stop:
             status = "preempted"
             break
-    ckpt.close()
-    result = {"status": status, "step": step, "loss": loss_value}
-    if gather_state:
-        state = _gather_state(run)
-        if rank == 0:
-            result["state"] = state
-    if rank == 0:
-        sink({"event": "end", "status": status, "step": step})
-    return result
+    return step, loss_value, status
 
 
 def _step(run: _Run, step: int, first: int, sink: Sink) -> float:
