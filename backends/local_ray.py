@@ -34,7 +34,6 @@ from workbench.errors import WorkerError
 
 _POLL_S = 0.2  # how often the driver thread looks for a cancel while it waits for placement or events
 _LONG_POLL_S = 0.5  # the most a relay holds the driver's request for events when there are none
-_START_ATTEMPTS = 3
 _PLACEMENT_WARN_S = 30.0
 
 
@@ -44,8 +43,16 @@ def _package_root() -> str:
     return str(Path(__file__).resolve().parent.parent)
 
 
-def ensure_ray(num_cpus: int | None = None):
+def ensure_ray(num_cpus: int | None = None, note: Callable[[str, str], None] | None = None, fallback: str = ""):
     """Start (or reuse) the embedded Ray cluster; workers import workbench from this checkout.
+
+    The start survives a busy machine (backends/ray_start.py): each attempt runs in a folder of its
+    own under `<ray temp dir>/workbench/`, bounded by WORKBENCH_RAY_START_TIMEOUT_S; a failed
+    attempt's processes and folder are removed before the next; after the last, RayStartError
+    (exit 69) says what timed out, the load seen and what to try (`fallback`: the Ray-free route).
+    `note(kind, line)` gets a warning for each retry and a note while a start is under way (default:
+    printed on stderr). The folder is removed
+    when this process exits.
 
     Safe from any thread: Ray forks its gcs_server and raylet with PR_SET_PDEATHSIG, which Linux
     fires when the *thread* that forked them exits, and the driver dies 60 s later ("Failed to
@@ -54,62 +61,38 @@ def ensure_ray(num_cpus: int | None = None):
     """
     import ray
 
+    from backends.ray_start import start_ray
+
     if not ray.is_initialized():
-        if threading.current_thread() is threading.main_thread():
-            _init_ray(num_cpus)
-        else:
-            _init_on_owner_thread(num_cpus)
+        def say(kind: str, line: str) -> None:
+            print(f"{kind}: {line}", file=sys.stderr, flush=True)
+
+        start_ray(functools.partial(_init_ray, num_cpus), ray.shutdown, note=note or say,
+                  on_owner_thread=threading.current_thread() is not threading.main_thread(), fallback=fallback)
     return ray
 
 
-def _init_on_owner_thread(num_cpus: int | None) -> None:
-    import queue
-
-    outcome: queue.Queue = queue.Queue()
-
-    def own() -> None:
-        try:
-            _init_ray(num_cpus)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
-            outcome.put(e)
-            return
-        outcome.put(None)
-        threading.Event().wait()  # park: the cluster's daemons live as long as this thread
-
-    threading.Thread(target=own, name="workbench-ray-owner", daemon=True).start()
-    error = outcome.get()
-    if error is not None:
-        raise error
-
-
-def _init_ray(num_cpus: int | None) -> None:
+def _init_ray(num_cpus: int | None, temp_dir: str) -> None:
     import ray
 
     root = _package_root()
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    for attempt in range(_START_ATTEMPTS):
-        try:
-            ray.init(
-                # "local": always an embedded cluster, never one a `ray start` left running
-                # (that is the `ray` backend's job).
-                address="local",
-                num_cpus=num_cpus or os.cpu_count() or 1,
-                include_dashboard=False,
-                logging_level="ERROR",
-                log_to_driver=False,
-                runtime_env={"env_vars": {"PYTHONPATH": path},
-                             "worker_process_setup_hook": "backends.local_ray.control_plane_setup"},
-                # Ray runs workers at nice 15 so that its own daemons stay responsive; here
-                # the workers are the job and should not yield to every daemon wake-up (no
-                # measurable change on a 2-core VM: docs/benchmarks.md, section a).
-                _system_config={"worker_niceness": 0},
-            )
-            break
-        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception on a slow start
-            # Ray gives its raylet a fixed 30 s to register; a loaded machine can miss that.
-            ray.shutdown()
-            if attempt == _START_ATTEMPTS - 1 or "timed out during startup" not in str(e):
-                raise
+    ray.init(
+        # "local": always an embedded cluster, never one a `ray start` left running
+        # (that is the `ray` backend's job).
+        address="local",
+        num_cpus=num_cpus or os.cpu_count() or 1,
+        include_dashboard=False,
+        logging_level="ERROR",
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path},
+                     "worker_process_setup_hook": "backends.local_ray.control_plane_setup"},
+        # Ray runs workers at nice 15 so that its own daemons stay responsive; here
+        # the workers are the job and should not yield to every daemon wake-up (no
+        # measurable change on a 2-core VM: docs/benchmarks.md, section a).
+        _system_config={"worker_niceness": 0},
+        _temp_dir=temp_dir,  # this attempt's own folder: what it started is known by it (ray_start.py)
+    )
 
 
 _CHILD = "import sys; from backends.local_ray import _rank_main; _rank_main(int(sys.argv[1]))"

@@ -44,8 +44,13 @@ def start(spec, on_event: Callable[[dict], None] | None = None, resume: bool = F
     quick: rank 0 waits for each step event's delivery), and `follow()` / `wait()` yield them.
     `cancel()` stops every rank after the same step, at most one step after the newest step
     delivered when it was called.
+
+    Starting Ray itself (the first run of a process) is bounded and retried (backends/ray_start.py):
+    each retry arrives as a `warning` event and a start still under way as a `note` (through
+    `on_event`; on stderr without it); after the last attempt RayStartError (a WorkerError; the CLI
+    exits 69) names what timed out, the load and what to try, among which the Ray-free route.
     """
-    from backends.local_ray import LocalRayBackend
+    from backends.local_ray import LocalRayBackend, ensure_ray
 
     spec = load_spec(spec)
     check_runnable(spec)
@@ -55,6 +60,9 @@ def start(spec, on_event: Callable[[dict], None] | None = None, resume: bool = F
         check_lease_free(spec.checkpoint.uri)  # a second writer of the URI: exit 2 before any worker starts
     if resume:
         check_resume_from_checkpoint(spec, or_fresh=resume == RESUME_OR_FRESH)
+    note = None if on_event is None else (lambda kind, message: on_event({"event": kind, "message": message}))
+    ensure_ray(note=note, fallback=f"torchrun --nproc_per_node {spec.world_size} -m workbench.cloud_entry --spec SPEC "
+               "(the same per-rank runtime, metrics as JSON lines on stdout)")
     return LocalRayBackend().submit(spec, on_event=on_event, resume=resume)
 
 
