@@ -145,10 +145,74 @@ def _print_sink(rank: int):
 def run_ranks(spec, ckpt: str | None) -> dict:
     """This process is one rank: run the per-rank loop, resuming from the newest checkpoint in `ckpt`."""
     from workbench.runtime.loop import train
+    from workbench.runtime.preemption import stop_with_parent
 
     if ckpt:
         spec = spec.replace(**{"checkpoint.uri": ckpt})
+    if launched_per_rank(os.environ):
+        stop_with_parent()  # the launcher's death is a preemption notice: never train on unsupervised
     return train(spec, sink=_print_sink(int(os.environ.get("RANK", "0"))), resume=True)
+
+
+EXIT_DIR = "WORKBENCH_EXIT_DIR"  # where each rank started by `supervise` leaves its exit code
+
+
+def supervise(cmd: list[str]) -> int:
+    """Run torchrun (`cmd`) as a child, pass SIGTERM/SIGINT on to it, and exit as the ranks did:
+    2 if a rank refused the job (a ConfigError), 75 if they stopped on a preemption notice, 0 when
+    torchrun succeeded, else 1. torchrun itself exits 1 for any rank that does not exit 0."""
+    import signal
+    import subprocess
+    import tempfile
+
+    from workbench.runtime.preemption import EXIT_PREEMPTED
+
+    _become_subreaper()  # ranks orphaned by a dying torchrun become our children: we wait for them too
+    with tempfile.TemporaryDirectory(prefix="workbench-exit-") as folder:
+        proc = subprocess.Popen(cmd, env={**os.environ, EXIT_DIR: folder})
+        previous = {s: signal.signal(s, lambda signum, _: proc.send_signal(signum))
+                    for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            returncode = proc.wait()
+            _wait_for_orphans()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        codes = {int(p.read_text() or 1) for p in Path(folder).glob("exit-rank*")}
+    code = 2 if 2 in codes else EXIT_PREEMPTED if EXIT_PREEMPTED in codes else 0 if returncode == 0 else 1
+    if code:  # the last line, below torchrun's own report of ranks that did not exit 0
+        said = {2: "a rank refused the job (see its error above)", 1: "a rank failed (see above)",
+                EXIT_PREEMPTED: "stopped on a preemption notice after writing a checkpoint; run again to resume"}
+        print(f"workbench: exit {code}: {said[code]}", file=sys.stderr, flush=True)
+    return code
+
+
+def _become_subreaper() -> None:
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER (Linux)
+    except (OSError, AttributeError):
+        pass
+
+
+def _wait_for_orphans() -> None:
+    """Reap every remaining child: ranks whose torchrun died finish their checkpoint first
+    (runtime/preemption.py, stop_with_parent)."""
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+        except InterruptedError:
+            continue
+
+
+def _exit_code(result) -> int:
+    from workbench.runtime.preemption import EXIT_PREEMPTED
+
+    status = result.get("status", "completed") if isinstance(result, dict) else "completed"
+    return {"completed": 0, "preempted": EXIT_PREEMPTED}.get(status, 1)
 
 
 def run_on_ray(spec, ckpt: str | None) -> int:
@@ -167,7 +231,8 @@ def run_on_ray(spec, ckpt: str | None) -> int:
     handle = start(spec.replace(**{"backend.name": "local"}), resume=True)
     for event in handle.follow():
         _emit(event)
-    return 0 if handle.status().state.value == "completed" else 1
+    end = next((e for e in reversed(handle.events) if e["event"] == "end"), {"status": "failed"})
+    return _exit_code(end)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,16 +254,25 @@ def main(argv: list[str] | None = None) -> int:
         rdzv = node_rendezvous(cloud, env)
         cmd = torchrun_command(rdzv, spec.resources.gpus_per_node, argv)
         print(f"workbench: {cloud} node {rdzv.node_rank}/{rdzv.nnodes}: {' '.join(cmd)}", flush=True)
-        os.execv(cmd[0], cmd)
+        return supervise(cmd)
     if launched_per_rank(env):
         check_world(spec, env)
-    result = run_ranks(spec, ckpt)
-    return 0 if not isinstance(result, dict) or result.get("status", "completed") == "completed" else 1
+    return _exit_code(run_ranks(spec, ckpt))
+
+
+def entry(argv: list[str] | None = None) -> int:
+    """`main` with its documented exit codes (0 completed, 1 failed, 2 refused, 75 preempted),
+    left in $WORKBENCH_EXIT_DIR for the `supervise` that started this rank."""
+    try:
+        code = main(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    folder = os.environ.get(EXIT_DIR)
+    if folder and os.path.isdir(folder):
+        Path(folder, f"exit-rank{os.environ.get('RANK', '0')}").write_text(str(code))
+    return code
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(entry())

@@ -1,4 +1,5 @@
-"""The preemption notice: SIGTERM means "finish this step, checkpoint, exit with EXIT_PREEMPTED".
+"""The preemption notice: SIGTERM (or SIGHUP, the launcher's death) means "finish this step,
+checkpoint, exit with EXIT_PREEMPTED".
 
 Spot capacity is reclaimed with a SIGTERM and a grace period (AWS: 2 minutes, GCP: 30 s, Azure:
 30 s) before SIGKILL. The training loop polls `PreemptionNotice.requested` after every step;
@@ -55,9 +56,10 @@ class PreemptionNotice(_SignalScope):
     training thread) this does nothing and the launcher delivers the stop instead.
     """
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)):
         self.signals = signals
         self.received_at: float | None = None
+        self._terms = 0
         self._previous: dict[int, object] = {}
 
     @property
@@ -77,10 +79,13 @@ class PreemptionNotice(_SignalScope):
                 "run before its checkpoint. Write checkpoints to faster storage, or make steps shorter.")
 
     def _handle(self, signum, frame) -> None:
-        if self.received_at is not None:  # a second notice: stop waiting for the step
+        # SIGHUP: the launcher died (stop_with_parent). Linux may send it once per thread of the
+        # dead launcher, so repeats are ignored; a second SIGTERM stops waiting for the step.
+        self._terms += signum == signal.SIGTERM
+        if self._terms > 1:
             sys.exit(128 + signum)
-        self.received_at = time.monotonic()
-
+        if self.received_at is None:
+            self.received_at = time.monotonic()
 
 
 class forward_signal(_SignalScope):
@@ -103,3 +108,20 @@ class forward_signal(_SignalScope):
               file=sys.stderr, flush=True)
         threading.Thread(target=self.stop, name="workbench-stop", daemon=True).start()
 
+
+def stop_with_parent() -> None:
+    """Have Linux send this process SIGHUP when the process that started it dies (prctl
+    PR_SET_PDEATHSIG): a rank whose launcher was killed (torchrun's agent) takes the preemption
+    path (PreemptionNotice), checkpointing and exiting EXIT_PREEMPTED, instead of training on
+    unsupervised. SIGHUP, not SIGTERM: the kernel sends it again as the orphan passes from one
+    dying thread of the launcher to the next, and a repeated SIGTERM means "stop now". Elsewhere
+    than Linux this does nothing."""
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGHUP)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before the call above
+        os.kill(os.getpid(), signal.SIGHUP)
