@@ -6,7 +6,6 @@ Megatron-LM's argument names read from its source, and the CLI's warnings and ex
 """
 import inspect
 import json
-import os
 import re
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 import tomllib
 import yaml
 
+from tests.helpers.environ import keep_environ  # noqa: F401 (autouse)
 from workbench.errors import ConfigError
 from workbench.interop import common, detect_format, export_config, import_config, import_text
 from workbench.interop import megatron as meg_mod
@@ -352,13 +352,6 @@ def test_torchtitan_llama3_8b_toml_round_trip():
 
 # -- the engines' own validation ------------------------------------------------------------------
 
-@pytest.fixture(autouse=True)
-def keep_environ():
-    """Importing Accelerate/DeepSpeed sets a few environment variables; later tests' workers must not inherit them."""
-    before = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(before)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

@@ -9,7 +9,6 @@ or named in a warning. Then one regression test per defect of the issue, on the 
 """
 import hashlib
 import json
-import os
 import re
 from pathlib import Path
 from unittest import mock
@@ -18,6 +17,7 @@ import pytest
 import tomllib
 import yaml
 
+from tests.helpers.environ import keep_environ  # noqa: F401 (autouse)
 from workbench.errors import ConfigError
 from workbench.interop import export_config, import_config, import_text
 from workbench.interop import megatron as meg_mod
@@ -31,13 +31,6 @@ REFUSED = {"train_bert_340m_distributed.sh": "BERT encoder", "pretrain_bert.sh":
 OVERRIDES = {"cifar/ds_config.json": ["train.steps=2000"]}  # WarmupLR: the run's length is the script's
 
 
-@pytest.fixture(autouse=True)
-def keep_environ():
-    """Importing Accelerate/DeepSpeed sets a few environment variables; later tests' workers must not inherit them."""
-    before = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(before)
 
 
 def path_of(suffix: str) -> Path:
