@@ -61,8 +61,8 @@ def start(spec, on_event: Callable[[dict], None] | None = None, resume: bool = F
     if resume:
         check_resume_from_checkpoint(spec, or_fresh=resume == RESUME_OR_FRESH)
     note = None if on_event is None else (lambda kind, message: on_event({"event": kind, "message": message}))
-    ensure_ray(note=note, fallback=f"torchrun --nproc_per_node {spec.world_size} -m workbench.cloud_entry --spec SPEC "
-               "(the same per-rank runtime, metrics as JSON lines on stdout)")
+    ensure_ray(note=note, fallback=f"python -m workbench.cloud_entry --spec SPEC (torchrun with {spec.world_size} ranks "
+               "running the same per-rank runtime; metrics as JSON lines on stdout, the same exit codes)")
     return LocalRayBackend().submit(spec, on_event=on_event, resume=resume)
 
 
