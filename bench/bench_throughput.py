@@ -36,7 +36,6 @@ from bench.common import (
 )
 
 GOAL = 0.97
-RAY_START_ATTEMPTS = 6
 
 
 def config(quick: bool) -> dict:
@@ -56,24 +55,11 @@ def _env() -> dict:
 
 
 def start_ray() -> None:
-    """Start the embedded Ray cluster once, as `workbench run` does (backends.local_ray.ensure_ray).
-
-    Ray waits a fixed 30 s for its raylet to register; on a heavily loaded machine that can
-    time out ("timed out during startup"), which is not a training failure: start again.
-    """
-    import ray
-
+    """Start the embedded Ray cluster once, as `workbench run` does (backends.local_ray.ensure_ray,
+    which retries a start that times out on a loaded machine and cleans up after it)."""
     from backends.local_ray import ensure_ray
 
-    for attempt in range(RAY_START_ATTEMPTS):
-        try:
-            ensure_ray()
-            return
-        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
-            if "timed out during startup" not in str(e) or attempt == RAY_START_ATTEMPTS - 1:
-                raise
-            ray.shutdown()
-            time.sleep(5 * (attempt + 1))
+    ensure_ray()
 
 
 def run_workbench(spec_path: Path, work: Path, timeout_s: float) -> dict:
