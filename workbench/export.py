@@ -56,11 +56,12 @@ def load_checkpoint_model(uri: str):
     from torch.distributed.checkpoint.api import CheckpointException
 
     from workbench.models import GPT
-    from workbench.runtime.checkpoint_safe import SafeLoadPlanner, UnsafeCheckpoint, reader_for, unsafe_cause
+    from workbench.runtime.checkpoint_safe import SafeLoadPlanner, reader_for, unsafe_cause
+    from workbench.runtime.checkpoint_store import manifest_spec
     from workbench.spec import load_spec
 
     path, manifest = checkpoint_dir(uri)
-    spec = load_spec(manifest["spec"])
+    spec = load_spec(manifest_spec(manifest, uri))
     if spec.model.factory is not None:
         raise ConfigError("export/sample: a factory model has no known architecture here; load its checkpoint with "
                           "torch.distributed.checkpoint into your own module.")
@@ -74,12 +75,16 @@ def load_checkpoint_model(uri: str):
         if missing:
             raise ConfigError(f"checkpoint {path} lacks {missing[:3]}: it was not written by this model shape.")
         dcp.load({"model": state}, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
-    except (UnsafeCheckpoint, CheckpointException) as e:
-        if unsafe_cause(e) is None:
-            raise
-        raise ConfigError(f"checkpoint {path} holds files that are not plain checkpoint data ({unsafe_cause(e)}); "
-                          "nothing was loaded. Export from a checkpoint written by workbench that nobody else can "
-                          "write to.") from None
+    except ConfigError:
+        raise
+    except (Exception, CheckpointException) as e:
+        from workbench.runtime.checkpoint_store import describe_error
+
+        cause = unsafe_cause(e)
+        why = f"holds files that are not plain checkpoint data ({cause})" if cause else \
+            f"does not load ({describe_error(e)})"
+        raise ConfigError(f"checkpoint {path} {why}; nothing was loaded or run. Export from a checkpoint written by "
+                          "workbench that nobody else can write to.") from None
     model.load_state_dict(state, strict=False)
     return model.eval(), spec
 

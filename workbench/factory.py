@@ -5,8 +5,9 @@ Like transformers' `trust_remote_code`, naming a callable in a spec runs it, so:
   unless the user opts in (`model.trust_factory: true`, or `--trust-factory`); it plans from
   `model.params` or refuses;
 - running imports a factory only from the user's own project or an installed package, never from
-  the standard library, builtins or workbench itself, and only a function or class defined there
-  (not a re-export such as `from os import system`).
+  the standard library, builtins, workbench itself or an installed tool that runs commands (pip,
+  setuptools, pexpect, torch.hub, ...), never through a private name, and only a function or class
+  defined there (not a re-export such as `from os import system`).
 The origin checks need no import of the factory's module (torch-free, docs/architecture.md).
 """
 from __future__ import annotations
@@ -22,6 +23,13 @@ from workbench.errors import ConfigError
 
 OPT_IN = "model.trust_factory: true (or --trust-factory)"
 _OWN = {"workbench", "backends"}  # ours: no model factories, and their functions act (run, dispatch, write)
+# Installed tools whose public functions run commands or other code (a vendored distutils spawn, a
+# pty, torch.hub's hubconf.py, launchers, shells, debuggers): never a model factory.
+_TOOLS = ("pip", "setuptools", "pkg_resources", "distutils", "_distutils_hack", "pexpect", "ptyprocess", "sh",
+          "plumbum", "invoke", "fabric", "paramiko", "IPython", "ipykernel", "jupyter_client", "debugpy", "pdbpp",
+          "torch.hub", "torch.utils.cpp_extension", "torch.distributed.run", "torch.distributed.launch",
+          "torch.distributed.elastic", "torch.package", "torch.utils.hipify", "ray", "deepspeed.launcher",
+          "accelerate.commands", "transformers.dynamic_module_utils")
 
 
 def _in_stdlib(origin: str) -> bool:
@@ -54,8 +62,14 @@ def check_origin(path: str) -> tuple[str, str]:
         raise ConfigError(f"model.factory {path!r}: expected 'pkg.module:function' naming a function or class of "
                           "your project (or of an installed package) that returns a torch.nn.Module.")
     top = module.split(".")[0]
-    if _is_stdlib(module) or top in _OWN:
-        where = "workbench's own packages" if top in _OWN else "the Python standard library or builtins"
+    private = [p for p in [*module.split("."), *attr.split(".")] if p.startswith("_")]
+    if private:
+        raise ConfigError(f"model.factory {path!r} names private parts ({', '.join(private)}): a factory is a public "
+                          "function or class of your project or of an installed package.")
+    tool = next((t for t in _TOOLS if module == t or module.startswith(t + ".")), None)
+    if _is_stdlib(module) or top in _OWN or tool:
+        where = ("workbench's own packages" if top in _OWN else f"{tool}, a tool that runs commands or code" if tool
+                 else "the Python standard library or builtins")
         raise ConfigError(f"model.factory {path!r} names {where}, which build no models: a factory runs only from "
                           "your project or an installed package. Point it at a function that returns your "
                           "torch.nn.Module, e.g. model: {factory: 'my_models:build', vocab: 256, seq_len: 64}.")
@@ -86,8 +100,9 @@ def resolve(path: str):
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"model.factory {path!r}: cannot import it ({e}). Is the module on PYTHONPATH?") from None
     defined_in = getattr(obj, "__module__", None) or ""
+    tool = any(defined_in == t or defined_in.startswith(t + ".") for t in _TOOLS)
     if not (inspect.isfunction(obj) or inspect.isclass(obj)) or _is_stdlib(defined_in) \
-            or defined_in.split(".")[0] in _OWN:
+            or defined_in.split(".")[0] in _OWN or tool:
         raise ConfigError(f"model.factory {path!r} is a {type(obj).__name__} from {defined_in or 'an unknown module'!r}, "
                           "not a function or class of your project or an installed package: a factory must be "
                           "defined there (a re-export of a standard-library callable is refused).")

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import pickle
+import re
 import sys
 
 import pytest
@@ -133,7 +134,7 @@ def test_a_manifest_naming_a_factory_runs_nothing(ckpt, tmp_path, monkeypatch, c
         spec_file = tmp_path / "spec.yaml"
         spec_file.write_text(yaml.safe_dump(spec(ckpt)))
         assert cli_main(["run", str(spec_file), "--resume", "--no-progress"]) == 2
-        assert "cannot resume" in capsys.readouterr().err
+        assert re.search("cannot (resume|use the checkpoint)", capsys.readouterr().err)
         with pytest.raises(ConfigError):
             train(spec(ckpt), [].append, resume=True)
     assert not marker.exists() and "evil_model" not in sys.modules
@@ -203,3 +204,41 @@ def test_a_forged_newest_step_falls_back_to_the_intact_one_on_the_same_curve(tra
     assert {"event": "restart", "attempt": 0, "from_step": 2} in events
     assert [(e["step"], e["loss"]) for e in events if e["event"] == "step"] == [(3, trained4[1][2]), (4, trained4[1][3])]
     assert not marker.exists()
+
+
+def test_metadata_that_points_outside_the_step_is_refused(ckpt, tmp_path, capsys):
+    """A forged .metadata may only read the step's own files: not a tensor file elsewhere on the host."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    step_dir = ckpt / "step-000000002"
+    outside = tmp_path / "outside.pt"
+    with open(step_dir / ".metadata", "rb") as f:
+        metadata = load_metadata(f)
+    fqn = next(k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata))
+    index = next(i for i in metadata.storage_data if i.fqn == fqn)
+    torch.save(torch.full(tuple(metadata.state_dict_metadata[fqn].size), 7.0), outside)
+    metadata.storage_data[index] = _StorageInfo("../../outside.pt", 0, outside.stat().st_size)
+    (step_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+    resign(step_dir, ".metadata")
+    manifest, rejected = Store(str(ckpt)).newest_complete(check=scan_step)
+    assert manifest is None and "outside the step's own files" in rejected[0][1]
+    with pytest.raises(ConfigError, match="outside the step's own files"):
+        train(spec(ckpt), [].append, resume=True)
+    assert cli_main(["export", str(ckpt), "--to", "hf", str(tmp_path / "hf")]) == 2
+    assert "outside the step's own files" in capsys.readouterr().err
+
+
+def test_a_manifest_spec_that_is_a_string_is_never_read_as_a_path(ckpt, tmp_path, capsys):
+    secret = tmp_path / "secret.ini"
+    secret.write_text("aws_secret_access_key = wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY\n")
+    step_dir = ckpt / "step-000000002"
+    manifest = json.loads((step_dir / MANIFEST).read_text())
+    manifest["spec"] = str(secret)
+    (step_dir / MANIFEST).write_text(json.dumps(manifest))
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(spec(ckpt)))
+    assert cli_main(["run", str(spec_file), "--resume", "--no-progress"]) == 2
+    assert cli_main(["export", str(ckpt), "--to", "hf", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "records no spec" in err and "wJalr" not in err

@@ -29,6 +29,11 @@ STDLIB = [
     ("runpy:run_path", lambda m: {"path_name": str(m.parent / "evil_script.py")}),
     ("posix:system", lambda m: {"command": f"touch {m}"}),
     ("workbench.cli:main", lambda m: {"argv": ["data", "prepare", __file__, "--out", str(m), "--tokenizer", "bytes"]}),
+    # installed tools that run commands or code, and private names (found from outside)
+    ("setuptools._distutils.spawn:spawn", lambda m: {"cmd": ["touch", str(m)]}),
+    ("setuptools:_distutils.spawn.spawn", lambda m: {"cmd": ["touch", str(m)]}),
+    ("pexpect:run", lambda m: {"command": f"touch {m}"}),
+    ("torch.hub:load", lambda m: {"repo_or_dir": str(m.parent), "model": "x", "source": "local"}),
 ]
 
 
@@ -66,7 +71,7 @@ def test_standard_library_and_builtin_factories_never_run(project, factory, kwar
         assert "model.factory" in err and "Traceback" not in err
     raw = {"model": model(factory, kwargs(marker))}
     for call in (load_spec, workbench.estimate_memory, workbench.build_model):
-        with pytest.raises(ConfigError, match="standard library|workbench's own"):
+        with pytest.raises(ConfigError, match="standard library|workbench's own|a tool that runs|private parts"):
             call(raw)
     override = f"model={{factory: '{factory}', vocab: 256, seq_len: 64}}"
     assert cli_main(["memory", str(ROOT / "examples/quickstart.yaml"), "--set", override]) == 2

@@ -65,11 +65,21 @@ def load_value(data: io.BytesIO | bytes):
         raise UnsafeCheckpoint(f"a value does not load ({type(e).__name__}: {str(e)[:200]})") from None
 
 
+def check_paths(metadata) -> None:
+    """Every storage location of a step's metadata is a plain file name in the step's folder: a
+    forged `.metadata` must not send a read to any other file (which no manifest lists or checks)."""
+    for info in getattr(metadata, "storage_data", {}).values():
+        rel = str(getattr(info, "relative_path", ""))
+        if not rel or rel in (".", "..") or "/" in rel or "\\" in rel or rel.startswith("."):
+            raise UnsafeCheckpoint(f"its metadata points a read at {rel[:200]!r}, outside the step's own files")
+
+
 class _SafeMetadata:
     def read_metadata(self, *args, **kwargs):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             metadata = load_metadata(f)
+        check_paths(metadata)
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         if getattr(metadata, "storage_meta", None) is None:
@@ -119,6 +129,11 @@ def scan_step(store, step: int, manifest: dict) -> list[str]:
             with store.fs.open(f"{directory}/{rel}", "rb") as f:
                 if rel == ".metadata":
                     metadata = load_metadata(f)
+                    check_paths(metadata)
+                    unlisted = sorted({i.relative_path for i in metadata.storage_data.values()}
+                                      - set(manifest.get("files", {})))
+                    if unlisted:
+                        raise UnsafeCheckpoint(f"its metadata reads {unlisted[:3]}, which the manifest does not list")
                 elif rel.startswith("rng-rank") and rel.endswith(".pt"):
                     load_value(f.read())
         except UnsafeCheckpoint as e:
@@ -142,8 +157,9 @@ def scan_step(store, step: int, manifest: dict) -> list[str]:
     return problems
 
 
-def unsafe_cause(e: BaseException) -> UnsafeCheckpoint | None:
+def unsafe_cause(e: BaseException) -> pickle.UnpicklingError | None:
     """The UnsafeCheckpoint behind an exception (DCP wraps each rank's failure), or None."""
     from workbench.runtime.checkpoint_store import causes
 
-    return next((c for c in causes(e) if isinstance(c, UnsafeCheckpoint)), None)
+    # DCP loads tensor items with weights_only=True itself: its refusal is a plain UnpicklingError
+    return next((c for c in causes(e) if isinstance(c, pickle.UnpicklingError)), None)

@@ -250,11 +250,15 @@ def manifest_spec(manifest: dict, uri: str):
     from workbench.errors import ConfigError
     from workbench.spec import load_spec
 
+    if not isinstance(manifest.get("spec"), dict):  # a string would be read as a path on this host
+        raise ConfigError(f"cannot use the checkpoint of step {manifest.get('step')} under {uri}: it records no spec "
+                          "(its manifest's 'spec' is not a mapping). Nothing was loaded. Restore the checkpoint from "
+                          "a trusted copy, or start a fresh run with another checkpoint.uri.")
     try:
         return load_spec(manifest["spec"], layout=False)
     except (ConfigError, KeyError, TypeError) as e:
-        raise ConfigError(f"cannot resume: the spec recorded in the checkpoint of step {manifest.get('step')} under "
-                          f"{uri} is not a valid spec ({e}). Nothing was loaded. Restore the checkpoint from a "
+        raise ConfigError(f"cannot use the checkpoint of step {manifest.get('step')} under {uri}: the spec it records "
+                          f"is not a valid spec ({e}). Nothing was loaded. Restore the checkpoint from a "
                           "trusted copy, or start a fresh run with another checkpoint.uri.") from None
 
 
