@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--report", help="write a self-contained HTML report of the run to this file")
     run.add_argument("--no-progress", action="store_true", help="no terminal progress bar")
 
-    validate = command("validate", "Check the spec; exit 2 with the reason if it is invalid.")
+    validate = command("validate", "Check the spec as run does before any worker starts; exit 2 with the reason.")
     memory = command("memory", "Predicted memory per rank.")
     memory.add_argument("--json", action="store_true", help="machine-readable output")
     plan = command("plan", "Candidate layouts for the spec's resources, best first.")
@@ -128,7 +128,10 @@ def _run(args) -> int:
 
 
 def _validate(args) -> int:
+    from workbench.validate import check_runnable
+
     spec = _load(args)
+    check_runnable(spec)  # validate == run: every refusal run makes before a worker starts
     print(f"ok: {spec!r}")
     return 0
 

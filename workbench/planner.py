@@ -22,6 +22,10 @@ USABLE_FRACTION = 0.92
 # With offload=cpu, the offloaded states of the node's ranks share its RAM with the processes
 # and pinned staging buffers.
 HOST_USABLE_FRACTION = 0.8
+# The most layouts one plan prices (~0.5 ms each): 64 H100s for a 70B model take 5,323. A spec at
+# the bounds (131,072 GPUs, a highly composite global batch) has millions; the search stops here
+# and says so, so `plan` answers in seconds whatever the spec.
+MAX_SEARCHED = 8192
 
 
 @dataclass
@@ -101,7 +105,9 @@ def _row(label: str, c: Candidate) -> str:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    from workbench.shapes import divisors
+
+    return divisors(n)
 
 
 # Virtual stages per pipeline rank searched for interleaved 1F1B: more shrink the bubble and add
@@ -116,12 +122,17 @@ def _schedules(pp: int, layers: int, num_micro: int) -> list[tuple[str, int]]:
     is only offered where 1F1B cannot run (fewer micro-batches than stages)."""
     if num_micro < pp:
         return [("gpipe", 1)]
-    multi = [("interleaved-1f1b", v) for v in VIRTUAL_STAGES if pp * v <= layers]
-    return [("1f1b", 1), *multi, *([("zero-bubble", 2)] if 2 * pp <= layers else [])]
+    from workbench.spec import MAX_PP
+
+    stages = min(layers, MAX_PP)  # each stage holds a block; validate refuses more than MAX_PP stages
+    multi = [("interleaved-1f1b", v) for v in VIRTUAL_STAGES if pp * v <= stages]
+    return [("1f1b", 1), *multi, *([("zero-bubble", 2)] if 2 * pp <= stages else [])]
 
 
 def _layouts(spec, shape, world: int, gpn: int):
     """Every (dp, tp, pp, zero, offload, schedule, micro_batch), each with its checkpointing options."""
+    from workbench.spec import MAX_PP
+
     gb = spec.train.global_batch
     device = "cpu" if spec.resources.gpu == "cpu" else "cuda"
     for tp in _divisors(min(world, gpn)):
@@ -129,7 +140,7 @@ def _layouts(spec, shape, world: int, gpn: int):
             continue
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
-            if pp > shape.layers or gb % dp:
+            if pp > shape.layers or pp > MAX_PP or gb % dp:
                 continue
             for mb in _divisors(gb // dp):
                 m = gb // (dp * mb)
@@ -190,7 +201,11 @@ def plan(spec, prices=None, top: int | None = None) -> PlanResult:
     host_usable = dev.host_memory_bytes * HOST_USABLE_FRACTION
     dev_prices = load_prices(prices).get(dev.name, {})
     fitting, misses, searched = [], [], 0
+    truncated = False
     for options in _layouts(spec, shape, world, gpn):
+        if searched >= MAX_SEARCHED:
+            truncated = True
+            break
         for lay in options:
             searched += 1
             peak, offloaded = _peak(shape, lay)
@@ -205,6 +220,10 @@ def plan(spec, prices=None, top: int | None = None) -> PlanResult:
     if dev.host_memory_bytes:
         notes.append(f"offload=cpu fits when the offloaded states <= {HOST_USABLE_FRACTION:.0%} of "
                      f"{dev.host_memory_bytes / 2**30:.0f} GiB host memory per GPU")
+    if truncated:
+        notes.append(f"search stopped after {MAX_SEARCHED:,} layouts (the bound on one plan's work; tp, pp and "
+                     "micro-batch sizes are searched in ascending order): fewer GPUs or a global_batch with fewer "
+                     "divisors search everything")
     if not fitting:
         misses.sort(key=lambda x: x[0])
         fitting = [_candidate(shape, lay, dev, spec, gpn, peak, False, dev_prices) for peak, lay in misses[:10]]

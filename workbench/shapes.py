@@ -144,6 +144,18 @@ def resolve_shape(m: ModelSpec) -> ModelShape:
     return ModelShape(**base)
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of n >= 1, ascending, in O(sqrt(n)) steps (n is at most a spec's bound, 2^24)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
 def _divisor_near(n: int, target: int) -> int:
-    divisors = [d for d in range(1, n + 1) if n % d == 0]
-    return min(divisors, key=lambda d: abs(d - target))
+    return min(divisors(n), key=lambda d: abs(d - target))

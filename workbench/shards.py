@@ -26,6 +26,14 @@ DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 per file
 _ENCODE_CHARS = 1 << 22  # text handed to one encode_batch call
 _LINES_CHARS = 1 << 20  # a plain-text file is read in pieces of about this size
 TEXT_SUFFIXES = (".txt", ".md", ".text")
+# Input bounds (docs/training.md): nothing is read whole. A text line is read in pieces of at most
+# _LINES_CHARS; a jsonl line (one document, parsed as JSON) may be at most MAX_JSONL_LINE_CHARS; any
+# document longer than _LINES_CHARS is tokenized in consecutive pieces of that size (a word across
+# a cut becomes two tokens' worth), so memory stays bounded by the piece, not the document.
+_TRAIN_CHARS = 1 << 12
+MAX_JSONL_LINE_CHARS = 1 << 26  # 64 Mi characters
+MAX_SHARD_TOKENS = 1 << 40
+MAX_BPE_VOCAB = 1 << 20  # a BPE trained here (the largest published vocabularies are ~256,000)
 
 
 # -- reading the inputs --------------------------------------------------------------------
@@ -69,20 +77,61 @@ def iter_pieces(files: list[Path], text_field: str = "text") -> Iterator[tuple[s
         if kind == "text":
             yield from _text_pieces(path)
         elif kind == "jsonl":
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if line.strip():
-                        yield _field(json.loads(line), text_field, f"{path}:{n}"), True
+            for n, line in _jsonl_lines(path):
+                yield from _cut(_field(_json_line(line, f"{path}:{n}"), text_field, f"{path}:{n}"))
         else:
             for batch in _arrow_batches(path, text_field):
                 for text in batch.column(0).to_pylist():
-                    yield text or "", True
+                    if text is not None and not isinstance(text, str):
+                        raise ConfigError(f"data prepare: {path}: column {text_field!r} holds "
+                                          f"{type(text).__name__} values, not text. Name a text column with --text-field.")
+                    yield from _cut(text or "")
+
+
+def _training_texts(pieces) -> Iterator[str]:
+    """The BPE's training text in runs of at most _TRAIN_CHARS: a merge rescans each distinct word,
+    so one word of a million characters (a line without spaces) would cost hours; real words are
+    far shorter than a run, and a cut every _TRAIN_CHARS characters changes no merge that matters."""
+    for text, _ in pieces:
+        for i in range(0, len(text), _TRAIN_CHARS):
+            yield text[i:i + _TRAIN_CHARS]
+
+
+def _cut(text: str) -> Iterator[tuple[str, bool]]:
+    """One document as pieces of at most _LINES_CHARS characters; the last ends the document."""
+    for i in range(0, max(len(text), 1), _LINES_CHARS):
+        yield text[i:i + _LINES_CHARS], i + _LINES_CHARS >= len(text)
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a jsonl file, each read with a bounded readline."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            n = 0
+            while line := f.readline(MAX_JSONL_LINE_CHARS + 1):
+                n += 1
+                if len(line) > MAX_JSONL_LINE_CHARS and not line.endswith("\n"):
+                    raise ConfigError(f"data prepare: {path}:{n} is a line of more than {MAX_JSONL_LINE_CHARS:,} "
+                                      "characters; a jsonl line is one document. Split the document, or give it as "
+                                      "a .txt file (read in pieces, any length).")
+                if line.strip():
+                    yield n, line
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"data prepare: {path} is not UTF-8 text (byte {e.start} of a piece). jsonl is UTF-8.") from None
+
+
+def _json_line(line: str, where: str):
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError) as e:
+        raise ConfigError(f"data prepare: {where} is not a JSON object ({str(e)[:200]}). Each jsonl line is one "
+                          "object, e.g. {\"text\": \"...\"}.") from None
 
 
 def _text_pieces(path: Path) -> Iterator[tuple[str, bool]]:
     with open(path, encoding="utf-8", errors="replace") as f:
         buf, size = [], 0
-        for line in f:
+        while line := f.readline(_LINES_CHARS):  # a line longer than that comes in pieces
             buf.append(line)
             size += len(line)
             if size >= _LINES_CHARS:
@@ -98,6 +147,16 @@ def _field(row, text_field: str, where: str) -> str:
 
 
 def _arrow_batches(path: Path, text_field: str):
+    try:
+        yield from _arrow_batches_unchecked(path, text_field)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors (ArrowInvalid, OSError, ...) on a file that is not one
+        raise ConfigError(f"data prepare: cannot read {path} as {path.suffix[1:]} ({type(e).__name__}: "
+                          f"{str(e)[:300]}). Is it really a {path.suffix[1:]} file?") from None
+
+
+def _arrow_batches_unchecked(path: Path, text_field: str):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -136,12 +195,11 @@ def prepare(inputs: list[str], out: str, *, tokenizer: str = "bpe", vocab_size: 
     Raises:
         ConfigError: missing or unreadable inputs, a bad tokenizer.
     """
-    import fsspec
-
     from workbench.tokenizer import build_tokenizer
 
+    _check_prepare_args(inputs, out, tokenizer, vocab_size, text_field, shard_tokens)
     files = _input_files(inputs)
-    tok = build_tokenizer(tokenizer, (t for t, _ in iter_pieces(files, text_field)), vocab_size)
+    tok = build_tokenizer(tokenizer, _training_texts(iter_pieces(files, text_field)), vocab_size)
     if tok.eos_id is None and tok.kind != "bytes":  # bytes join documents by design (docs/training.md)
         import sys
 
@@ -150,6 +208,29 @@ def prepare(inputs: list[str], out: str, *, tokenizer: str = "bpe", vocab_size: 
         print(f"warning: {tokenizer} has no end-of-document token ({', '.join((EOS, *EOS_ALIASES))}): documents "
               "are joined without a separator, so the model sees them as one text.", file=sys.stderr)
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
+    try:
+        return _write(files, tok, out, dtype, text_field, shard_tokens, progress)
+    except (OSError, ValueError, ImportError) as e:  # not writable, a file where the folder goes, no such protocol
+        raise ConfigError(f"data prepare: cannot write the shards to --out {out[:300]!r} ({type(e).__name__}: "
+                          f"{str(e)[:300]}). Give a writable directory or fsspec URI.") from None
+
+
+def _check_prepare_args(inputs, out, tokenizer, vocab_size, text_field, shard_tokens) -> None:
+    """Bounds and types of prepare's arguments, before anything is read."""
+    if not isinstance(inputs, (list, tuple)) or not inputs or not all(isinstance(i, str) for i in inputs):
+        raise ConfigError("data prepare: inputs are a list of file or directory paths (str).")
+    for name, value in (("out", out), ("tokenizer", tokenizer), ("text_field", text_field)):
+        if not isinstance(value, str) or not value or "\0" in value or len(value) > 4096:
+            raise ConfigError(f"data prepare: {name} must be a non-empty path or name (str), got {str(value)[:100]!r}.")
+    for name, value, hi in (("--shard-tokens", shard_tokens, MAX_SHARD_TOKENS), ("--vocab-size", vocab_size, MAX_BPE_VOCAB)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= hi:
+            raise ConfigError(f"data prepare: {name} {str(value)[:40]} is out of range: use 1..{hi:,} (e.g. "
+                              f"{'--shard-tokens 268435456' if name == '--shard-tokens' else '--vocab-size 4096'}).")
+
+
+def _write(files, tok, out: str, dtype, text_field: str, shard_tokens: int, progress: bool) -> dict:
+    import fsspec
+
     fs, root = fsspec.core.url_to_fs(out)
     fs.makedirs(root, exist_ok=True)
     writer = _ShardWriter(fs, root, dtype, shard_tokens)

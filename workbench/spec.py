@@ -16,16 +16,31 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from workbench.errors import ConfigError, did_you_mean
 from workbench.parallelism import PipelineSchedule
 from workbench.schedule import LrSchedule
-from workbench.spec_input import check_plain, clip, parse_yaml, read_spec_file
+from workbench.spec_input import MAX_DEPTH, check_plain, clip, parse_yaml, read_spec_file
 
 if TYPE_CHECKING:
     from workbench.shapes import ModelShape
+
+# Domain bounds (docs/testing.md, "Bounds"): far past any real job, small enough that planning a
+# spec at the bound stays cheap and every product of them stays an exact float.
+MAX_RANKS = 1 << 17  # GPUs of one job: 131,072 (Llama 3 405B trained on 16,384; the largest clusters ~100,000)
+MAX_PP = 1024  # pipeline stages (pp x virtual stages): each holds a block; the deepest models have ~130
+MAX_LAYERS = 1 << 16  # 65,536 blocks: 500x Llama 3 405B's 126, 65x DeepNet's 1,000
+MAX_WIDTH = 1 << 20  # hidden, heads: 1,048,576 (the widest published models ~25,000)
+MAX_FFN = 1 << 22  # MLP inner width
+MAX_VOCAB = 1 << 24  # 16.7M tokens (the largest vocabularies ~256,000)
+MAX_SEQ = 1 << 24  # 16.7M tokens per sequence (the longest contexts ~10M)
+MAX_PARAMS = 1e15  # a size alone: a quadrillion parameters (the largest dense models ~2e12)
+MAX_BATCH = 1 << 20  # sequences per optimizer step (published runs use ~1,000-16,000)
+MAX_STEPS = 1 << 40  # optimizer steps, warmup, eval intervals
+MAX_SEED = (1 << 63) - 1  # seeds go to torch.manual_seed and numpy (64-bit)
 
 
 class _Section(BaseModel):
     """Base of every spec section: unknown keys are errors, values are re-validated on set."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    # Infinity and NaN are never a setting (an lr of .inf validates, then every step is NaN).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
     def _repr_html_(self) -> str:
         return _html_table(self.model_dump(exclude_defaults=False))
@@ -42,15 +57,15 @@ class ModelSpec(_Section):
     family: Literal["gpt", "llama"] | None = Field(
         None, description="gpt: LayerNorm, GELU 4h MLP, learned positions, tied head. "
         "llama: RMSNorm, SwiGLU MLP, rotary positions, untied head, no biases.")
-    layers: int | None = Field(None, gt=0, description="Number of transformer blocks.")
-    hidden: int | None = Field(None, gt=0, description="Model width (d_model).")
-    heads: int | None = Field(None, gt=0, description="Attention heads.")
-    kv_heads: int | None = Field(None, gt=0, description="Key/value heads (grouped-query attention); default = heads.")
-    ffn_hidden: int | None = Field(None, gt=0, description="MLP inner width; default 4*hidden (gpt).")
-    vocab: int | None = Field(None, gt=0, description="Vocabulary size.")
-    seq_len: int | None = Field(None, gt=0, description="Sequence length (tokens per sample).")
+    layers: int | None = Field(None, gt=0, le=MAX_LAYERS, description="Number of transformer blocks.")
+    hidden: int | None = Field(None, gt=0, le=MAX_WIDTH, description="Model width (d_model).")
+    heads: int | None = Field(None, gt=0, le=MAX_WIDTH, description="Attention heads.")
+    kv_heads: int | None = Field(None, gt=0, le=MAX_WIDTH, description="Key/value heads (grouped-query attention); default = heads.")
+    ffn_hidden: int | None = Field(None, gt=0, le=MAX_FFN, description="MLP inner width; default 4*hidden (gpt).")
+    vocab: int | None = Field(None, gt=0, le=MAX_VOCAB, description="Vocabulary size.")
+    seq_len: int | None = Field(None, gt=0, le=MAX_SEQ, description="Sequence length (tokens per sample).")
     tie_embeddings: bool | None = Field(None, description="Share the embedding and output head weights.")
-    params: float | None = Field(None, gt=0, description="A size alone (e.g. 7.5e9): planning of model states only, nothing to run. Beside a factory: the size planning uses without running it.")
+    params: float | None = Field(None, gt=0, le=MAX_PARAMS, description="A size alone (e.g. 7.5e9): planning of model states only, nothing to run. Beside a factory: the size planning uses without running it.")
     factory: str | None = Field(None, description="'pkg.module:function' returning an nn.Module (forward(tokens) -> logits).")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the factory.")
     trust_factory: bool = Field(False, description="Let planning (validate, memory, plan, the notebook) import and call model.factory to count its parameters; a factory is code (workbench/factory.py). Without it, planning uses model.params.")
@@ -67,7 +82,7 @@ class DataSpec(_Section):
 
     source: Literal["synthetic", "text", "tokens"] = Field("synthetic", description="synthetic: a seeded, learnable token stream; text: a local file through a byte-level tokenizer; tokens: shards from `workbench data prepare`, read by memmap.")
     path: str | None = Field(None, description="Text file for source=text (default: the small public-domain text shipped with workbench); the shards' directory or fsspec URI for source=tokens.")
-    seed: int = Field(0, ge=0, description="Seed of the data order; the same seed gives the same batches under every layout.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the data order; the same seed gives the same batches under every layout.")
     tokenizer: str | None = Field(None, description="source=tokens: a tokenizer.json to decode with (sample, export); default: the one saved with the shards.")
     val_fraction: float = Field(0.0, ge=0, lt=1, description="The last fraction of the text / token stream held out for evaluation (train.eval_every).")
 
@@ -75,36 +90,36 @@ class DataSpec(_Section):
 class TrainSpec(_Section):
     """The optimization loop."""
 
-    steps: int = Field(20, gt=0, description="Optimizer steps.")
-    global_batch: int = Field(16, gt=0, description="Sequences per optimizer step, over all data-parallel ranks.")
-    micro_batch: int = Field(4, gt=0, description="Sequences per forward/backward on one rank.")
+    steps: int = Field(20, gt=0, le=MAX_STEPS, description="Optimizer steps.")
+    global_batch: int = Field(16, gt=0, le=MAX_BATCH, description="Sequences per optimizer step, over all data-parallel ranks.")
+    micro_batch: int = Field(4, gt=0, le=MAX_BATCH, description="Sequences per forward/backward on one rank.")
     optimizer: Literal["adamw", "adam", "sgd"] = Field("adamw", description="Optimizer.")
     lr: float = Field(3.0e-4, gt=0, description="Peak learning rate (the schedule scales it).")
     schedule: LrSchedule = Field("constant", description="Learning-rate schedule after warmup: constant, cosine or linear decay to min_lr, or warmup-stable-decay (wsd: the last 20% of steps decay linearly).")
-    warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup from lr/warmup_steps to lr.")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Steps of linear warmup from lr/warmup_steps to lr.")
     min_lr: float = Field(0.0, ge=0, description="Learning rate at the end of a decaying schedule.")
-    eval_every: int = Field(0, ge=0, description="Evaluate the held-out loss every N steps (and after the last); 0 disables.")
-    eval_batches: int = Field(4, gt=0, description="Held-out global batches per evaluation.")
+    eval_every: int = Field(0, ge=0, le=MAX_STEPS, description="Evaluate the held-out loss every N steps (and after the last); 0 disables.")
+    eval_batches: int = Field(4, gt=0, le=MAX_BATCH, description="Held-out global batches per evaluation.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (adamw) or L2 (adam, sgd).")
     grad_clip: float = Field(0.0, ge=0, description="Clip the global gradient norm to this value; 0 disables.")
-    seed: int = Field(0, ge=0, description="Seed of the weight initialization.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the weight initialization.")
 
 
 class LayoutSpec(_Section):
     """How the job is split across GPUs: world size = dp x tp x pp."""
 
-    dp: int = Field(1, gt=0, description="Data-parallel degree.")
-    tp: int = Field(1, gt=0, description="Tensor-parallel degree (within a node).")
-    pp: int = Field(1, gt=0, description="Pipeline-parallel degree (stages).")
+    dp: int = Field(1, gt=0, le=MAX_RANKS, description="Data-parallel degree.")
+    tp: int = Field(1, gt=0, le=MAX_RANKS, description="Tensor-parallel degree (within a node).")
+    pp: int = Field(1, gt=0, le=MAX_PP, description="Pipeline-parallel degree (stages).")
     zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage: 0 DDP, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP).")
     pp_schedule: PipelineSchedule = Field("1f1b", description="Pipeline schedule when pp > 1.")
-    virtual_stages: int = Field(2, gt=0, description="Stages per pipeline rank for interleaved schedules.")
+    virtual_stages: int = Field(2, gt=0, le=MAX_PP, description="Stages per pipeline rank for interleaved schedules.")
     activation_checkpointing: Literal["none", "full", "selective"] = Field("none", description="Recompute activations in backward: none; full: whole blocks (every checkpoint_every-th block); selective: the attention core only (Korthikanti et al. 2022).")
-    checkpoint_every: int = Field(1, gt=0, description="k for full activation checkpointing: recompute every k-th block of each stage (1 = every block).")
+    checkpoint_every: int = Field(1, gt=0, le=MAX_LAYERS, description="k for full activation checkpointing: recompute every k-th block of each stage (1 = every block).")
     offload: Literal["none", "cpu", "nvme"] = Field("none", description="Where optimizer state (and master weights) live: on the device, in CPU memory or in files.")
     nvme_path: str = Field("/tmp/workbench-offload", description="Directory for offload=nvme.")
     sequence_parallel: bool = Field(False, description="Shard the residual stream, norms and the column-parallel linears' saved inputs along the sequence between TP regions (Megatron-style).")
-    bucket_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size in MiB.")
+    bucket_mb: float = Field(25.0, gt=0, le=1 << 20, description="DDP gradient bucket size in MiB.")
 
     @property
     def world_size(self) -> int:
@@ -115,15 +130,15 @@ class PrecisionSpec(_Section):
     """Numerics of the forward/backward; fp16/bf16 keep fp32 master weights."""
 
     dtype: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="Compute dtype.")
-    initial_loss_scale: float = Field(2.0**16, gt=0, description="fp16 only: starting dynamic loss scale.")
+    initial_loss_scale: float = Field(2.0**16, gt=0, le=2.0**64, description="fp16 only: starting dynamic loss scale.")
 
 
 class ResourcesSpec(_Section):
     """The machines the job asks for."""
 
     gpu: str = Field("cpu", description="Accelerator type: cpu, a100-40gb, a100-80gb, h100-80gb, h200, l4, a10g, v100-16gb, v100-32gb, t4, tpu-v5e, tpu-v5p.")
-    gpus_per_node: int = Field(1, gt=0, description="Devices (or CPU worker processes) per node; default: the layout's world size / nodes.")
-    nodes: int = Field(1, gt=0, description="Number of nodes.")
+    gpus_per_node: int = Field(1, gt=0, le=MAX_RANKS, description="Devices (or CPU worker processes) per node; default: the layout's world size / nodes.")
+    nodes: int = Field(1, gt=0, le=MAX_RANKS, description="Number of nodes.")
 
     @property
     def num_gpus(self) -> int:
@@ -133,10 +148,10 @@ class ResourcesSpec(_Section):
 class CheckpointSpec(_Section):
     """When and where to write checkpoints."""
 
-    every_steps: int = Field(0, ge=0, description="Save every N optimizer steps; 0 disables step-based saving.")
+    every_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Save every N optimizer steps; 0 disables step-based saving.")
     every_minutes: float = Field(0.0, ge=0, description="Also save when this many minutes passed since the last save; 0 disables.")
     uri: str | None = Field(None, description="Local path or s3:// gs:// az:// URI. Clouds default to <bucket>/workbench/<name>/checkpoints/.")
-    keep: int = Field(3, gt=0, description="Complete checkpoints to keep.")
+    keep: int = Field(3, gt=0, le=1 << 20, description="Complete checkpoints to keep.")
     async_save: bool = Field(False, description="Write in the background so training does not wait on storage.")
 
 
@@ -265,13 +280,24 @@ def load_spec(source: str | Path | dict | JobSpec, overrides: list[str] | None =
         raw = source.to_dict()
     elif isinstance(source, dict):
         raw = source
-    else:
+    elif isinstance(source, (str, Path)):
+        if isinstance(source, str) and ("\0" in source or len(source) > 4096):
+            raise ConfigError(f"spec path {clip(repr(source), 200)}: not a file path (a NUL byte, or longer "
+                              "than 4,096 characters). Pass the path of a YAML spec.")
         raw = read_spec_file(Path(source)) or {}
+    else:
+        raise ConfigError(f"a spec is a YAML/JSON path, a dict or a JobSpec, not {_type_name(source)}. "
+                          "E.g. load_spec('examples/quickstart.yaml').")
+    if overrides is not None and (not isinstance(overrides, (list, tuple))
+                                  or not all(isinstance(o, str) for o in overrides)):
+        raise ConfigError(f"overrides: a list of 'key.path=value' strings, not {_short_repr(overrides)}; "
+                          "e.g. ['layout.dp=4'].")
     if not isinstance(raw, dict):
         raise ConfigError(f"a spec must be a mapping of sections (name, model, layout, ...), got {type(raw).__name__}.")
     check_plain(raw)
     if overrides:
-        raw = apply_overrides(raw, overrides)
+        raw = apply_overrides(raw, list(overrides))
+        check_plain(raw)
     raw = _default_gpus(raw)
     try:
         spec = JobSpec.model_validate(raw)
@@ -294,7 +320,7 @@ def _default_gpus(raw: dict) -> dict:
     try:
         world = int(lay.get("dp", 1)) * int(lay.get("tp", 1)) * int(lay.get("pp", 1))
         nodes = int((res or {}).get("nodes", 1))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # text, .inf, NaN: pydantic names the field
         return raw
     if world <= 0 or nodes <= 0:
         return raw
@@ -317,6 +343,9 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         check_plain(value, f"--set {clip(key.strip(), 200)}")
         node = out
         parts = key.strip().split(".")
+        if len(parts) > MAX_DEPTH:
+            raise ConfigError(f"--set {clip(key.strip(), 200)!r}: a key path of {len(parts):,} parts; a spec nests at "
+                              f"most {MAX_DEPTH} deep (e.g. --set layout.dp=4).")
         for part in parts[:-1]:
             child = node.get(part)
             if child is None:
@@ -339,9 +368,44 @@ def _known_keys(loc: tuple) -> list[str]:
     return list(model.model_fields)
 
 
+def _type_name(value: Any) -> str:
+    return f"a value of type {type(value).__name__}"
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    """repr of `value` cut to about `limit` characters without building the whole repr first
+    (a list of aliases to one long string would be gigabytes)."""
+    if isinstance(value, str):
+        return clip(repr(value[: limit + 1]), limit) if len(value) > limit else repr(value)
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_short_repr(v, 20) for v in value[:4])
+        more = f", … ({len(value)} items)" if len(value) > 4 else ""
+        return f"[{inner}{more}]"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 100:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1:,} digits"
+    if isinstance(value, (int, float, bool, type(None))):
+        return clip(repr(value), limit)
+    return _type_name(value)
+
+
+# Why a bound exists, added to its refusal (docs/testing.md, "Bounds").
+_GPUS = "a job of more than 131,072 GPUs is beyond any real run"
+_BOUND_WHY = {
+    "layout.dp": _GPUS, "layout.tp": _GPUS, "resources.nodes": _GPUS, "resources.gpus_per_node": _GPUS,
+    "layout.pp": "each pipeline stage holds a block; the deepest published models have ~130",
+    "layout.virtual_stages": "each pipeline stage holds a block; the deepest published models have ~130",
+    "model.layers": "500x the deepest published LLM (Llama 3 405B: 126)",
+    "model.hidden": "40x the widest published model", "model.heads": "at most one head per unit of width",
+    "model.vocab": "60x the largest published vocabulary", "model.seq_len": "past the longest published contexts",
+    "model.params": "500x the largest published dense model",
+    "train.global_batch": "published runs use ~1,000-16,000 sequences per step",
+}
+
+
 def _explain(err: ValidationError) -> str:
     lines = []
-    for e in err.errors():
+    errors = err.errors()
+    for e in errors[:20]:
         loc = tuple(e["loc"])
         where = ".".join(str(p) for p in loc) or "spec"
         if e["type"] == "extra_forbidden":
@@ -350,8 +414,11 @@ def _explain(err: ValidationError) -> str:
             lines.append(f"{where}: unknown key.{hint} Known keys here: {', '.join(known)}.")
         else:
             got = e.get("input")
-            got_text = "" if isinstance(got, dict) else f" (got {clip(repr(got), 80)})"
-            lines.append(f"{where}: {e['msg']}{got_text}.")
+            got_text = "" if isinstance(got, dict) else f" (got {_short_repr(got)})"
+            why = f": {_BOUND_WHY[where]}" if e["type"] == "less_than_equal" and where in _BOUND_WHY else ""
+            lines.append(f"{where}: {e['msg']}{got_text}{why}.")
+    if len(errors) > 20:
+        lines.append(f"... and {len(errors) - 20:,} more")
     return clip("invalid spec:\n  " + "\n  ".join(lines))
 
 

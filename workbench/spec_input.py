@@ -17,6 +17,11 @@ MAX_DEPTH = 32  # sections are 3 deep; factory kwargs get the rest
 MAX_NODES = 20_000  # values after alias expansion; a full spec has ~150
 MAX_FILE_BYTES = 1 << 20
 MAX_MESSAGE_CHARS = 2_000
+# Text after alias expansion: a spec file is at most 1 MiB, so more than twice that is aliases
+# repeating one long string (each repeat would be copied by JSON, reprs and error messages).
+MAX_TEXT_CHARS = 1 << 21
+# Integers: counts, sizes and seeds all fit in 64 bits; Python's own limit is 4,300 digits.
+MAX_INT_BITS = 63
 
 
 def clip(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
@@ -78,22 +83,42 @@ def parse_yaml(text: str | bytes, where: str):
         raise ConfigError(f"{where}: not valid YAML: {clip(str(e), 500)}") from None
     except RecursionError:  # a parser stage deeper than our composer bound (e.g. flow collections)
         raise ConfigError(f"{where}: nested too deeply; a spec is a few sections of key: value pairs.") from None
+    except ValueError as e:  # int() of a number past Python's 4,300-digit limit
+        raise ConfigError(f"{where}: a number too long to read ({clip(str(e), 200)}); numbers in a spec fit in "
+                          f"{MAX_INT_BITS} bits.") from None
+
+
+def read_bounded(path: Path, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes; ConfigError otherwise.
+
+    Reads at most limit + 1 bytes, so a device (/dev/zero), a pipe or a file that grows while it
+    is read costs no more than the limit.
+    """
+    shown = clip(str(path), 300)
+    try:
+        if not path.is_file():
+            exists = path.exists()
+            raise ConfigError(f"{what} {shown!r} " + ("is not a regular file (a device, pipe or folder)."
+                                                     if exists else "does not exist."))
+        size = path.stat().st_size
+        if size > limit:
+            raise ConfigError(f"{what} {shown!r}: {size / 2**20:.1f} MiB is too large (they are a few KiB; "
+                              f"the limit is {limit / 2**20:g} MiB).")
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise ConfigError(f"{what} {shown!r}: cannot read it: {e.strerror or e}.") from None
+    if len(data) > limit:
+        raise ConfigError(f"{what} {shown!r}: more than {limit / 2**20:g} MiB (the limit); it grew while read.")
+    return data
 
 
 def read_spec_file(path: Path):
     """The parsed YAML/JSON of a spec file. Raises ConfigError for a missing, huge or binary file."""
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"spec file {clip(str(path), 300)!r} does not exist. "
                           "Pass the path of a YAML spec, e.g. examples/quickstart.yaml.")
-    try:
-        size = path.stat().st_size
-        if size > MAX_FILE_BYTES:
-            raise ConfigError(f"{path}: {size / 2**20:.1f} MiB is not a spec (they are a few KiB; "
-                              f"the limit is {MAX_FILE_BYTES >> 20} MiB).")
-        data = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read it: {e.strerror or e}.") from None
-    return parse_yaml(data, str(path))
+    return parse_yaml(read_bounded(path, "spec file"), clip(str(path), 300))
 
 
 _SCALARS = (str, int, float, bool, type(None))
@@ -102,13 +127,25 @@ _SCALARS = (str, int, float, bool, type(None))
 def check_plain(raw, where: str = "spec") -> None:
     """Raise ConfigError unless `raw` is JSON-like data of bounded size: dicts with string keys,
     lists, strings (valid Unicode), numbers, booleans and nulls; `where` names its place in errors."""
-    stack, seen = [(raw, where, 0)], 0
+    stack, seen, chars, checked = [(raw, where, 0)], 0, 0, set()
     while stack:
         value, path, depth = stack.pop()
         seen += 1
         if seen > MAX_NODES or depth > MAX_DEPTH:
             what = f"more than {MAX_NODES:,} values" if seen > MAX_NODES else f"nesting deeper than {MAX_DEPTH}"
             raise ConfigError(f"{clip(path, 200)}: {what}; a spec is a few sections of key: value pairs.")
+        if isinstance(value, str):
+            chars += len(value)
+            if chars > MAX_TEXT_CHARS:
+                raise ConfigError(f"{clip(path, 200)}: the spec's text adds up to more than {MAX_TEXT_CHARS:,} "
+                                  "characters (YAML aliases repeating a long string?). A spec is a few KiB; "
+                                  "write each value once.")
+            if id(value) in checked:  # an alias repeats the same object: check its text once
+                continue
+            checked.add(id(value))
+        elif isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > MAX_INT_BITS:
+            raise ConfigError(f"{clip(path, 200)}: the integer {_int_text(value)} is beyond {MAX_INT_BITS} bits; "
+                              "every count, size and seed in a spec is far smaller.")
         if isinstance(value, dict):
             for key, child in value.items():
                 if not isinstance(key, str):
@@ -130,6 +167,14 @@ def _check_text(text: str, path: str) -> None:
     except UnicodeEncodeError as e:  # lone surrogates: bytes that were not UTF-8 (argv, os.fsdecode)
         raise ConfigError(f"{clip(path, 200)}: not valid UTF-8 text (undecodable byte at character {e.start}). "
                           "Use UTF-8.") from None
+
+
+def _int_text(value: int) -> str:
+    """An integer for an error message: in full up to 30 digits, else its size (str() of a huge
+    int is quadratic and past 4,300 digits refused by Python)."""
+    if value.bit_length() <= 100:
+        return str(value)
+    return f"of about {int(value.bit_length() * 0.30103) + 1:,} digits"
 
 
 def _describe(value) -> str:

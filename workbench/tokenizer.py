@@ -60,7 +60,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < BYTE_VOCAB + 1:
+    if not isinstance(vocab_size, int) or vocab_size < BYTE_VOCAB + 1:
         raise ConfigError(f"tokenizer vocab_size={vocab_size}: a byte-level BPE needs at least 257 tokens "
                           "(256 bytes + <|endoftext|>). Use e.g. --vocab-size 2048, or --tokenizer bytes.")
     tok = Tokenizer(models.BPE())
@@ -68,7 +68,13 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer=trainer)
+    try:
+        tok.train_from_iterator(texts, trainer=trainer)
+    except (ConfigError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - a Rust panic arrives as pyo3's PanicException (a BaseException)
+        raise ConfigError(f"tokenizer: training the BPE failed ({type(e).__name__}: {str(e)[:300]}). Try a smaller "
+                          "--vocab-size, or --tokenizer bytes.") from None
     return HFTokenizer(tok, "bpe")
 
 

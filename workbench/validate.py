@@ -30,6 +30,7 @@ def validate_spec(spec: JobSpec, layout: bool = True) -> None:
 
     layout=False skips the rules of the layout itself (for `plan`, which searches layouts).
     """
+    _check_bounds(spec, layout)
     _check_model(spec)
     _check_resources(spec, layout)
     if layout:
@@ -37,6 +38,27 @@ def validate_spec(spec: JobSpec, layout: bool = True) -> None:
         _check_batch(spec)
     _check_backend(spec)
     _check_training(spec)
+
+
+def _check_bounds(spec: JobSpec, layout: bool = True) -> None:
+    """Products of bounded fields stay bounded (each field's own bound is in spec.py)."""
+    from workbench.spec import MAX_PP, MAX_RANKS
+
+    r, lay = spec.resources, spec.layout
+    if r.num_gpus > MAX_RANKS:
+        raise ConfigError(f"resources: nodes({r.nodes}) x gpus_per_node({r.gpus_per_node}) = {r.num_gpus:,} GPUs, more "
+                          f"than {MAX_RANKS:,}, beyond any real run (and what planning prices per rank). Use at most "
+                          f"{MAX_RANKS:,} GPUs.")
+    if not layout:
+        return
+    if lay.world_size > MAX_RANKS:
+        raise ConfigError(f"layout: dp({lay.dp}) x tp({lay.tp}) x pp({lay.pp}) = {lay.world_size:,} ranks, more than "
+                          f"{MAX_RANKS:,}, beyond any real run. Use degrees whose product is at most {MAX_RANKS:,}.")
+    stages = Parallelism.from_spec(spec).num_stages
+    if stages > MAX_PP:
+        raise ConfigError(f"layout: pp({lay.pp}) x virtual_stages({lay.virtual_stages}) = {stages:,} pipeline stages, "
+                          f"more than {MAX_PP:,}; each holds a block and the deepest published models have ~130. "
+                          f"Use at most {MAX_PP:,} stages.")
 
 
 def _check_model(spec: JobSpec) -> None:

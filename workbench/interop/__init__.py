@@ -16,6 +16,58 @@ from workbench.interop.common import ENGINES
 
 __all__ = ["ENGINES", "detect_format", "import_config", "import_text", "export_config"]
 
+# Input bounds (docs/interop.md): the engines' configs are a few KiB (the largest of the 51 real
+# ones in tests/fixtures is under 20 KiB). A Megatron script is read as bash does, which costs time
+# quadratic in a word's length, so scripts are held tighter than JSON/YAML/TOML.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_SCRIPT_CHARS = 1 << 18
+MAX_LINE_CHARS = 1 << 16
+MAX_DEPTH = 64  # nesting of a parsed config (DeepSpeed's deepest is 3)
+
+
+def read_config(path: Path) -> str:
+    """A config file's text: a regular file of at most MAX_CONFIG_BYTES, UTF-8. ConfigError otherwise."""
+    from workbench.spec_input import read_bounded
+
+    data = read_bounded(path, "config file", MAX_CONFIG_BYTES)
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"cannot read config {str(path)[:300]!r}: not UTF-8 text (byte {e.start}). Save it as "
+                          "UTF-8.") from None
+
+
+def _check_text(text, label: str) -> None:
+    if not isinstance(text, str):
+        raise ConfigError(f"a config is text (str), not a value of type {type(text).__name__}; read the file first, "
+                          "or use import_config(path).")
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"the config is {len(text):,} characters; configs are a few KiB (the limit is "
+                          f"{MAX_CONFIG_BYTES:,}).")
+    if label != "megatron":
+        return
+    if len(text) > MAX_SCRIPT_CHARS:
+        raise ConfigError(f"the Megatron-LM script is {len(text):,} characters; launch scripts are a few KiB (the "
+                          f"limit is {MAX_SCRIPT_CHARS:,}). Give the training command's lines only.")
+    longest = max((len(line) for line in text.splitlines()), default=0)
+    if longest > MAX_LINE_CHARS:
+        raise ConfigError(f"the Megatron-LM script has a line of {longest:,} characters (the limit is "
+                          f"{MAX_LINE_CHARS:,}); split it with backslash continuations, or give the command only.")
+
+
+def _check_nesting(cfg, label: str) -> None:
+    """Refuse a parsed config nested deeper than MAX_DEPTH (iterative, so no RecursionError)."""
+    stack = [(cfg, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"the {label} config is nested more than {MAX_DEPTH} levels deep; engine configs are a "
+                              "few sections of key: value pairs.")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+
 
 def _engine(name: str):
     if name not in ENGINES:
@@ -65,17 +117,35 @@ def import_text(text: str, format: str | None = None, *, name: str = "job",
     from workbench.spec import apply_overrides, load_spec
     from workbench.validate import check_runnable
 
+    _check_text(text, "")
+    if format is not None and not isinstance(format, str):
+        raise ConfigError(f"format: one of {', '.join(ENGINES)}, not a value of type {type(format).__name__}.")
     engine = _engine(format or detect_format(text))
     # The world size is often the launcher's, not the file's: a --set layout.dp=N fills it in
     # before batch sizes that scale with dp are derived.
     dp = apply_overrides({}, overrides or []).get("layout", {}).get("dp")
     label = engine.__name__.rsplit(".", 1)[-1]
+    _check_text(text, label)
     try:
-        extra = {"base": Path(base) if base is not None else None} if label == "accelerate" else {}
-        raw, warnings = engine.to_spec(engine.parse(text), dp=int(dp) if dp else None, **extra)
+        cfg = engine.parse(text)
     except ConfigError:
         raise
-    except (TypeError, ValueError, AttributeError) as e:  # a number that is text, a section that is a value, ...
+    except RecursionError:  # json / tomllib recurse per level
+        raise ConfigError(f"the {label} config is nested too deeply to read; engine configs are a few sections of "
+                          "key: value pairs.") from None
+    except ValueError as e:  # e.g. an integer past Python's 4,300-digit limit
+        raise ConfigError(f"cannot read the {label} config: {str(e)[:300]}.") from None
+    _check_nesting(cfg, label)
+    try:
+        extra = {"base": Path(base) if base is not None else None} if label == "accelerate" else {}
+        raw, warnings = engine.to_spec(cfg, dp=int(dp) if dp else None, **extra)
+    except ConfigError:
+        raise
+    except ZeroDivisionError as e:  # a count of 0 the translation divides by (num_machines: 0)
+        raise ConfigError(f"the {label} config has a count of 0 where the job needs at least 1 ({e}); e.g. "
+                          "num_machines, num_processes or a parallel degree. Fix that value.") from None
+    except (TypeError, ValueError, AttributeError, OverflowError, KeyError, IndexError,
+            RecursionError) as e:  # a number that is text, a section that is a value, ...
         raise ConfigError(f"the {label} config has a value of the wrong type ({e}). Fix that value; "
                           "docs/interop.md lists the keys read and what they must hold.") from None
     raw = {"name": name, **raw}
@@ -109,12 +179,15 @@ def _check_length(raw: dict, overrides: list[str], label: str, warnings: list[st
 
 def import_config(path: str | Path, format: str | None = None, overrides: list[str] | None = None):
     """`import_text` on a file; the job is named after the file. Raises ConfigError if unreadable."""
+    if not isinstance(path, (str, Path)) or (isinstance(path, str) and ("\0" in path or len(path) > 4096)):
+        raise ConfigError(f"cannot read config {str(path)[:200]!r}: give the path of a DeepSpeed JSON, Accelerate "
+                          "YAML, Megatron-LM command line or torchtitan TOML.")
     path = Path(path)
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read config {str(path)!r}: {e}. Pass the path of a DeepSpeed JSON, Accelerate "
-                          "YAML, Megatron-LM command line or torchtitan TOML.") from None
+        text = read_config(path)
+    except ConfigError as e:
+        raise ConfigError(f"cannot read config: {e} Pass the path of a DeepSpeed JSON, Accelerate YAML, "
+                          "Megatron-LM command line or torchtitan TOML.") from None
     fmt = format or detect_format(text, path.name)
     return import_text(text, fmt, name=path.stem.replace("_", "-") or "job", overrides=overrides,
                        base=path.parent)
@@ -126,6 +199,12 @@ def export_config(spec, engine: str) -> tuple[str, list[str]]:
     Returns:
         (config text, warnings): one warning per spec field the engine cannot express.
     """
+    from workbench.spec import JobSpec, load_spec
+
+    if not isinstance(engine, str):
+        raise ConfigError(f"engine: one of {', '.join(ENGINES)}, not a value of type {type(engine).__name__}.")
     module = _engine(engine)
+    if not isinstance(spec, JobSpec):
+        spec = load_spec(spec)
     cfg, warnings = module.from_spec(spec)
     return module.dump(cfg), warnings

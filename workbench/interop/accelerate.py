@@ -28,10 +28,12 @@ _SCRIPT = "the training script sets it (Accelerate's config has no field for it)
 
 
 def parse(text: str) -> dict:
-    try:
-        cfg = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"not an Accelerate config: invalid YAML: {e}") from None
+    from workbench.spec_input import parse_yaml
+
+    try:  # the spec's bounded loader: alias bombs and deep nesting are refused before they are built
+        cfg = parse_yaml(text, "not an Accelerate config")
+    except ConfigError as e:
+        raise ConfigError(str(e).replace(": not valid YAML:", ": invalid YAML:", 1)) from None
     if not isinstance(cfg, dict) or "distributed_type" not in cfg:
         raise ConfigError("not an Accelerate config: expected a YAML mapping with distributed_type "
                           "(as `accelerate config` writes it).")
@@ -152,10 +154,12 @@ def _deepspeed_file(get, raw: dict, notes: Notes, dp: int, base: Path | None) ->
 
     name = str(get("deepspeed_config.deepspeed_config_file"))
     path = (base / name) if base is not None and not Path(name).is_absolute() else Path(name)
+    from workbench.interop import read_config
+
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        where = f"{path}: {e.strerror or e}" if base is not None else "imported from text, no folder to read it from"
+        text = read_config(path)
+    except ConfigError as e:
+        where = f"{e}" if base is not None else "imported from text, no folder to read it from"
         notes.unmapped("deepspeed_config.deepspeed_config_file", name,
                        f"the ZeRO stage, precision, batch and optimizer live in that file, which is not readable "
                        f"here ({where}); nothing of it is assumed (the spec's defaults stand in): import it with "

@@ -165,6 +165,8 @@ def estimate_memory(spec, convention: str | None = None) -> MemoryEstimate:
     from workbench.spec import load_spec
 
     spec = load_spec(spec)
+    if convention is not None and not isinstance(convention, str):
+        raise ConfigError(f"convention: one of {', '.join(CONVENTIONS)}, not a value of type {type(convention).__name__}.")
     model = model_of(spec)
     lay = layout_from_spec(spec)
     if convention is None:

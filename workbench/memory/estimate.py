@@ -52,8 +52,8 @@ class StageMemory:
 @lru_cache(maxsize=65536)
 def _stage_params(shape, tp: int, pp: int, pp_index: int, chunks: int, dp: int) -> tuple[int, int]:
     """(parameters on the rank, its FSDP shard over dp): cached, the planner asks often."""
-    tensors = prm.rank_tensors(shape, tp, pp, pp_index, chunks)
-    return sum(prm.numel(t) for t in tensors), prm.fsdp_shard_numel(tensors, dp)
+    total, shard, _ = prm.rank_counts(shape, tp, pp, pp_index, chunks, dp)
+    return total, shard
 
 
 @lru_cache(maxsize=65536)
@@ -158,7 +158,7 @@ def _runtime_details(shape, lay: Layout, pp_index: int, states, notes: list[str]
     if lay.optimizer in ("adam", "adamw") and not lay.needs_master:
         # torch.optim.Adam keeps a 4-byte `step` tensor per parameter tensor; our master-weight
         # optimizer (mixed precision, zero=1, nvme) counts steps in Python.
-        n_tensors = len(prm.rank_tensors(shape, lay.tp, lay.pp, pp_index, lay.chunks))
+        n_tensors = prm.rank_counts(shape, lay.tp, lay.pp, pp_index, lay.chunks)[2]
         states = replace(states, optimizer=states.optimizer + 4 * n_tensors)
     if lay.dtype == "fp16":
         notes.append("fp16: the loss scale is a host float and the overflow check all-reduces one scalar "
