@@ -15,6 +15,8 @@ import bisect
 import fnmatch
 import itertools
 import re
+import tarfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,13 +24,14 @@ from workbench.errors import ConfigError
 
 # Files that are credentials whatever they hold (matched on the name), and folders that hold them.
 CREDENTIAL_NAMES = [
-    ".env", ".env.*", "*.env", ".envrc", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "*.keystore", "*.ppk",
+    ".env", ".env.*", "*.env", "*.env.*", ".envrc", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "*.keystore", "*.ppk",
     "id_rsa*", "id_dsa*", "id_ed25519*", "id_ecdsa*", ".netrc", "_netrc", ".pypirc", ".npmrc", ".yarnrc.yml",
     ".pgpass", ".git-credentials", ".dockercfg", "credentials", "credentials.json", "*credentials*.json",
-    "*service-account*.json", "*service_account*.json", "application_default_credentials.json",
-    "client_secret*.json", "token.json", "kaggle.json", "kubeconfig", "*.kubeconfig", ".htpasswd",
-    "*.tfstate", "*.tfstate.backup", "*.tfvars", "secrets.yaml", "secrets.yml", "secrets.toml",
-]
+    "credentials.toml", "*service-account*.json", "*service_account*.json", "application_default_credentials.json",
+    "client_secret*.json", "token.json", "kaggle.json", "kubeconfig", "*.kubeconfig", ".htpasswd", ".s3cfg", ".boto",
+    ".databrickscfg", ".vault-token", ".*_history", "*.tfstate", "*.tfstate.backup", "*.tfvars", "secrets.yaml",
+    "secrets.yml", "secrets.toml",
+]  # matched case-insensitively
 CREDENTIAL_DIRS = {".aws", ".azure", ".gcloud", ".ssh", ".gnupg", ".docker", ".kube", ".kaggle", ".config/gcloud",
                    ".config/gh", ".huggingface", ".cache/huggingface"}
 MAX_LINE_CHARS = 64 * 1024  # longer lines are scanned in pieces of this size ...
@@ -51,7 +54,7 @@ class Finding:
 
 def credential_name(relpath: str) -> str | None:
     """Why the file at `relpath` (relative, '/'-separated) is a credential by its name alone, or None."""
-    parts = relpath.split("/")
+    parts = relpath.lower().split("/")
     for i in range(len(parts) - 1):
         if parts[i] in CREDENTIAL_DIRS or "/".join(parts[i:i + 2]) in CREDENTIAL_DIRS:
             return f"credential folder {parts[i]}/"
@@ -67,7 +70,8 @@ def _settings_config() -> dict:
                if cls.__module__.startswith("detect_secrets.plugins.") and cls.__name__ not in _SKIPPED_PLUGINS]
     path = Path(__file__).with_name("secret_plugins.py")
     plugins += [{"name": name, "path": path.as_uri()}
-                for name in ("HuggingFaceTokenDetector", "GoogleOAuthSecretDetector", "GoogleCredentialsFileDetector")]
+                for name in ("HuggingFaceTokenDetector", "GoogleOAuthSecretDetector", "GoogleCredentialsFileDetector",
+                             "EnvAssignmentDetector", "VendorTokenDetector")]
     return {"plugins_used": plugins}
 
 
@@ -143,13 +147,21 @@ class Scanner:
         return self.scan_stream(io.BytesIO(data), relpath)
 
     def scan_stream(self, f, relpath: str) -> Finding | None:
-        """The first credential in a binary stream, read block by block (never whole)."""
+        """The first credential in a binary stream, read block by block (never whole); the members
+        of a compressed file or archive (gzip, bzip2, xz, zip, tar) are scanned as files of their own."""
         from detect_secrets.core.scan import _process_line_based_plugins
 
-        for lines in _blocks(f):
-            for lineno, text in self._candidates(lines):
-                for secret in _process_line_based_plugins([(lineno, text)], filename=relpath):
-                    return Finding(relpath, lineno, secret.type)
+        try:
+            for name, member in _members(f, relpath, budget=[MAX_EXPANDED_BYTES]):
+                for lines in _blocks(member):
+                    for lineno, text in self._candidates(lines):
+                        for secret in _process_line_based_plugins([(lineno, text)], filename=name):
+                            return Finding(name, lineno, secret.type)
+        except _TooLarge:
+            return Finding(relpath, 1, f"an archive that expands past {MAX_EXPANDED_BYTES >> 30} GiB, so it cannot be "
+                                       "scanned whole")
+        except (OSError, EOFError, ValueError, zipfile.BadZipFile, tarfile.TarError) as e:  # what it holds is unknown
+            return Finding(relpath, 1, f"a compressed file or archive that does not open ({type(e).__name__})")
         return None
 
     def _candidates(self, lines: list[tuple[int, str]]) -> list[tuple[int, str]]:
@@ -167,6 +179,63 @@ class Scanner:
                     first, last = bisect.bisect_right(starts, m.start()) - 1, bisect.bisect_right(starts, m.end()) - 1
                     hit.update(range(first, last + 1))
         return [lines[i] for i in sorted(hit)]
+
+
+MAX_EXPANDED_BYTES = 1 << 30  # what the archives of one file may expand to (a bomb is refused, not scanned)
+_MAGIC = ((b"\x1f\x8b", "gz"), (b"BZh", "bz2"), (b"\xfd7zXZ\x00", "xz"), (b"PK\x03\x04", "zip"))
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _Counted:
+    """A read-only stream that counts what is read from it against a shared budget."""
+
+    def __init__(self, f, budget: list[int]):
+        self.f, self.budget = f, budget
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n if n is not None and n >= 0 else _BLOCK_BYTES)
+        self.budget[0] -= len(data)
+        if self.budget[0] < 0:
+            raise _TooLarge
+        return data
+
+
+def _kind(f) -> str | None:
+    head = f.read(512)
+    f.seek(0)
+    kind = next((k for magic, k in _MAGIC if head.startswith(magic)), None)
+    return kind or ("tar" if head[257:262] == b"ustar" else None)
+
+
+def _members(f, name: str, budget: list[int], depth: int = 0):
+    """(name, stream) of the file itself, or of each member of the archive it is (two levels deep)."""
+    import bz2
+    import gzip
+    import lzma
+
+    kind = _kind(f) if depth < 2 and f.seekable() else None
+    if kind is None:
+        yield name, (_Counted(f, budget) if depth else f)
+    elif kind in ("gz", "bz2", "xz"):
+        inner = gzip.GzipFile(fileobj=f) if kind == "gz" else bz2.BZ2File(f) if kind == "bz2" else lzma.LZMAFile(f)
+        base = name.rsplit("/", 1)[-1]
+        with inner:
+            yield from _members(inner, f"{name}!{re.sub(r'[.](gz|tgz|bz2|xz)$', '', base) or base}", budget, depth + 1)
+    elif kind == "zip":
+        with zipfile.ZipFile(f) as z:
+            for info in z.infolist():
+                if not info.is_dir():
+                    with z.open(info) as member:
+                        yield from _members(member, f"{name}!{info.filename}", budget, depth + 1)
+    else:
+        with tarfile.open(fileobj=f, mode="r:") as tar:
+            for info in tar:
+                member = tar.extractfile(info) if info.isfile() else None
+                if member is not None:
+                    yield from _members(member, f"{name}!{info.name}", budget, depth + 1)
 
 
 def _blocks(f):
@@ -197,21 +266,41 @@ def _pieces(number: int, line: str) -> list[tuple[int, str]]:
 
 
 def _decoder():
-    """UTF-8 where the stream is UTF-8, Latin-1 (every byte a character) from the first block that is not."""
+    """A decoder for the stream's text: UTF-16/32 by its byte-order mark or by NULs between ASCII
+    letters, else UTF-8, else Latin-1 (every byte a character) from the first block that is not."""
     import codecs
 
-    utf8, latin = codecs.getincrementaldecoder("utf-8")(), False
+    state: dict = {}
 
     def decode(block: bytes, final: bool) -> str:
-        nonlocal latin
-        if not latin:
-            try:
-                return utf8.decode(block, final)
-            except UnicodeDecodeError:
-                latin = True
-        return block.decode("latin-1")
+        if "codec" not in state:
+            state["codec"] = _encoding(block)
+            state["decoder"] = codecs.getincrementaldecoder(state["codec"])(errors="replace"
+                                                                            if state["codec"] != "utf-8" else "strict")
+        if state["codec"] == "latin-1":
+            return block.decode("latin-1")
+        try:
+            return state["decoder"].decode(block, final)
+        except UnicodeDecodeError:
+            state["codec"] = "latin-1"
+            return block.decode("latin-1")
 
     return decode
+
+
+def _encoding(head: bytes) -> str:
+    for bom, codec in ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"), (b"\xff\xfe", "utf-16"),
+                       (b"\xfe\xff", "utf-16")):
+        if head.startswith(bom):
+            return codec
+    sample = head[:4096]
+    if len(sample) >= 16:
+        odd, even = sample[1::2].count(0) / (len(sample) // 2), sample[0::2].count(0) / (len(sample) // 2)
+        if odd > 0.4 and even < 0.05:
+            return "utf-16-le"
+        if even > 0.4 and odd < 0.05:
+            return "utf-16-be"
+    return "utf-8"
 
 
 def refuse(findings: list[Finding], root: Path) -> ConfigError:

@@ -44,17 +44,41 @@ BY_CONTENT = {
                                              "outputs": [{"output_type": "execute_result", "data": {
                                                  "text/plain": ["{'AWS_ACCESS_KEY_ID': 'AKIA" + k(16).upper() + "'}"]}}]}]}),
     "long_line.json": "[" + '"x",' * (3 * MAX_LINE_CHARS // 4) + '"ghp_' + k(36) + '"]',
+    # found from outside: unquoted shell assignments, UTF-16, archives, more vendors' tokens
+    "scripts/env.sh": f"#!/bin/sh\nexport AWS_SECRET_ACCESS_KEY={AWS_SECRET}\nexport MLFLOW_TRACKING_PASSWORD=s3cr3t-pa55\n",
+    "wandb.sh": "WANDB_API_KEY=" + k(40, "0123456789abcdef") + "\n",
+    "keys_utf16.txt": ("notes\nid AKIA" + k(16).upper() + "\n").encode("utf-16"),
+    "backup.tgz": None,  # a gzipped tar holding env.sh, made below
+    "databricks.cfg": "[DEFAULT]\nhost = https://x.cloud.databricks.com\ntoken = dapi" + k(32, "0123456789abcdef") + "\n",
+    "vault.txt": "hvs." + k(26) + "\n",
 }
+
+
+def _tgz() -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        data = BY_CONTENT["scripts/env.sh"].encode()
+        info = tarfile.TarInfo("home/env.sh")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+BY_CONTENT["backup.tgz"] = _tgz()
 BY_NAME = [".envrc", "key.ppk", "kaggle.json", ".pgpass", ".npmrc", "client_secret_42.apps.json", "token.json",
-           ".config/gcloud/credentials.db", ".kube/config", ".aws/credentials", ".env.production"]
+           ".config/gcloud/credentials.db", ".kube/config", ".aws/credentials", ".env.production", "backup.env.gz",
+           ".bash_history", ".databrickscfg", ".vault-token", ".s3cfg", "PROD.ENV"]
 SECRETS = [AWS_SECRET, "ghp_", "hf_", "T3BlbkFJ", "GOCSPX-", "1//0", "eyJhbGci", "PRIVATE KEY", "AccountKey=",
-           "xoxb-", "_authToken", "AKIA"]
+           "xoxb-", "_authToken", "AKIA", "s3cr3t-pa55", "dapi", "hvs."]
 
 
 def project(root, files: dict):
-    for name, text in files.items():
+    for name, content in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text)
+        if isinstance(content, bytes):
+            (root / name).write_bytes(content)
+        else:
+            (root / name).write_text(content)
     return root
 
 
@@ -65,7 +89,7 @@ def test_each_planted_credential_refuses_the_dispatch_naming_file_line_and_kind(
     with pytest.raises(ConfigError) as err:
         B.build_bundle(load_spec(spec), root)
     message = str(err.value)
-    assert f"{name}, line " in message and "backend.secrets_allowlist" in message
+    assert (f"{name}, line " in message or f"{name}!" in message) and "backend.secrets_allowlist" in message
     assert not any(s in message for s in SECRETS)
     spec_file = root / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(spec))
