@@ -13,6 +13,7 @@ import bisect
 import itertools
 import json
 from collections.abc import Iterator
+from os import PathLike
 from pathlib import Path
 
 import numpy as np
@@ -198,6 +199,7 @@ def prepare(inputs: list[str], out: str, *, tokenizer: str = "bpe", vocab_size: 
     from workbench.tokenizer import build_tokenizer
 
     _check_prepare_args(inputs, out, tokenizer, vocab_size, text_field, shard_tokens)
+    inputs, out, tokenizer = [str(i) for i in inputs], str(out), str(tokenizer)
     files = _input_files(inputs)
     tok = build_tokenizer(tokenizer, _training_texts(iter_pieces(files, text_field)), vocab_size)
     if tok.eos_id is None and tok.kind != "bytes":  # bytes join documents by design (docs/training.md)
@@ -217,9 +219,10 @@ def prepare(inputs: list[str], out: str, *, tokenizer: str = "bpe", vocab_size: 
 
 def _check_prepare_args(inputs, out, tokenizer, vocab_size, text_field, shard_tokens) -> None:
     """Bounds and types of prepare's arguments, before anything is read."""
-    if not isinstance(inputs, (list, tuple)) or not inputs or not all(isinstance(i, str) for i in inputs):
-        raise ConfigError("data prepare: inputs are a list of file or directory paths (str).")
+    if not isinstance(inputs, (list, tuple)) or not inputs or not all(isinstance(i, (str, PathLike)) for i in inputs):
+        raise ConfigError("data prepare: inputs are a list of file or directory paths.")
     for name, value in (("out", out), ("tokenizer", tokenizer), ("text_field", text_field)):
+        value = str(value) if isinstance(value, PathLike) else value
         if not isinstance(value, str) or not value or "\0" in value or len(value) > 4096:
             raise ConfigError(f"data prepare: {name} must be a non-empty path or name (str), got {str(value)[:100]!r}.")
     for name, value, hi in (("--shard-tokens", shard_tokens, MAX_SHARD_TOKENS), ("--vocab-size", vocab_size, MAX_BPE_VOCAB)):

@@ -23,6 +23,20 @@ MAX_TEXT_CHARS = 1 << 21
 # Integers: counts, sizes and seeds all fit in 64 bits; Python's own limit is 4,300 digits.
 MAX_INT_BITS = 63
 
+# Domain bounds (docs/testing.md, "Bounds"): far past any real job, small enough that planning a
+# spec at the bound stays cheap and every product of them stays an exact float.
+MAX_RANKS = 1 << 17  # GPUs of one job: 131,072 (Llama 3 405B trained on 16,384; the largest clusters ~100,000)
+MAX_PP = 1024  # pipeline stages (pp x virtual stages): each holds a block; the deepest models have ~130
+MAX_LAYERS = 1 << 16  # 65,536 blocks: 500x Llama 3 405B's 126, 65x DeepNet's 1,000
+MAX_WIDTH = 1 << 20  # hidden, heads: 1,048,576 (the widest published models ~25,000)
+MAX_FFN = 1 << 22  # MLP inner width
+MAX_VOCAB = 1 << 24  # 16.7M tokens (the largest vocabularies ~256,000)
+MAX_SEQ = 1 << 24  # 16.7M tokens per sequence (the longest contexts ~10M)
+MAX_PARAMS = 1e15  # a size alone: a quadrillion parameters (the largest dense models ~2e12)
+MAX_BATCH = 1 << 20  # sequences per optimizer step (published runs use ~1,000-16,000)
+MAX_STEPS = 1 << 40  # optimizer steps, warmup, eval intervals
+MAX_SEED = (1 << 63) - 1  # seeds go to torch.manual_seed and numpy (64-bit)
+
 
 def clip(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
     """`text` cut to `limit` characters, saying how much was left out."""

@@ -42,7 +42,7 @@ def validate_spec(spec: JobSpec, layout: bool = True) -> None:
 
 def _check_bounds(spec: JobSpec, layout: bool = True) -> None:
     """Products of bounded fields stay bounded (each field's own bound is in spec.py)."""
-    from workbench.spec import MAX_PP, MAX_RANKS
+    from workbench.spec_input import MAX_PP, MAX_RANKS
 
     r, lay = spec.resources, spec.layout
     if r.num_gpus > MAX_RANKS:
