@@ -101,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {text}", file=sys.stderr)
         return 2
     except WorkerError as e:
-        print(f"error: training failed: {e}", file=sys.stderr)
-        return 1
+        code = getattr(e, "exit_code", 1)  # e.g. 69: the local Ray cluster did not start (backends/ray_start.py)
+        print(f"error: {e}" if code != 1 else f"error: training failed: {e}", file=sys.stderr)
+        return code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -154,6 +154,4 @@ def test_the_cli_exits_with_the_documented_code_when_ray_does_not_start(monkeypa
     code = cli.main(["run", "examples/quickstart.yaml"])
     err = capsys.readouterr().err
     assert "the local Ray cluster did not start: (the rest)" in err and "Traceback" not in err
-    if code == 1:
-        pytest.xfail("workbench/cli.py maps every WorkerError to 1; it needs `return getattr(e, 'exit_code', 1)`")
     assert code == ray_start.EXIT_NO_CLUSTER
