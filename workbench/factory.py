@@ -2,8 +2,8 @@
 
 Like transformers' `trust_remote_code`, naming a callable in a spec runs it, so:
 - planning (validate, memory, plan, the notebook's memory chart) never imports or calls a factory
-  unless the user opts in (`model.trust_factory: true`, or `--trust-factory`); it plans from
-  `model.params` or refuses;
+  unless the caller opts in (`--trust-factory`, `--set model.trust_factory=true`, or the field in a
+  spec built in Python; a spec file cannot trust itself); it plans from `model.params` or refuses;
 - running imports a factory only from the user's own project or an installed package, never from
   the standard library, builtins, workbench itself or an installed tool that runs commands (pip,
   setuptools, pexpect, torch.hub, ...), never through a private name, and only a function or class
@@ -21,7 +21,7 @@ import sysconfig
 
 from workbench.errors import ConfigError
 
-OPT_IN = "model.trust_factory: true (or --trust-factory)"
+OPT_IN = "--trust-factory (or --set model.trust_factory=true, or model.trust_factory=True in a spec built in Python)"
 _OWN = {"workbench", "backends"}  # ours: no model factories, and their functions act (run, dispatch, write)
 # Installed tools whose public functions run commands or other code (a vendored distutils spawn, a
 # pty, torch.hub's hubconf.py, launchers, shells, debuggers): never a model factory.

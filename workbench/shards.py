@@ -325,6 +325,30 @@ class _ShardWriter:
 
 # -- reading shards ------------------------------------------------------------------------
 
+def _check_index(index, uri: str) -> None:
+    """A token index is data of known shape: token ids as uint16/uint32 (never `object`, which numpy
+    would read as pointers), counts as ints, shard and tokenizer files as plain names in its folder."""
+    def plain(name) -> bool:
+        return isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name and not name.startswith(".")
+
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 48
+
+    shards = index.get("shards")
+    problems = [
+        f"dtype {str(index.get('dtype'))[:40]!r} (uint16 or uint32)" * (index.get("dtype") not in ("uint16", "uint32")),
+        f"vocab_size {str(index.get('vocab_size'))[:40]!r}" * (not count(index.get("vocab_size"))),
+        f"eos_id {str(index.get('eos_id'))[:40]!r}" * (index.get("eos_id") is not None and not count(index.get("eos_id"))),
+        "shards (a list of {file, tokens})" * (not isinstance(shards, list) or not all(
+            isinstance(x, dict) and plain(x.get("file")) and count(x.get("tokens")) for x in shards)),
+        "tokenizer_file" * (index.get("tokenizer_file") is not None and not plain(index.get("tokenizer_file"))),
+    ]
+    problems = [p for p in problems if p]
+    if problems:
+        raise ConfigError(f"data.path: {uri}/{INDEX} is not a token index workbench wrote: bad {'; '.join(problems)}. "
+                          "Make the shards again with workbench data prepare.")
+
+
 class TokenShards:
     """The token stream under `uri`, read by window: np.memmap on local disks, byte-range reads
     on object stores. Nothing is loaded until a window is asked for.
@@ -345,15 +369,20 @@ class TokenShards:
         except FileNotFoundError:
             raise ConfigError(f"data.path: no {INDEX} under {uri!r}. Make token shards first: "
                               f"workbench data prepare FILES --out {uri}") from None
-        if self.index.get("format") != FORMAT:
+        if not isinstance(self.index, dict) or self.index.get("format") != FORMAT:
             raise ConfigError(f"data.path: {uri}/{INDEX} is not a workbench token index (format "
-                              f"{self.index.get('format')!r}, expected {FORMAT!r}).")
+                              f"{str(getattr(self.index, 'get', dict().get)('format'))[:40]!r}, expected {FORMAT!r}).")
+        _check_index(self.index, uri)
         self.dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
         self.vocab_size = int(self.index["vocab_size"])
         self.local = isinstance(self.fs, LocalFileSystem)
         self.offsets = [0]
         for shard in self.index["shards"]:
-            self.offsets.append(self.offsets[-1] + int(shard["tokens"]))
+            size = self.fs.size(f"{self.root}/{shard['file']}")
+            if shard["tokens"] * self.dtype.itemsize > (size or 0):
+                raise ConfigError(f"data.path: {uri}/{INDEX} says {shard['file']} holds {shard['tokens']:,} tokens, but "
+                                  f"the file has {size:,} bytes ({self.dtype.itemsize} a token). Make the shards again.")
+            self.offsets.append(self.offsets[-1] + shard["tokens"])
         self._maps: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:

@@ -71,7 +71,7 @@ class ModelSpec(_Section):
     params: float | None = Field(None, gt=0, le=MAX_PARAMS, description="A size alone (e.g. 7.5e9): planning of model states only, nothing to run. Beside a factory: the size planning uses without running it.")
     factory: str | None = Field(None, description="'pkg.module:function' returning an nn.Module (forward(tokens) -> logits).")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the factory.")
-    trust_factory: bool = Field(False, description="Let planning (validate, memory, plan, the notebook) import and call model.factory to count its parameters; a factory is code (workbench/factory.py). Without it, planning uses model.params.")
+    trust_factory: bool = Field(False, description="Let planning (validate, memory, plan, the notebook) import and call model.factory to count its parameters; a factory is code (workbench/factory.py). Without it, planning uses model.params. The caller's opt-in: --trust-factory, --set, or a spec built in Python; ignored in a spec file.")
 
     def shape(self) -> ModelShape:
         """The resolved architecture (preset + overrides). Raises ConfigError if incomplete."""
@@ -265,6 +265,19 @@ class JobSpec(_Section):
 
 # -- loading --------------------------------------------------------------------------------
 
+def _untrusted(raw, source) -> dict:
+    """A spec file cannot trust its own factory: like transformers' trust_remote_code, the opt-in
+    is the caller's (--trust-factory, --set, or the spec built in Python), never the shared file's."""
+    model = raw.get("model") if isinstance(raw, dict) else None
+    if not isinstance(model, dict) or not model.get("trust_factory"):
+        return raw
+    import warnings
+
+    warnings.warn(f"{source}: model.trust_factory in a spec file is ignored; a file cannot vouch for its own "
+                  "factory. Pass --trust-factory (or --set model.trust_factory=true) if you trust it.", stacklevel=3)
+    return {**raw, "model": {k: v for k, v in model.items() if k != "trust_factory"}}
+
+
 def load_spec(source: str | Path | dict | JobSpec, overrides: list[str] | None = None, *,
               layout: bool = True) -> JobSpec:
     """Load, override and validate a spec.
@@ -287,7 +300,7 @@ def load_spec(source: str | Path | dict | JobSpec, overrides: list[str] | None =
         if isinstance(source, str) and ("\0" in source or len(source) > 4096):
             raise ConfigError(f"spec path {clip(repr(source), 200)}: not a file path (a NUL byte, or longer "
                               "than 4,096 characters). Pass the path of a YAML spec.")
-        raw = read_spec_file(Path(source)) or {}
+        raw = _untrusted(read_spec_file(Path(source)) or {}, source)
     else:
         raise ConfigError(f"a spec is a YAML/JSON path, a dict or a JobSpec, not {_type_name(source)}. "
                           "E.g. load_spec('examples/quickstart.yaml').")

@@ -297,18 +297,21 @@ def _check_training(spec: JobSpec) -> None:
     _check_urls(spec.to_dict())
 
 
-# Query parameters that carry a credential (pre-signed S3 URLs, Azure SAS, OAuth tokens, API keys).
-_CREDENTIAL_PARAMS = {"sig", "signature", "x-amz-signature", "x-amz-credential", "x-amz-security-token",
-                      "x-goog-signature", "x-goog-credential", "token", "access_token", "id_token", "refresh_token",
-                      "api_key", "apikey", "key", "secret", "client_secret", "password", "passwd", "auth"}
+# Query or fragment parameters that carry a credential (pre-signed S3/GCS URLs, Azure SAS, OAuth and
+# API tokens), by a part of their name after lower-casing and '-' -> '_'.
+_CREDENTIAL_PARTS = ("sig", "token", "key", "secret", "password", "passwd", "auth", "credential", "session", "jwt")
+_CREDENTIAL_NAMES = {"code", "pwd"}
+# Schemes whose user part is a person or a token; elsewhere (abfs://container@account) it names storage.
+_USER_SCHEMES = {"http", "https", "ws", "wss", "ray", "ray+http", "mlflow", "databricks", "ftp", "sftp"}
 _FIXES = {"tracking.mlflow": "set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in "
                              "the environment instead",
           "backend.ray.address": "set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) in the environment instead"}
 
 
 def _check_urls(raw, path: str = "") -> None:
-    """No URL anywhere in the spec carries a credential: a password in its user part, or a
-    credential query parameter. The spec travels (bundles, dry-runs, manifests, reports)."""
+    """No URL anywhere in the spec carries a credential: a password or (web schemes) a user name in
+    its user part, or a credential-like query or fragment parameter. The spec travels (bundles,
+    dry-runs, manifests, reports)."""
     from urllib.parse import parse_qsl, urlsplit
 
     if isinstance(raw, dict):
@@ -318,14 +321,18 @@ def _check_urls(raw, path: str = "") -> None:
         for i, value in enumerate(raw):
             _check_urls(value, f"{path}[{i}]")
     elif isinstance(raw, str) and "://" in raw:
+        fix = _FIXES.get(path, "give the credential through the environment or the platform's secret store")
         try:
             url = urlsplit(raw)
-            password = url.password
+            password, user = url.password, url.username
         except ValueError:
-            return  # not a URL (e.g. a port that is not a number): nothing to leak from its parts
-        params = sorted({k.lower() for k, _ in parse_qsl(url.query, keep_blank_values=True)} & _CREDENTIAL_PARAMS)
-        if password is not None or params:
-            what = "a password" if password is not None else f"a credential in its query ({', '.join(params)})"
-            fix = _FIXES.get(path, "give the credential through the environment or the platform's secret store")
+            raise ConfigError(f"{path}: a value with '://' that is not a well-formed URL, so its parts cannot be "
+                              "checked for credentials (it is not shown here). Give a well-formed URL.") from None
+        names = {k.lower().replace("-", "_") for part in (url.query, url.fragment)
+                 for k, _ in parse_qsl(part.replace(";", "&"), keep_blank_values=True)}
+        params = sorted(n for n in names if n in _CREDENTIAL_NAMES or any(p in n for p in _CREDENTIAL_PARTS))
+        if password is not None or params or user and url.scheme.lower() in _USER_SCHEMES:
+            what = ("a password" if password is not None else f"a credential in its query ({', '.join(params)})"
+                    if params else "a user name, which is often a token")
             raise ConfigError(f"{path}: the URL carries {what}, which would travel with the spec (bundles, dry-runs, "
                               f"checkpoint manifests, reports). Remove it and {fix}.")

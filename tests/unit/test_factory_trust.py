@@ -59,6 +59,7 @@ def project(tmp_path, monkeypatch):
     sys.modules.pop("my_models", None)
 
 
+@pytest.mark.filterwarnings("ignore:.*cannot vouch for its own factory")
 @pytest.mark.parametrize("factory,kwargs", STDLIB, ids=[f for f, _ in STDLIB])
 def test_standard_library_and_builtin_factories_never_run(project, factory, kwargs, capsys):
     marker = project / "pwned"
@@ -92,7 +93,12 @@ def test_planning_never_imports_a_project_factory_unless_trusted(project, capsys
     # with a size beside it, planning uses the size and still imports nothing
     assert cli_main(["memory", str(spec_file), "--set", "model.params=1.5e9", "--json"]) == 0
     assert not (project / "imported").exists()
-    # opted in: the factory's parameters are counted (on the meta device)
+    # a shared file cannot vouch for itself: its own trust_factory is ignored, with a warning
+    spec_file.write_text(yaml.safe_dump({"model": model("my_models:build", {"hidden": 8}, trust_factory=True)}))
+    with pytest.warns(UserWarning, match="a file cannot vouch for its own factory"):
+        assert cli_main(["memory", str(spec_file)]) == 2
+    assert not (project / "imported").exists()
+    # the caller opts in: the factory's parameters are counted (on the meta device)
     assert cli_main(["memory", str(spec_file), "--trust-factory", "--json"]) == 0
     assert (project / "called").exists()
 

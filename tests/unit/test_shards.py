@@ -130,3 +130,25 @@ def test_a_rank_reads_only_its_own_rows(shards):
     mine = src.rank_batch(3, 8, 1, 4)  # dp rank 1 of 4: rows 2 and 3 of the global batch
     assert len(windows) == 2 and all(n == 33 for _, n in windows)
     assert torch.equal(mine, src.global_batch(3, 8)[2:4])
+
+
+@pytest.mark.parametrize("forge", [
+    {"dtype": "object"}, {"dtype": "<f8"}, {"vocab_size": "400"}, {"eos_id": 2**80},
+    {"shards": [{"file": "../../../etc/hostname", "tokens": 1}]}, {"shards": [{"file": "shard-00000.bin", "tokens": -1}]},
+    {"shards": [{"file": "shard-00000.bin", "tokens": 10**9}]}, {"tokenizer_file": "/etc/passwd"}, {"shards": "x"},
+], ids=str)
+def test_a_forged_index_is_refused_before_any_read(shards, tmp_path, forge):
+    """A token index is data: an `object` dtype would make numpy read shard bytes as pointers (a
+    crash, found from outside), and paths or counts must stay inside the shards' own files."""
+    import shutil
+
+    out, _ = shards
+    shutil.copytree(out, tmp_path / "s")
+    index = json.loads((tmp_path / "s" / "index.json").read_text())
+    index.update(forge)
+    (tmp_path / "s" / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match="not a token index workbench wrote|holds .* tokens, but the file has"):
+        TokenShards(str(tmp_path / "s"))
+    (tmp_path / "s" / "index.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="is not a workbench token index"):
+        TokenShards(str(tmp_path / "s"))
