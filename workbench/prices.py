@@ -85,6 +85,11 @@ def load_prices(override: str | dict | None = None) -> dict[str, dict[str, Price
     if override is None:
         return table
     for dev, clouds in _read(override).items():
+        if not isinstance(clouds, dict) and clouds is not None:
+            from workbench.errors import ConfigError
+
+            raise ConfigError(f"prices[{str(dev)[:40]}]: expected a mapping of cloud -> prices, e.g. "
+                              "{aws: {on_demand: 6.88, spot: 2.75}}.")
         for cloud, entry in (clouds or {}).items():
             table.setdefault(dev, {})[cloud] = _entry(dev, cloud, entry)
     return table
@@ -95,6 +100,8 @@ def _read(override) -> dict:
 
     if isinstance(override, dict):
         return override
+    if not isinstance(override, (str, os.PathLike)):
+        raise ConfigError(f"prices: a YAML path or a dict, not {type(override).__name__}.")
     import yaml
 
     try:
@@ -114,7 +121,13 @@ def _entry(dev: str, cloud: str, entry) -> Price:
     if not isinstance(entry, dict) or "on_demand" not in entry:
         raise ConfigError(f"prices[{dev}][{cloud}]: needs on_demand (USD per GPU-hour), e.g. "
                           "{on_demand: 6.88, spot: 2.75}.")
-    od = float(entry["on_demand"])
-    spot = float(entry.get("spot", od * SPOT_FRACTION.get(cloud, 0.4)))
-    return Price(cloud, str(entry.get("instance", "user price")), int(entry.get("gpus", 1)), od, spot,
-                 str(entry.get("source", "user override")))
+    try:
+        od = float(entry["on_demand"])
+        spot = float(entry.get("spot", od * SPOT_FRACTION.get(cloud, 0.4)))
+        gpus = int(entry.get("gpus", 1))
+    except (TypeError, ValueError, OverflowError):
+        od = spot = gpus = -1
+    if not (0 <= od < 1e6 and 0 <= spot < 1e6 and 0 < gpus <= 1024):
+        raise ConfigError(f"prices[{str(dev)[:40]}][{str(cloud)[:40]}]: on_demand and spot are USD per GPU-hour "
+                          "(0 to 1e6) and gpus a count (1 to 1024), e.g. {on_demand: 6.88, spot: 2.75, gpus: 8}.")
+    return Price(cloud, str(entry.get("instance", "user price")), gpus, od, spot, str(entry.get("source", "user override")))

@@ -577,3 +577,17 @@ def test_values_of_the_wrong_type_are_a_config_error(engine, content):
 def test_cli_import_of_a_missing_file_exits_2(tmp_path):
     proc = cli("import", tmp_path / "nope.json")
     assert proc.returncode == 2 and "cannot read config" in proc.stderr
+
+
+def test_megatron_script_arithmetic_is_bash_64_bit_and_bounded(tmp_path):
+    """`$((2**2**2**2**3))` hung the importer (found from outside): bash wraps at 64 bits, and so do we."""
+    from workbench.interop.shell import _arith
+
+    assert [_arith(e) for e in ("2**2**2**2**3", "-7/2", "-7%2", "2**63", "9223372036854775807+1", "(1+2)*3")] == \
+        [1, -3, -1, -2**63, -2**63, 9]
+    script = tmp_path / "a.sh"
+    script.write_text("GPUS=$((2**2**2**2**3))\nNL=$(( (4+4) * 3 ))\n"
+                      "torchrun --nproc_per_node $GPUS pretrain_gpt.py --num-layers $NL --hidden-size 64 "
+                      "--num-attention-heads 4 --seq-length 64 --max-position-embeddings 64\n")
+    spec, _ = import_config(str(script), "megatron")
+    assert spec.model.layers == 24

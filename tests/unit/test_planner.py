@@ -207,3 +207,13 @@ def test_plan_needs_no_layout(tmp_path, capsys):
     assert all(c["layout"]["dp"] * c["layout"]["tp"] * c["layout"]["pp"] == 64 for c in top)
     assert main(["validate", str(path)]) == 2
     assert "resources give 64 GPUs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override", [42, {"x": 1}, {"h100-80gb": {"aws": {"on_demand": "abc"}}},
+                                      {"h100-80gb": {"aws": {"on_demand": float("nan")}}},
+                                      {"h100-80gb": {"aws": {"on_demand": 3.0, "gpus": 0}}}], ids=str)
+def test_price_overrides_of_the_wrong_shape_are_config_errors(override):
+    from workbench.prices import load_prices
+
+    with pytest.raises(ConfigError, match="prices"):
+        load_prices(override)

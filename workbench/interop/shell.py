@@ -169,21 +169,36 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, as
 
 
 def _arith(expr: str) -> int:
-    """bash integer arithmetic on numbers: + - * / % ** and parentheses (division truncates)."""
+    """bash integer arithmetic on numbers: + - * / % ** and parentheses (division truncates), in
+    bash's signed 64-bit integers: every result wraps, so `2**2**2**2**3` is a number, not a hang."""
+    def wrap(v: int) -> int:
+        v &= (1 << 64) - 1
+        return v - (1 << 64) if v >> 63 else v
+
     def ev(node):
         if isinstance(node, ast.Expression):
             return ev(node.body)
         if isinstance(node, ast.Constant) and isinstance(node.value, int):
-            return node.value
+            return wrap(node.value)
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-            return -ev(node.operand) if isinstance(node.op, ast.USub) else ev(node.operand)
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            return wrap(-ev(node.operand)) if isinstance(node.op, ast.USub) else ev(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in (ast.Div, ast.Mod, ast.Pow):
             a, b = ev(node.left), ev(node.right)
-            return int(a / b)
+            if isinstance(node.op, ast.Pow):
+                if b < 0:
+                    raise ValueError(expr)  # bash: "exponent less than 0"
+                return wrap(pow(a, b, 1 << 64))
+            if b == 0:
+                raise ValueError(expr)  # bash: "division by 0"
+            q = abs(a) // abs(b) * (1 if (a < 0) == (b < 0) else -1)  # truncating, as C
+            return wrap(q) if isinstance(node.op, ast.Div) else wrap(a - q * b)
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+            return wrap(_OPS[type(node.op)](ev(node.left), ev(node.right)))
         raise ValueError(expr)
-    return ev(ast.parse(expr.strip(), mode="eval"))
+    try:
+        return ev(ast.parse(expr.strip(), mode="eval"))
+    except (SyntaxError, RecursionError, MemoryError):
+        raise ValueError(expr) from None
 
 
 class _Reader:
