@@ -411,10 +411,14 @@ class TokenShards:
 
     def tokenizer(self):
         """The tokenizer the shards were made with."""
-        from workbench.tokenizer import ByteTokenizer, tokenizer_from_str
+        from workbench.tokenizer import MAX_TOKENIZER_CHARS, ByteTokenizer, tokenizer_from_str
 
         if self.index.get("tokenizer_file") is None:
             return ByteTokenizer()
         with self.fs.open(f"{self.root}/{self.index['tokenizer_file']}", "r") as f:
-            return tokenizer_from_str(f.read(), self.index.get("tokenizer", "json"))
+            text = f.read(MAX_TOKENIZER_CHARS + 1)
+        if len(text) > MAX_TOKENIZER_CHARS:
+            raise ConfigError(f"data.path: {self.uri}/{self.index['tokenizer_file']} is over {MAX_TOKENIZER_CHARS >> 20} "
+                              "Mi characters: not a tokenizer.json workbench wrote. Make the shards again.")
+        return tokenizer_from_str(text, self.index.get("tokenizer", "json"))
 

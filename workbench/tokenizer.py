@@ -84,13 +84,22 @@ def tokenizer_from_str(text: str, kind: str = "json") -> HFTokenizer:
     return HFTokenizer(Tokenizer.from_str(text), kind)
 
 
+MAX_TOKENIZER_CHARS = 64 << 20  # a tokenizer.json is read whole by `tokenizers`: bound it first
+
+
 def load_tokenizer_file(path: str) -> HFTokenizer:
     """A local (or fsspec) tokenizer.json. Raises ConfigError if it is missing or not one."""
     import fsspec
 
     try:
         with fsspec.open(path, "r") as f:
-            return tokenizer_from_str(f.read())
+            text = f.read(MAX_TOKENIZER_CHARS + 1)
+        if len(text) > MAX_TOKENIZER_CHARS:
+            raise ConfigError(f"tokenizer {path!r} is over {MAX_TOKENIZER_CHARS >> 20} Mi characters; released "
+                              "tokenizer.json files are under 20 MiB (Llama 3's: 9 MiB). Give a tokenizers tokenizer.json.")
+        return tokenizer_from_str(text)
+    except ConfigError:
+        raise
     except FileNotFoundError:
         raise ConfigError(f"tokenizer {path!r} does not exist. Give 'bpe', 'bytes' or the path of a tokenizer.json.") from None
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exceptions on bad JSON

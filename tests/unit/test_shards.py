@@ -152,3 +152,17 @@ def test_a_forged_index_is_refused_before_any_read(shards, tmp_path, forge):
     (tmp_path / "s" / "index.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match="is not a workbench token index"):
         TokenShards(str(tmp_path / "s"))
+
+
+def test_a_tokenizer_json_is_read_with_a_bound(shards, monkeypatch):
+    """`tokenizers` reads a tokenizer.json whole: a file past the bound is refused before that."""
+    from workbench import tokenizer
+    from workbench.tokenizer import load_tokenizer_file
+
+    out, _ = shards
+    assert load_tokenizer_file(str(out / "tokenizer.json")).vocab_size == 400
+    monkeypatch.setattr(tokenizer, "MAX_TOKENIZER_CHARS", 1000)
+    with pytest.raises(ConfigError, match="is over 0 Mi characters"):
+        load_tokenizer_file(str(out / "tokenizer.json"))
+    with pytest.raises(ConfigError, match="not a tokenizer.json workbench wrote"):
+        TokenShards(str(out)).tokenizer()
