@@ -13,6 +13,7 @@ responses = pytest.importorskip("responses")
 
 from backends.azureml import AzureMLBackend, map_status  # noqa: E402
 from backends.base import JobState  # noqa: E402
+from workbench.errors import ConfigError  # noqa: E402
 from workbench.spec import load_spec  # noqa: E402
 
 pytestmark = [pytest.mark.cloud, pytest.mark.timeout(120),
@@ -75,14 +76,19 @@ def make_project(root):
     (root / "my_model.py").write_text("X = 1\n")
     (root / ".azure").mkdir()
     (root / ".azure" / "msal_token_cache.json").write_text(FAKE_TOKEN)
-    (root / "conn.txt").write_text("DefaultEndpointsProtocol=https;AccountName=a;AccountKey=" + "k" * 44 + "\n")
+    (root / "conn.txt").write_text("DefaultEndpointsProtocol=https;AccountName=a;AccountKey=" + "wbFake7Kq2+/" * 7
+                                   + "Zx==\n")  # a real key is 88 base64 characters
     return root
 
 
 def test_submit_uploads_code_and_puts_spot_pytorch_job(tmp_path, capsys):
     fake = FakeWorkspace()
     spec = load_spec("examples/cloud-spot.yaml").replace(**{"backend.include": ["*"]})  # the whole project, filtered
-    backend = AzureMLBackend(credential=FakeCredential(), root=make_project(tmp_path / "proj"))
+    root = make_project(tmp_path / "proj")
+    backend = AzureMLBackend(credential=FakeCredential(), root=root)
+    with pytest.raises(ConfigError, match=r"conn.txt, line 1: Azure Storage Account access key"):
+        backend.dry_run(spec)  # an account key found by its content stops the dispatch
+    (root / "conn.txt").unlink()  # as its owner would
     dry = json.dumps(backend.dry_run(spec))
     with responses.RequestsMock(assert_all_requests_are_fired=False) as rsps:
         for method in (responses.GET, responses.PUT, responses.POST, responses.HEAD):

@@ -22,6 +22,7 @@ pytest.importorskip("moto")
 from backends.base import JobState  # noqa: E402
 from backends.sagemaker import SageMakerBackend  # noqa: E402
 from bench.common import OWN_GROUP  # noqa: E402
+from workbench.errors import ConfigError  # noqa: E402
 from workbench.spec import load_spec  # noqa: E402
 
 pytestmark = [pytest.mark.cloud, pytest.mark.timeout(120)]
@@ -84,7 +85,7 @@ def make_project(root: Path) -> Path:
     (root / "data" / "big.bin").write_bytes(b"0" * 1000)
     (root / "run.log").write_text("log")
     (root / ".env").write_text(f"AWS_SECRET_ACCESS_KEY={FAKE_SECRET}\n")
-    (root / "notes.py").write_text(f"aws_secret_access_key = {'A' * 40}\n")
+    (root / "notes.py").write_text('aws_secret_access_key = "' + "wbFake7K2q" * 4 + '"\n')  # found by its content
     return root
 
 
@@ -101,7 +102,11 @@ def test_submit_uploads_bundle_and_creates_spot_job(aws_env, tmp_path, capsys):
     session = boto3.Session()
     session.client("s3").create_bucket(Bucket=BUCKET)
     job_spec = spec(tmp_path)
-    backend = SageMakerBackend(session=session, root=make_project(tmp_path / "proj"))
+    root = make_project(tmp_path / "proj")
+    backend = SageMakerBackend(session=session, root=root)
+    with pytest.raises(ConfigError, match=r"notes.py, line 1: "):
+        backend.dry_run(job_spec)  # a key in a plain file stops the dispatch
+    (root / "notes.py").unlink()  # as its owner would
     dry = json.dumps(backend.dry_run(job_spec))
 
     handle = backend.submit(job_spec)
@@ -158,9 +163,11 @@ def test_dry_run_needs_no_credentials_or_network(monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    req = SageMakerBackend(root=make_project(tmp_path / "proj")).dry_run(spec(tmp_path))
+    root = make_project(tmp_path / "proj")
+    (root / "notes.py").unlink()
+    req = SageMakerBackend(root=root).dry_run(spec(tmp_path))
     assert req["operation"] == "CreateTrainingJob"
     assert req["endpoint"] == "https://api.sagemaker.us-east-1.amazonaws.com/"
     assert req["body"]["CheckpointConfig"]["S3Uri"].endswith("/")
-    assert req["code"]["excluded_credential_files"] == [".env", "notes.py"]
+    assert req["code"]["excluded_credential_files"] == [".env"]
     assert "Authorization" not in json.dumps(req)

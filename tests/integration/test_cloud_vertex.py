@@ -17,6 +17,7 @@ pytest.importorskip("google.cloud.aiplatform_v1")
 
 from backends.base import JobState  # noqa: E402
 from backends.vertex import VertexBackend  # noqa: E402
+from workbench.errors import ConfigError  # noqa: E402
 from workbench.spec import load_spec  # noqa: E402
 
 pytestmark = [pytest.mark.cloud, pytest.mark.timeout(120)]
@@ -102,8 +103,12 @@ def test_submit_creates_spot_custom_job_with_checkpoint_dir(fake_vertex, tmp_pat
 
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "nonexistent.json"))
     spec = load_spec("examples/cloud-spot.yaml").replace(**{"backend.include": ["*"]})  # the whole project, filtered
+    root = make_project(tmp_path / "proj")
     backend = VertexBackend(credentials=AnonymousCredentials(), api_endpoint=fake_vertex,
-                            storage_endpoint=fake_vertex, root=make_project(tmp_path / "proj"))
+                            storage_endpoint=fake_vertex, root=root)
+    with pytest.raises(ConfigError, match=r"key.json, line 1: "):
+        backend.dry_run(spec)  # a key under a plain name is found by its content: the dispatch stops
+    (root / "key.json").unlink()  # as its owner would
     dry = json.dumps(backend.dry_run(spec))
     handle = backend.submit(spec)
 
