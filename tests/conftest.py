@@ -45,3 +45,11 @@ def spawn_pools():
 @pytest.fixture
 def pool2(spawn_pools):
     return spawn_pools.get(2)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_profiles(tmp_path_factory, monkeypatch):
+    """No test reads or writes the user's hardware profiles (~/.workbench/profiles): each test gets
+    a WORKBENCH_HOME of its own and no WORKBENCH_PROFILE (workbench/hwprofile.py)."""
+    monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path_factory.mktemp("workbench_home")))
+    monkeypatch.delenv("WORKBENCH_PROFILE", raising=False)
