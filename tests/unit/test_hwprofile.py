@@ -1,0 +1,220 @@
+"""Hardware profiles (workbench/hwprofile.py): round trip, hostile files, the GEMM fit's shape,
+collectives scaled between rank counts, where profiles are found."""
+import math
+import os
+
+import pytest
+import yaml
+
+from workbench.errors import ConfigError
+from workbench.hwprofile import (
+    HardwareProfile,
+    default_profile_path,
+    find_profile,
+    fit_gemm,
+    load_profile,
+    save_profile,
+)
+
+RATE, A, T0 = 50e9, 24.0, 8e-6  # a made-up device: 50 GFLOP/s, dimensions fill at ~24, 8 us per call
+
+
+def _gemm_points(dtype="fp32", rate=RATE):
+    sizes = [(64, 64, 64), (256, 256, 256), (1024, 1024, 1024), (256, 192, 64), (256, 64, 64), (256, 256, 64),
+             (256, 64, 256), (8, 512, 512), (2048, 128, 32)]
+    return tuple((dtype, m, n, k, T0 + 2 * (m + A) * (n + A) * (k + A) / rate) for m, n, k in sizes)
+
+
+def _colls(ranks=2):
+    # a ring of `ranks` with 20 us per step and 1 GB/s of bus bandwidth
+    out = []
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
+        steps = 1 if kind == "p2p" else (2 * (ranks - 1) if kind == "all_reduce" else ranks - 1)
+        share = 1 if kind == "p2p" else steps / ranks
+        for nbytes in (4096, 65536, 1 << 20, 16 << 20):
+            out.append((kind, "intra", ranks, nbytes, steps * 20e-6 + share * nbytes / 1e9))
+    return tuple(out)
+
+
+def _profile(**kw):
+    base = dict(device="cpu", created="2026-12-02T10:00:00+00:00", host="box", backend="local", nodes=1,
+                ranks_per_node=2, threads_per_rank=1, gemm=_gemm_points() + _gemm_points("bf16", RATE / 4),
+                memory_bw=5e9, op_overhead_s=4e-6, collectives=_colls())
+    base.update(kw)
+    return HardwareProfile(**base)
+
+
+def test_round_trip(tmp_path):
+    p = _profile()
+    path = tmp_path / "sub" / "cpu.yaml"
+    save_profile(p, path)
+    assert load_profile(path) == p
+    assert [f.name for f in tmp_path.joinpath("sub").iterdir()] == ["cpu.yaml"]  # no temporary left behind
+    assert p.label() == "calibrated on this cluster, 2026-12-02 (2 x cpu, local)"
+    assert _profile(nodes=2, ranks_per_node=8).label() == \
+        "calibrated on this cluster, 2026-12-02 (2 nodes x 8 x cpu, local)"
+
+
+def test_gemm_fit_recovers_the_law_and_is_monotone():
+    fit = fit_gemm([p[1:] for p in _gemm_points()])
+    assert fit.rate == pytest.approx(RATE, rel=0.05)
+    assert fit.worst < 0.05
+    p = _profile()
+    for m, n, k in [(64, 64, 64), (1024, 1024, 1024), (8, 512, 512)]:
+        assert p.gemm_s(m, n, k, "fp32") == pytest.approx(T0 + 2 * (m + A) * (n + A) * (k + A) / RATE, rel=0.05)
+    # increasing in every dimension, including far outside the measured range
+    for dim in range(3):
+        last = 0.0
+        for x in [1, 2, 7, 64, 100, 1000, 4096, 65536, 1 << 20]:
+            shape = [128, 128, 128]
+            shape[dim] = x
+            t = p.gemm_s(*shape, "fp32")
+            assert t > last and math.isfinite(t)
+            last = t
+    # extrapolated: twice the rows of a big GEMM take about twice the time
+    assert p.gemm_s(1 << 16, 4096, 4096, "fp32") / p.gemm_s(1 << 15, 4096, 4096, "fp32") == pytest.approx(2, rel=0.01)
+    # per dtype, and an unmeasured dtype priced as its nearest measured one
+    assert p.gemm_s(1024, 1024, 1024, "bf16") == pytest.approx(4 * p.gemm_s(1024, 1024, 1024, "fp32"), rel=0.1)
+    assert p.gemm_s(512, 512, 512, "fp16") == p.gemm_s(512, 512, 512, "bf16")
+    only32 = _profile(gemm=_gemm_points())
+    assert only32.gemm_s(512, 512, 512, "bf16") == only32.gemm_s(512, 512, 512, "fp32")
+
+
+def test_gemm_fit_of_noisy_points_stays_sane():
+    # real timings scatter; the fit must stay positive, increasing and near the points
+    noise = [1.3, 0.8, 1.1, 0.9, 1.2, 0.85, 1.0, 1.15, 0.95]
+    pts = [(m, n, k, t * f) for (_, m, n, k, t), f in zip(_gemm_points(), noise)]
+    fit = fit_gemm(pts)
+    assert fit.rate > 0 and fit.t0 >= 0 and fit.a >= 0
+    assert fit.worst < 0.5
+    assert fit.seconds(2048, 2048, 2048) > fit.seconds(1024, 1024, 1024) > fit.seconds(8, 8, 8) > 0
+
+
+def test_collectives_interpolate_and_scale_by_ring_factors():
+    p = _profile()
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
+        ts = [p.collective_s(kind, 2, b, "intra") for b in (1, 4096, 10_000, 65536, 1e6, 16 << 20, 1 << 30)]
+        assert all(a <= b for a, b in zip(ts, ts[1:])), (kind, ts)
+    # at the measured points: exact
+    assert p.collective_s("all_reduce", 2, 1 << 20, "intra") == pytest.approx(2 * 20e-6 + (1 << 20) / 1e9)
+    # past the largest: linear at the measured bandwidth
+    big = p.collective_s("all_reduce", 2, 1 << 30, "intra")
+    assert big == pytest.approx(2 * 20e-6 + (1 << 30) / 1e9, rel=0.01)
+    # 8 ranks from a 2-rank measurement: ring steps 2 -> 14, share of the tensor 1 -> 7/4
+    truth8 = _profile(collectives=_colls(8))
+    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        for nbytes in (4096, 1 << 20, 16 << 20, 1 << 28):
+            scaled = p.collective_s(kind, 8, nbytes, "intra")
+            assert scaled == pytest.approx(truth8.collective_s(kind, 8, nbytes, "intra"), rel=0.02), (kind, nbytes)
+    # and back down: the 8-rank measurement predicts 2 ranks
+    assert truth8.collective_s("all_gather", 2, 16 << 20, "intra") == \
+        pytest.approx(p.collective_s("all_gather", 2, 16 << 20, "intra"), rel=0.02)
+    # more ranks never make a ring faster for the same full tensor
+    assert p.collective_s("all_reduce", 16, 1 << 20, "intra") > p.collective_s("all_reduce", 4, 1 << 20, "intra")
+    assert p.collective_s("all_reduce", 1, 1 << 20, "intra") == 0.0
+    assert p.collective_s("all_reduce", 2, 1 << 20, "inter") is None  # not measured
+    assert p.bus_bw("all_reduce", "intra", 16 << 20) == pytest.approx(1e9, rel=0.01)
+    with pytest.raises(ConfigError, match="all_reduce"):
+        p.collective_s("allreduce", 2, 1, "intra")
+
+
+def _write(tmp_path, data, name="p.yaml"):
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("device", "h100", "device"),
+    ("device", ["cpu"], "device"),
+    ("created", "yesterday", "created"),
+    ("host", "a\nb", "host"),
+    ("host", "x" * 300, "host"),
+    ("backend", "sagemaker", "backend"),
+    ("nodes", 0, "nodes"),
+    ("nodes", True, "nodes"),
+    ("nodes", 1.5, "nodes"),
+    ("ranks_per_node", 1 << 40, "ranks_per_node"),
+    ("threads_per_rank", "2", "threads_per_rank"),
+    ("memory_bw", -1.0, "memory_bw"),
+    ("memory_bw", float("inf"), "memory_bw"),
+    ("memory_bw", float("nan"), "memory_bw"),
+    ("op_overhead_s", "fast", "op_overhead_s"),
+    ("gemm", [], "gemm"),
+    ("gemm", {"a": 1}, "gemm"),
+    ("gemm", [["fp32", 1, 2, 3]], r"gemm\[0\]"),
+    ("gemm", [["fp8", 1, 2, 3, 1e-3]], r"gemm\[0\] dtype"),
+    ("gemm", [["fp32", 0, 2, 3, 1e-3]], r"gemm\[0\] m"),
+    ("gemm", [["fp32", 1, 2, 3, 0.0]], r"gemm\[0\] seconds"),
+    ("gemm", [["fp32", 1, 2, 3, 1e-3]] * 1501, "gemm"),
+    ("collectives", [["all_reduce", "intra", 1, 4096, 1e-4]], r"collectives\[0\] ranks"),
+    ("collectives", [["broadcast", "intra", 2, 4096, 1e-4]], r"collectives\[0\] kind"),
+    ("collectives", [["p2p", "nvlink", 2, 4096, 1e-4]], r"collectives\[0\] link"),
+    ("collectives", "all_reduce", "collectives"),
+    ("format", "workbench-hwprofile/9", "format"),
+    ("pickle", "!!python/object", "pickle"),
+])
+def test_bad_fields_are_config_errors_naming_the_field(tmp_path, field, value, says):
+    data = _profile().to_dict()
+    data[field] = value
+    with pytest.raises(ConfigError, match=says):
+        load_profile(_write(tmp_path, data))
+
+
+def test_missing_field_and_hostile_files(tmp_path):
+    data = _profile().to_dict()
+    del data["memory_bw"]
+    with pytest.raises(ConfigError, match="memory_bw: missing"):
+        load_profile(_write(tmp_path, data))
+    for text, says in [
+        ("- just\n- a list\n", "mapping"),
+        ("device: [unclosed\n", "not valid YAML"),
+        ("!!python/object/apply:os.system ['echo pwned']\n", "YAML"),  # no code: safe loading refuses tags
+        ("a: &a [1,1,1,1,1,1,1,1,1,1]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b,*b]\n"
+         "d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c,*c]\ne: [*d,*d,*d,*d,*d,*d,*d,*d,*d,*d]\n", "alias"),
+    ]:
+        with pytest.raises(ConfigError, match=says):
+            load_profile(_write(tmp_path, text))
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"#" * ((1 << 20) + 1))
+    with pytest.raises(ConfigError, match="too large"):
+        load_profile(big)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_profile(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_profile(tmp_path)
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe\x00garbage\x00\x81")
+    with pytest.raises(ConfigError):
+        load_profile(binary)
+
+
+def test_save_refuses_an_unwritable_place(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="cannot write"):
+        save_profile(_profile(), blocker / "cpu.yaml")
+
+
+def test_where_profiles_are_found(tmp_path, monkeypatch):
+    home = os.environ["WORKBENCH_HOME"]  # set per test by tests/conftest.py
+    assert default_profile_path("cpu") == type(default_profile_path("cpu"))(home) / "profiles" / "cpu.yaml"
+    assert find_profile("cpu") is None
+    default = _profile(host="default")
+    save_profile(default, default_profile_path("cpu"))
+    assert find_profile("cpu") == default
+    assert find_profile("h100-80gb") is None
+    env = _profile(host="env")
+    save_profile(env, tmp_path / "env.yaml")
+    monkeypatch.setenv("WORKBENCH_PROFILE", str(tmp_path / "env.yaml"))
+    assert find_profile("cpu") == env
+    assert find_profile("h100-80gb") is None  # the variable's profile is for another device: passed over
+    explicit = _profile(host="explicit")
+    save_profile(explicit, tmp_path / "explicit.yaml")
+    assert find_profile("cpu", str(tmp_path / "explicit.yaml")) == explicit
+    with pytest.raises(ConfigError, match="measured on cpu, but the spec plans for h100-80gb"):
+        find_profile("h100-80gb", str(tmp_path / "explicit.yaml"))
+    with pytest.raises(ConfigError, match="not in the catalog"):
+        default_profile_path("../../etc/passwd")
+    monkeypatch.delenv("WORKBENCH_HOME")
+    assert default_profile_path("cpu") == type(default_profile_path("cpu")).home() / ".workbench" / "profiles" / "cpu.yaml"

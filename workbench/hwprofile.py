@@ -1,0 +1,386 @@
+"""A hardware profile: what `workbench calibrate` measured on the user's own cluster (GEMM time by
+shape, memory bandwidth, per-op overhead, collectives by message size), read by the step-time model.
+
+Torch-free: planning never imports torch. The file is YAML (`save_profile` / `load_profile`), found
+by `find_profile`: an explicit path, then $WORKBENCH_PROFILE, then $WORKBENCH_HOME/profiles/<device>.yaml.
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+
+from workbench.errors import ConfigError, did_you_mean
+from workbench.spec_input import clip, parse_yaml, read_bounded
+
+FORMAT = "workbench-hwprofile/1"
+MAX_PROFILE_BYTES = 1 << 20  # a profile is ~20 KiB; a file past 1 MiB is not one
+MAX_POINTS = 1_500  # measured points per table (calibrate writes ~200; the YAML loader stops at 20,000 values)
+MAX_RANKS = 1 << 17  # as a spec's bound (workbench/spec_input.py)
+MAX_DIM = 1 << 31  # a GEMM dimension
+DTYPES = ("fp32", "bf16", "fp16")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+LINKS = ("intra", "inter")
+BACKENDS = ("local", "ray")
+# A dtype that was not measured is priced as the nearest one that was (fp16 and bf16 run on the
+# same units on every device we know; fp32 is the slow path).
+_DTYPE_FALLBACK = {"fp16": ("bf16", "fp32"), "bf16": ("fp16", "fp32"), "fp32": ("bf16", "fp16")}
+
+
+def _ring(kind: str, size: int) -> tuple[float, float]:
+    """(latency steps, share of the full tensor's bytes each rank sends) of a ring collective over
+    `size` ranks, as in workbench/steptime.py collective_s."""
+    if kind == "p2p":
+        return 1.0, 1.0
+    steps = 2 * (size - 1) if kind == "all_reduce" else size - 1
+    return float(steps), steps / size
+
+
+@dataclass(frozen=True)
+class GemmFit:
+    """t(m, n, k) = t0 + 2 (m + a)(n + a)(k + a) / rate: smooth, increasing in every dimension,
+    `rate` the large-GEMM FLOP/s, `a` the width below which a dimension fills the units poorly,
+    `t0` the fixed cost of a call; extrapolates linearly in each dimension."""
+
+    rate: float
+    a: float
+    t0: float
+    worst: float  # largest |relative error| over the measured points
+
+    def seconds(self, m: float, n: float, k: float) -> float:
+        return self.t0 + 2.0 * (m + self.a) * (n + self.a) * (k + self.a) / self.rate
+
+
+def fit_gemm(points) -> GemmFit:
+    """Least relative squared error fit of GemmFit through (m, n, k, seconds) points: for each `a`
+    on a log grid, t0 and 1/rate are a 2x2 linear solve (t0 >= 0, rate > 0); the best `a` wins."""
+    pts = [(float(m), float(n), float(k), float(t)) for m, n, k, t in points]
+    best = None
+    for a in [0.0, *(2.0 ** (i / 4) for i in range(0, 53))]:  # 0, 1 .. 8192
+        xs = [2 * (m + a) * (n + a) * (k + a) for m, n, k, _ in pts]
+        # minimise sum((t0 + c x_i) / t_i - 1)^2 over t0 >= 0, c > 0
+        u = [1 / t for *_, t in pts]
+        v = [x / t for x, (*_, t) in zip(xs, pts)]
+        suu, svv, suv = sum(x * x for x in u), sum(x * x for x in v), sum(p * q for p, q in zip(u, v))
+        su, sv = sum(u), sum(v)
+        det = suu * svv - suv * suv
+        t0, c = 0.0, sv / svv
+        if len(pts) > 1 and det > 1e-12 * suu * svv:
+            t0_, c_ = (su * svv - sv * suv) / det, (sv * suu - su * suv) / det
+            if t0_ >= 0 and c_ > 0:
+                t0, c = t0_, c_
+        if c <= 0:
+            continue
+        errs = [abs((t0 + c * x) / t - 1) for x, (*_, t) in zip(xs, pts)]
+        sse = sum(e * e for e in errs)
+        if best is None or sse < best[0] - 1e-15:
+            best = (sse, GemmFit(rate=1 / c, a=a, t0=t0, worst=max(errs)))
+    if best is None:  # no positive slope at any width: times do not grow with size (noise only)
+        t = sorted(p[3] for p in pts)[len(pts) // 2]
+        big = max(2 * m * n * k for m, n, k, _ in pts)
+        return GemmFit(rate=big / t, a=0.0, t0=0.0, worst=max(abs(p[3] / t - 1) for p in pts))
+    return best[1]
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """What `workbench calibrate` measured; every figure with all ranks of a node busy at once,
+    as training uses the host.
+
+    gemm: (dtype, m, n, k, seconds) of one (m x k) @ (k x n).
+    collectives: (kind, link, ranks, nbytes, seconds), nbytes the full tensor (the all-reduced
+    tensor, the gathered output, the reduce-scatter input, the message of a p2p send).
+    """
+
+    device: str  # catalog device name it refines (workbench/catalog.py), e.g. "cpu", "h100-80gb"
+    created: str  # ISO 8601 UTC
+    host: str  # rank 0's hostname only (no environment, no secrets)
+    backend: str  # backend it ran through ("local", "ray")
+    nodes: int
+    ranks_per_node: int
+    threads_per_rank: int  # torch intra-op threads each rank used (CPU)
+    gemm: tuple  # (dtype, m, n, k, seconds)
+    memory_bw: float  # bytes/s per rank, elementwise work on large tensors, all ranks busy
+    op_overhead_s: float  # seconds per small op (dispatch / launch)
+    collectives: tuple  # (kind, link, ranks, nbytes, seconds)
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
+
+    # -- GEMMs --------------------------------------------------------------------------------
+    def gemm_fit(self, dtype: str) -> GemmFit:
+        """The fit for `dtype`, or for the nearest measured dtype when it was not measured."""
+        for d in (dtype, *_DTYPE_FALLBACK.get(dtype, DTYPES)):
+            if d in self.gemm_dtypes:
+                key = ("gemm", d)
+                if key not in self._cache:
+                    self._cache[key] = fit_gemm([p[1:] for p in self.gemm if p[0] == d])
+                return self._cache[key]
+        raise ConfigError(f"hardware profile for {self.device}: no GEMM was measured. Run `workbench calibrate` again.")
+
+    @cached_property
+    def gemm_dtypes(self) -> tuple:
+        return tuple(sorted({p[0] for p in self.gemm}))
+
+    def gemm_s(self, m: int, n: int, k: int, dtype: str) -> float:
+        """Seconds of one (m x k) @ (k x n) in `dtype` on one rank while the others run theirs:
+        the GemmFit through the measured points (increasing in m, n and k; linear past them)."""
+        return self.gemm_fit(dtype).seconds(m, n, k)
+
+    def gemm_flops(self, dtype: str) -> float:
+        """FLOP/s a large GEMM reaches (the fit's rate)."""
+        return self.gemm_fit(dtype).rate
+
+    # -- collectives --------------------------------------------------------------------------
+    def _series(self, kind: str, link: str, size: int):
+        """(ranks, [(nbytes, seconds)] increasing in both) measured for kind/link at the rank count
+        nearest `size`; None when none was measured."""
+        key = ("coll", kind, link, size)
+        if key not in self._cache:
+            counts = sorted({p[2] for p in self.collectives if p[0] == kind and p[1] == link})
+            if not counts:
+                self._cache[key] = None
+            else:
+                ranks = min(counts, key=lambda r: (abs(math.log(r / max(size, 1))), -r))
+                pts = sorted((p[3], p[4]) for p in self.collectives if p[0] == kind and p[1] == link and p[2] == ranks)
+                series: list[tuple[float, float]] = []
+                top = 0.0
+                for nbytes, t in pts:  # a monotone envelope: more bytes never take less time
+                    top = max(top, t)
+                    if series and series[-1][0] == nbytes:
+                        series[-1] = (nbytes, top)
+                    else:
+                        series.append((nbytes, top))
+                self._cache[key] = (ranks, series)
+        return self._cache[key]
+
+    @staticmethod
+    def _latency(series) -> float:
+        """The part of a collective's time that does not grow with bytes: the smallest message's time
+        less its bytes at the bandwidth between the smallest and the largest message."""
+        (b0, t0), (b1, t1) = series[0], series[-1]
+        per_byte = (t1 - t0) / (b1 - b0) if b1 > b0 else 0.0
+        return min(max(t0 - b0 * per_byte, 0.0), t0)
+
+    def collective_s(self, kind: str, size: int, nbytes: float, link: str) -> float | None:
+        """Seconds of one collective over `size` ranks of a full tensor of `nbytes` on `link`, or None
+        when that link was not measured.
+
+        Log-log interpolation between the measured message sizes (linear in bytes past the largest,
+        the smallest's time below it), at the measured rank count nearest `size`; another rank count
+        is scaled by the ring factors of workbench/steptime.py: the latency part by the steps, the
+        bandwidth part by the share of the tensor each rank sends.
+        """
+        if kind not in KINDS:
+            raise ConfigError(f"collective kind {kind!r}: one of {', '.join(KINDS)}.{did_you_mean(str(kind), KINDS)}")
+        if link not in LINKS:
+            raise ConfigError(f"link {link!r}: one of {', '.join(LINKS)}.")
+        if size <= 1 and kind != "p2p":
+            return 0.0
+        found = self._series(kind, link, size)
+        if found is None:
+            return None
+        ranks, series = found
+        t = _interp(series, max(float(nbytes), 0.0))
+        if ranks == size or kind == "p2p":
+            return t
+        lat = min(self._latency(series), t)
+        steps0, share0 = _ring(kind, ranks)
+        steps, share = _ring(kind, size)
+        return lat * steps / steps0 + (t - lat) * share / share0
+
+    def bus_bw(self, kind: str, link: str, nbytes: float) -> float | None:
+        """nccl-tests' bus bandwidth (bytes/s) at the measured rank count: the bytes each rank sends
+        (the ring's share of the full tensor) / time; None when that link was not measured."""
+        ranks = min((p[2] for p in self.collectives if p[0] == kind and p[1] == link), default=None)
+        t = None if ranks is None else self.collective_s(kind, ranks, nbytes, link)
+        return None if not t or ranks is None else nbytes * _ring(kind, ranks)[1] / t
+
+    # -- text ---------------------------------------------------------------------------------
+    def label(self) -> str:
+        """'calibrated on this cluster, 2026-12-02 (2 x cpu, local)'."""
+        ranks = self.nodes * self.ranks_per_node
+        nodes = f"{self.nodes} nodes x {self.ranks_per_node}" if self.nodes > 1 else f"{ranks}"
+        return f"calibrated on this cluster, {self.created[:10]} ({nodes} x {self.device}, {self.backend})"
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "device": self.device, "created": self.created, "host": self.host,
+                "backend": self.backend, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
+                "threads_per_rank": self.threads_per_rank, "memory_bw": self.memory_bw,
+                "op_overhead_s": self.op_overhead_s,
+                "gemm": [list(p) for p in self.gemm], "collectives": [list(p) for p in self.collectives]}
+
+
+def _interp(series: list, x: float) -> float:
+    """Monotone log-log interpolation through (bytes, seconds) points sorted by bytes."""
+    if x <= series[0][0]:
+        return series[0][1]
+    if x >= series[-1][0]:
+        b, t = series[-1]
+        if len(series) == 1:
+            return t * x / b
+        b0, t0 = series[-2]
+        per_byte = max((t - t0) / (b - b0), 0.0) if b > b0 else 0.0
+        return t + (x - b) * (per_byte or t / b)
+    for (b0, t0), (b1, t1) in zip(series, series[1:]):
+        if b0 <= x <= b1:
+            if b1 == b0 or t0 <= 0:
+                return t1
+            w = math.log(x / b0) / math.log(b1 / b0)
+            return math.exp(math.log(t0) + w * math.log(t1 / t0))
+    return series[-1][1]
+
+
+# -- files ------------------------------------------------------------------------------------
+def _fail(where: str, name: str, rule: str) -> ConfigError:
+    return ConfigError(f"hardware profile {where}: {name}: {rule}. Run `workbench calibrate SPEC` again to "
+                       "write a fresh one (or remove the file).")
+
+
+def _int(raw, name: str, where: str, lo: int, hi: int) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int) or not lo <= raw <= hi:
+        raise _fail(where, name, f"an integer from {lo:,} to {hi:,}, not {clip(repr(raw), 80)}")
+    return raw
+
+
+def _pos(raw, name: str, where: str, allow_zero: bool = False) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw) \
+            or raw < 0 or (raw == 0 and not allow_zero) or raw > 1e30:
+        raise _fail(where, name, f"a finite positive number, not {clip(repr(raw), 80)}")
+    return float(raw)
+
+
+def _text(raw, name: str, where: str, limit: int = 255) -> str:
+    if not isinstance(raw, str) or not raw or len(raw) > limit or not raw.isprintable():
+        raise _fail(where, name, f"printable text of 1 to {limit} characters, not {clip(repr(raw), 80)}")
+    return raw
+
+
+def _choice(raw, name: str, where: str, choices) -> str:
+    if raw not in choices or not isinstance(raw, str):
+        raise _fail(where, name, f"one of {', '.join(choices)}, not {clip(repr(raw), 80)}"
+                    + (did_you_mean(raw, choices) if isinstance(raw, str) else ""))
+    return raw
+
+
+def _rows(raw, name: str, where: str, width: int) -> list:
+    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_POINTS:
+        raise _fail(where, name, f"a list of 1 to {MAX_POINTS:,} measured points, not {clip(repr(raw), 80)}")
+    for i, row in enumerate(raw):
+        if not isinstance(row, list) or len(row) != width:
+            raise _fail(where, f"{name}[{i}]", f"a list of {width} values, not {clip(repr(row), 80)}")
+    return raw
+
+
+def profile_from_dict(raw, where: str = "(dict)") -> HardwareProfile:
+    """A HardwareProfile from its plain-data form, every field checked. Raises ConfigError naming the field."""
+    from workbench.catalog import DEVICES
+
+    if not isinstance(raw, dict):
+        raise _fail(where, "(top level)", f"a mapping of fields, not {type(raw).__name__}")
+    if raw.get("format", FORMAT) != FORMAT:
+        raise _fail(where, "format", f"{FORMAT!r} (this version reads that), not {clip(repr(raw.get('format')), 80)}")
+    known = {"format", "device", "created", "host", "backend", "nodes", "ranks_per_node", "threads_per_rank",
+             "gemm", "memory_bw", "op_overhead_s", "collectives"}
+    for key in raw:
+        if key not in known:
+            raise _fail(where, clip(str(key), 80), "not a field of a hardware profile" + did_you_mean(str(key), known))
+    for key in known - {"format"}:
+        if key not in raw:
+            raise _fail(where, key, "missing")
+    device = _choice(raw["device"], "device", where, tuple(DEVICES))
+    created = _text(raw["created"], "created", where, 64)
+    try:
+        datetime.fromisoformat(created.replace("Z", "+00:00"))
+    except ValueError:
+        raise _fail(where, "created", f"an ISO 8601 time such as 2026-12-02T10:00:00+00:00, not {created!r}") from None
+    gemm = []
+    for i, (dtype, m, n, k, t) in enumerate(_rows(raw["gemm"], "gemm", where, 5)):
+        name = f"gemm[{i}]"
+        gemm.append((_choice(dtype, f"{name} dtype", where, DTYPES), _int(m, f"{name} m", where, 1, MAX_DIM),
+                     _int(n, f"{name} n", where, 1, MAX_DIM), _int(k, f"{name} k", where, 1, MAX_DIM),
+                     _pos(t, f"{name} seconds", where)))
+    colls = []
+    if raw["collectives"] != []:
+        for i, (kind, link, ranks, nbytes, t) in enumerate(_rows(raw["collectives"], "collectives", where, 5)):
+            name = f"collectives[{i}]"
+            colls.append((_choice(kind, f"{name} kind", where, KINDS), _choice(link, f"{name} link", where, LINKS),
+                          _int(ranks, f"{name} ranks", where, 2, MAX_RANKS),
+                          _int(nbytes, f"{name} nbytes", where, 1, 1 << 50), _pos(t, f"{name} seconds", where)))
+    return HardwareProfile(
+        device=device, created=created, host=_text(raw["host"], "host", where),
+        backend=_choice(raw["backend"], "backend", where, BACKENDS),
+        nodes=_int(raw["nodes"], "nodes", where, 1, MAX_RANKS),
+        ranks_per_node=_int(raw["ranks_per_node"], "ranks_per_node", where, 1, MAX_RANKS),
+        threads_per_rank=_int(raw["threads_per_rank"], "threads_per_rank", where, 1, 1 << 16),
+        gemm=tuple(gemm), memory_bw=_pos(raw["memory_bw"], "memory_bw", where),
+        op_overhead_s=_pos(raw["op_overhead_s"], "op_overhead_s", where, allow_zero=True), collectives=tuple(colls))
+
+
+def load_profile(path) -> HardwareProfile:
+    """Read a profile file (YAML, at most 1 MiB). Raises ConfigError naming the file and the field."""
+    p = Path(path)
+    where = repr(clip(str(p), 300))
+    return profile_from_dict(parse_yaml(read_bounded(p, "hardware profile", MAX_PROFILE_BYTES), where), where)
+
+
+def save_profile(profile: HardwareProfile, path) -> None:
+    """Write `profile` as YAML, atomically (a temporary file beside it, then os.replace)."""
+    import yaml
+
+    p = Path(path)
+    text = yaml.safe_dump(profile.to_dict(), sort_keys=False, default_flow_style=None, width=200)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, p)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    except OSError as e:
+        raise ConfigError(f"cannot write the hardware profile to {clip(str(p), 300)!r}: {e.strerror or e}. "
+                          "Pass a writable path with -o.") from None
+
+
+def workbench_home() -> Path:
+    """$WORKBENCH_HOME, default ~/.workbench."""
+    return Path(os.environ.get("WORKBENCH_HOME") or Path.home() / ".workbench")
+
+
+def default_profile_path(device: str) -> Path:
+    """$WORKBENCH_HOME/profiles/<device>.yaml (WORKBENCH_HOME defaults to ~/.workbench)."""
+    from workbench.catalog import DEVICES
+
+    if device not in DEVICES:
+        raise ConfigError(f"device {clip(repr(device), 80)}: not in the catalog.{did_you_mean(str(device), DEVICES)}")
+    return workbench_home() / "profiles" / f"{device}.yaml"
+
+
+def find_profile(device: str, explicit: str | None = None) -> HardwareProfile | None:
+    """The profile to plan `device` with: `explicit` path > $WORKBENCH_PROFILE > the default path;
+    None when there is none. A $WORKBENCH_PROFILE measured on another device is passed over; an
+    explicit one is a ConfigError.
+
+    Raises:
+        ConfigError: the file is not a valid profile, or an explicit one is for another device.
+    """
+    if explicit is None and os.environ.get("WORKBENCH_PROFILE"):
+        profile = load_profile(os.environ["WORKBENCH_PROFILE"])
+        if profile.device == device:
+            return profile
+    elif explicit is not None:
+        path = explicit
+        profile = load_profile(path)
+        if profile.device != device:
+            raise ConfigError(f"hardware profile {clip(str(path), 300)!r} was measured on {profile.device}, but the "
+                              f"spec plans for {device}. Calibrate on {device} (`workbench calibrate SPEC`), or "
+                              "drop the profile to use the catalog defaults.")
+        return profile
+    default = default_profile_path(device)
+    return load_profile(default) if default.is_file() else None
