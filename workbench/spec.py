@@ -87,7 +87,8 @@ class DataSpec(_Section):
     path: str | None = Field(None, description="Text file for source=text (default: the small public-domain text shipped with workbench); the shards' directory or fsspec URI for source=tokens.")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the data order; the same seed gives the same batches under every layout.")
     tokenizer: str | None = Field(None, description="source=tokens: a tokenizer.json to decode with (sample, export); default: the one saved with the shards.")
-    val_fraction: float = Field(0.0, ge=0, lt=1, description="The last fraction of the text / token stream held out for evaluation (train.eval_every).")
+    val_fraction: float = Field(0.0, ge=0, lt=1, description="The last fraction of the text / token stream held out for evaluation (train.eval_every); of the examples, for fine-tuning shards.")
+    packing: bool = Field(False, description="Fine-tuning shards (chat/instruct, with a loss mask): false puts one example per sequence (truncated to seq_len + 1 tokens, padded, the padding masked out: no token attends across examples); true cuts seq_len + 1 windows from the stream of examples, as for text (fuller rows, but an example attends to the ones before it in its window). Only masked tokens never train either way.")
 
 
 class TrainSpec(_Section):
