@@ -9,15 +9,13 @@ architecture and HF's differ in a way a config cannot express, the export refuse
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from workbench.errors import ConfigError
 
-GPT_LN_EPS = 1e-5  # nn.LayerNorm's default, which models.py uses; GPT-2's layer_norm_epsilon
-LLAMA_NORM_EPS = 1e-5  # models.RMSNorm's default
-ROPE_THETA = 10000.0  # models._rope_tables
 # DCP says this on every load without a process group, which is what we mean here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
@@ -94,68 +92,166 @@ def hf_state_dict(model) -> tuple[dict[str, torch.Tensor], object]:
     architecture cannot express ours."""
     shape = model.shape
     sd = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
+    config = hf_config(shape)
+    return to_hf(sd, shape), config
+
+
+# -- the one mapping between our names and transformers', used both ways -----------------------
+# Export (to_hf) applies each link to full tensors; import (workbench.hf_import) reads, through
+# the same links, only the slice of the HF tensor a rank's shard needs.
+
+
+@dataclass(frozen=True)
+class Link:
+    """Where our parameter `ours` lives in the HF checkpoint.
+
+    hf: the HF tensor's name. transpose: HF keeps ours transposed (GPT-2's Conv1D, (in, out)).
+    offset: ours starts this many rows into the HF tensor's output-feature dimension (GPT-2's
+    fused c_attn holds q, k, v one after another). rope_heads: ours has the rotary pairs
+    interleaved (2i, 2i+1) in each of these many heads of `head_dim` rows, HF has them split
+    (i, i + D/2) (Meta's convert_llama_weights_to_hf permutation). vocab: the rows HF has when
+    ours has padding rows after them (the embedding and the head).
+    """
+
+    ours: str
+    hf: str
+    transpose: bool = False
+    offset: int = 0
+    rope_heads: int = 0
+    head_dim: int = 0
+    vocab: int = 0
+
+
+def hf_links(shape) -> dict[str, Link]:
+    """Our canonical parameter names -> their Links, for the gpt (GPT2LMHeadModel) and llama
+    (LlamaForCausalLM, also Mistral and Qwen2) families. A tied head has no link of its own."""
+    links: list[Link] = []
+    v = shape.vocab
     if shape.family == "gpt":
-        return _gpt2(sd, shape)
-    return _llama(sd, shape)
-
-
-def _gpt2(sd: dict, shape) -> tuple[dict, object]:
-    from transformers import GPT2Config
-
-    if shape.kv_heads != shape.heads:
-        raise ConfigError(f"export --to hf: GPT-2 has no grouped-query attention, but model.kv_heads={shape.kv_heads} "
-                          f"!= heads={shape.heads}. Use the llama family for GQA, or kv_heads=heads.")
-    out = {"transformer.wte.weight": sd["tok_emb.weight"], "transformer.wpe.weight": sd["pos_emb.weight"],
-           "transformer.ln_f.weight": sd["norm.weight"], "transformer.ln_f.bias": sd["norm.bias"]}
-    for i in range(shape.layers):
-        b, h = f"blocks.{i}.", f"transformer.h.{i}."
-        # GPT-2's Conv1D keeps weights as (in, out): the transpose of nn.Linear's; q, k, v are one c_attn.
-        out[h + "attn.c_attn.weight"] = torch.cat([sd[b + f"attn.{w}.weight"] for w in ("wq", "wk", "wv")]).t().contiguous()
-        out[h + "attn.c_attn.bias"] = torch.cat([sd[b + f"attn.{w}.bias"] for w in ("wq", "wk", "wv")])
-        for ours, theirs in (("attn.wo", "attn.c_proj"), ("mlp.w1", "mlp.c_fc"), ("mlp.w2", "mlp.c_proj")):
-            out[h + theirs + ".weight"] = sd[b + ours + ".weight"].t().contiguous()
-            out[h + theirs + ".bias"] = sd[b + ours + ".bias"]
-        for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-            out[h + theirs + ".weight"], out[h + theirs + ".bias"] = sd[b + ours + ".weight"], sd[b + ours + ".bias"]
-    if not shape.tie_embeddings:
-        out["lm_head.weight"] = sd["head.weight"]
-    config = GPT2Config(vocab_size=shape.vocab, n_positions=shape.seq_len, n_embd=shape.hidden, n_layer=shape.layers,
-                        n_head=shape.heads, n_inner=shape.ffn_hidden, activation_function="gelu_new",  # tanh GELU
-                        layer_norm_epsilon=GPT_LN_EPS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        tie_word_embeddings=shape.tie_embeddings, architectures=["GPT2LMHeadModel"])
-    return out, config
-
-
-def _rope_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Our rotary embedding rotates adjacent pairs (2i, 2i+1); HF's rotate_half pairs (i, i+D/2).
-    Reordering each head's q/k rows maps one onto the other (Meta's convert_llama_weights_to_hf)."""
-    rows, cols = w.shape
-    return w.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
-
-
-def _llama(sd: dict, shape) -> tuple[dict, object]:
-    from transformers import LlamaConfig
-
-    out = {"model.embed_tokens.weight": sd["tok_emb.weight"], "model.norm.weight": sd["norm.weight"]}
-    names = {"attn.wo": "self_attn.o_proj", "attn.wv": "self_attn.v_proj", "mlp.w1": "mlp.gate_proj",
-             "mlp.w3": "mlp.up_proj", "mlp.w2": "mlp.down_proj", "attn_norm": "input_layernorm",
-             "mlp_norm": "post_attention_layernorm"}
+        links += [Link("tok_emb.weight", "transformer.wte.weight", vocab=v),
+                  Link("pos_emb.weight", "transformer.wpe.weight"),
+                  Link("norm.weight", "transformer.ln_f.weight"), Link("norm.bias", "transformer.ln_f.bias")]
+        for i in range(shape.layers):
+            b, h = f"blocks.{i}.", f"transformer.h.{i}."
+            # GPT-2's Conv1D keeps weights as (in, out): the transpose of nn.Linear's; q, k, v are one c_attn.
+            for w, off in (("wq", 0), ("wk", shape.hidden), ("wv", shape.hidden + shape.kv_dim)):
+                links += [Link(f"{b}attn.{w}.weight", h + "attn.c_attn.weight", transpose=True, offset=off),
+                          Link(f"{b}attn.{w}.bias", h + "attn.c_attn.bias", offset=off)]
+            for ours, theirs in (("attn.wo", "attn.c_proj"), ("mlp.w1", "mlp.c_fc"), ("mlp.w2", "mlp.c_proj")):
+                links += [Link(b + ours + ".weight", h + theirs + ".weight", transpose=True),
+                          Link(b + ours + ".bias", h + theirs + ".bias")]
+            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+                links += [Link(b + ours + ".weight", h + theirs + ".weight"), Link(b + ours + ".bias", h + theirs + ".bias")]
+        if not shape.tie_embeddings:
+            links.append(Link("head.weight", "lm_head.weight", vocab=v))
+        return {link.ours: link for link in links}
+    links += [Link("tok_emb.weight", "model.embed_tokens.weight", vocab=v), Link("norm.weight", "model.norm.weight")]
+    names = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
+             "attn.wo": "self_attn.o_proj", "mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj",
+             "mlp.w2": "mlp.down_proj", "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+    biased = {"attn.wq": shape.qkv_bias, "attn.wk": shape.qkv_bias, "attn.wv": shape.qkv_bias,
+              "attn.wo": shape.out_bias, "mlp.w1": shape.mlp_bias, "mlp.w3": shape.mlp_bias, "mlp.w2": shape.mlp_bias}
+    rope = {"attn.wq": shape.heads, "attn.wk": shape.kv_heads}
     for i in range(shape.layers):
         b, h = f"blocks.{i}.", f"model.layers.{i}."
-        out[h + "self_attn.q_proj.weight"] = _rope_permute(sd[b + "attn.wq.weight"], shape.heads)
-        out[h + "self_attn.k_proj.weight"] = _rope_permute(sd[b + "attn.wk.weight"], shape.kv_heads)
         for ours, theirs in names.items():
-            out[h + theirs + ".weight"] = sd[b + ours + ".weight"]
+            kw = {"rope_heads": rope[ours], "head_dim": shape.head_dim} if ours in rope else {}
+            links.append(Link(b + ours + ".weight", h + theirs + ".weight", **kw))
+            if biased.get(ours):
+                links.append(Link(b + ours + ".bias", h + theirs + ".bias", **kw))
     if not shape.tie_embeddings:
-        out["lm_head.weight"] = sd["head.weight"]
-    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn_hidden,
-                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                         num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
-                         max_position_embeddings=shape.seq_len, rms_norm_eps=LLAMA_NORM_EPS, hidden_act="silu",
-                         rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
-                         attention_bias=False, mlp_bias=False, tie_word_embeddings=shape.tie_embeddings,
-                         architectures=["LlamaForCausalLM"])
-    return out, config
+        links.append(Link("head.weight", "lm_head.weight", vocab=v))
+    return {link.ours: link for link in links}
+
+
+def rope_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Our rotary embedding rotates adjacent pairs (2i, 2i+1); HF's rotate_half pairs (i, i+D/2).
+    Reordering each head's q/k rows (or bias entries) maps one onto the other."""
+    flat = w.reshape(w.shape[0], -1)
+    rows, cols = flat.shape
+    out = flat.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    return out.reshape(w.shape).contiguous()
+
+
+def rope_unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of rope_permute: HF's (i, i+D/2) rows of `heads` whole heads -> ours."""
+    flat = w.reshape(w.shape[0], -1)
+    rows, cols = flat.shape
+    out = flat.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+    return out.reshape(w.shape).contiguous()
+
+
+def to_hf(sd: dict[str, torch.Tensor], shape) -> dict[str, torch.Tensor]:
+    """Our full state dict (canonical names) -> HF's, through hf_links. Padding rows are dropped."""
+    pieces: dict[str, list[tuple[int, Link, torch.Tensor]]] = {}
+    for name, link in hf_links(shape).items():
+        t = sd[name]
+        if link.vocab:
+            t = t[: link.vocab]
+        if link.rope_heads:
+            t = rope_permute(t, link.rope_heads)
+        if link.transpose:
+            t = t.t()
+        pieces.setdefault(link.hf, []).append((link.offset, link, t))
+    out = {}
+    for hf, parts in pieces.items():
+        parts.sort(key=lambda p: p[0])
+        dim = 1 if parts[0][1].transpose else 0
+        out[hf] = (parts[0][2] if len(parts) == 1 else torch.cat([p[2] for p in parts], dim=dim)).contiguous()
+    return out
+
+
+def hf_config(shape):
+    """The transformers config that describes `shape` (GPT2Config or LlamaConfig).
+
+    Raises:
+        ConfigError: a shape HF's class cannot express (GQA in GPT-2, partial biases in Llama).
+    """
+    if shape.family == "gpt":
+        from transformers import GPT2Config
+
+        if shape.kv_heads != shape.heads:
+            raise ConfigError(f"export --to hf: GPT-2 has no grouped-query attention, but model.kv_heads="
+                              f"{shape.kv_heads} != heads={shape.heads}. Use the llama family for GQA, or kv_heads=heads.")
+        return GPT2Config(vocab_size=shape.vocab, n_positions=shape.max_positions, n_embd=shape.hidden,
+                          n_layer=shape.layers, n_head=shape.heads, n_inner=shape.ffn_hidden,
+                          activation_function="gelu_new",  # tanh GELU
+                          layer_norm_epsilon=shape.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                          tie_word_embeddings=shape.tie_embeddings, architectures=["GPT2LMHeadModel"])
+    rope: dict = {"rope_type": "default", "rope_theta": shape.rope_theta}
+    if shape.rope_scaling is not None:
+        rs = shape.rope_scaling
+        rope.update(rope_type="llama3", factor=rs.factor, low_freq_factor=rs.low_freq_factor,
+                    high_freq_factor=rs.high_freq_factor,
+                    original_max_position_embeddings=rs.original_max_position_embeddings)
+    common = dict(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn_hidden,
+                  num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                  num_key_value_heads=shape.kv_heads, max_position_embeddings=shape.max_positions,
+                  rms_norm_eps=shape.norm_eps, hidden_act="silu", rope_parameters=rope,
+                  tie_word_embeddings=shape.tie_embeddings)
+    if shape.qkv_bias and not shape.out_bias and not shape.mlp_bias:  # Qwen2's pattern
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**common, use_sliding_window=False, architectures=["Qwen2ForCausalLM"])
+    if shape.qkv_bias != shape.out_bias:
+        raise ConfigError(f"export --to hf: qkv_bias={shape.qkv_bias} with out_bias={shape.out_bias}: Llama has one "
+                          "attention_bias for q, k, v and o, and Qwen2 (bias on q, k, v alone) no MLP bias. Use equal "
+                          "attention biases, or qkv_bias without mlp_bias.")
+    if shape.sliding_window is not None:
+        from transformers import MistralConfig
+
+        return MistralConfig(**common, head_dim=shape.head_dim, sliding_window=shape.sliding_window,
+                             architectures=["MistralForCausalLM"]) if not (shape.qkv_bias or shape.mlp_bias) else \
+            _refuse_window(shape)
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**common, head_dim=shape.head_dim, attention_bias=bool(shape.qkv_bias),
+                       mlp_bias=bool(shape.mlp_bias), architectures=["LlamaForCausalLM"])
+
+
+def _refuse_window(shape):
+    raise ConfigError(f"export --to hf: a sliding window ({shape.sliding_window}) is Mistral's, which has no biases. "
+                      "Drop model.sliding_window or the biases.")
 
 
 def export_hf(checkpoint: str, out_dir: str) -> Path:

@@ -6,6 +6,7 @@ so a pipeline stage that drops blocks (or the embedding, or the head) keeps stab
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,12 +34,32 @@ class RMSNorm(nn.Module):
 
 
 def _norm(shape: ModelShape) -> nn.Module:
-    return nn.LayerNorm(shape.hidden) if shape.family == "gpt" else RMSNorm(shape.hidden)
+    if shape.family == "gpt":
+        return nn.LayerNorm(shape.hidden, eps=shape.norm_eps)
+    return RMSNorm(shape.hidden, eps=shape.norm_eps)
 
 
-def _rope_tables(seq_len: int, head_dim: int, device=None):
-    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)  # (T, D/2)
+def rope_frequencies(shape: ModelShape, device=None) -> torch.Tensor:
+    """The rotary inverse frequencies (D/2,) in fp32, computed as transformers computes them
+    (the default and the "llama3" rope types), so the angles match to the bit."""
+    d = shape.head_dim
+    inv = 1.0 / (shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    rs = shape.rope_scaling
+    if rs is None:
+        return inv
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rope_tables(shape: ModelShape, device=None):
+    inv = rope_frequencies(shape, device)
+    angles = torch.outer(torch.arange(shape.seq_len, device=device, dtype=torch.float32), inv)  # (T, D/2)
     return angles.cos(), angles.sin()
 
 
@@ -54,13 +75,13 @@ def _apply_rope(x, cos, sin):
 class Attention(nn.Module):
     def __init__(self, shape: ModelShape):
         super().__init__()
-        bias = shape.family == "gpt"
+        bias = bool(shape.qkv_bias)
         self.head_dim = shape.head_dim
         self.rope = shape.family == "llama"
         self.wq = nn.Linear(shape.hidden, shape.hidden, bias=bias)
         self.wk = nn.Linear(shape.hidden, shape.kv_dim, bias=bias)
         self.wv = nn.Linear(shape.hidden, shape.kv_dim, bias=bias)
-        self.wo = nn.Linear(shape.hidden, shape.hidden, bias=bias)
+        self.wo = nn.Linear(shape.hidden, shape.hidden, bias=bool(shape.out_bias))
 
     def forward(self, x, rope=None):
         B, T, _ = x.shape
@@ -79,10 +100,10 @@ class MLP(nn.Module):
     def __init__(self, shape: ModelShape):
         super().__init__()
         self.swiglu = shape.family == "llama"
-        bias = not self.swiglu
+        bias = bool(shape.mlp_bias)
         self.w1 = nn.Linear(shape.hidden, shape.ffn_hidden, bias=bias)
         self.w2 = nn.Linear(shape.ffn_hidden, shape.hidden, bias=bias)
-        self.w3 = nn.Linear(shape.hidden, shape.ffn_hidden, bias=False) if self.swiglu else None
+        self.w3 = nn.Linear(shape.hidden, shape.ffn_hidden, bias=bias) if self.swiglu else None
 
     def forward(self, x):
         if self.swiglu:
@@ -113,11 +134,11 @@ class GPT(nn.Module):
     def __init__(self, shape: ModelShape):
         super().__init__()
         self.shape = shape
-        self.tok_emb = nn.Embedding(shape.vocab, shape.hidden)
-        self.pos_emb = nn.Embedding(shape.seq_len, shape.hidden) if shape.family == "gpt" else None
+        self.tok_emb = nn.Embedding(shape.padded_vocab, shape.hidden)
+        self.pos_emb = nn.Embedding(shape.max_positions, shape.hidden) if shape.family == "gpt" else None
         self.blocks = nn.ModuleDict({str(i): Block(shape) for i in range(shape.layers)})
         self.norm = _norm(shape)
-        self.head = nn.Linear(shape.hidden, shape.vocab, bias=False)
+        self.head = nn.Linear(shape.hidden, shape.padded_vocab, bias=False)
         if shape.tie_embeddings:
             self.head.weight = self.tok_emb.weight
         self._rope = None
@@ -126,7 +147,7 @@ class GPT(nn.Module):
         if self.shape.family != "llama":
             return None
         if self._rope is None or self._rope[0].device != device:
-            self._rope = _rope_tables(self.shape.seq_len, self.shape.head_dim, device)
+            self._rope = _rope_tables(self.shape, device)
         return self._rope
 
     def forward(self, x):
@@ -142,8 +163,29 @@ class GPT(nn.Module):
         if self.norm is not None:
             x = self.norm(x)
         if self.head is not None:
-            x = self.head(x)  # (B, T, vocab)
+            x = self.head(x)  # (B, T, padded vocab)
+            if self.shape.padded_vocab != self.shape.vocab:
+                x = mask_padded_logits(x, self.shape.vocab)
         return x
+
+
+def mask_padded_logits(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The logits of the padding rows (ids >= vocab) set to the dtype's lowest value: exp() of it
+    is 0 in the softmax, so the loss, its gradients and sampling are those of the unpadded model
+    (the padding rows get no gradient). Vocab-sharded DTensor logits (tp) are masked per shard."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(logits, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = logits.to_local()
+        _, offset = compute_local_shape_and_global_offset(logits.shape, logits.device_mesh, logits.placements)
+        cols = torch.arange(offset[-1], offset[-1] + local.shape[-1], device=local.device)
+        local = local.masked_fill(cols >= vocab, torch.finfo(local.dtype).min)
+        return DTensor.from_local(local, logits.device_mesh, logits.placements, shape=logits.shape,
+                                  stride=logits.stride())
+    cols = torch.arange(logits.shape[-1], device=logits.device)
+    return logits.masked_fill(cols >= vocab, torch.finfo(logits.dtype).min)
 
 
 # -- building -----------------------------------------------------------------------------
@@ -161,7 +203,11 @@ def build_model_meta(spec: JobSpec) -> nn.Module:
             "To run, give a preset or a shape, e.g. model: {preset: gpt-tiny}."
         )
     with torch.device("meta"):
-        return GPT(m.shape())
+        model = GPT(m.shape())
+    if m.init != "random":
+        # Read by runtime.materialize: each rank then loads its own slices of these weights.
+        model.init_source = (m.init, m.path)
+    return model
 
 
 def call_factory(path: str, kwargs: dict) -> nn.Module:

@@ -49,6 +49,15 @@ class _Section(BaseModel):
         return _html_table(self.model_dump(exclude_defaults=False))
 
 
+class RopeScalingSpec(_Section):
+    """Llama 3.1-style rotary frequency scaling (transformers' rope_type "llama3")."""
+
+    factor: float = Field(8.0, gt=0, le=1024, description="Long wavelengths are divided by this (Llama 3.1: 8, 3.2: 32).")
+    low_freq_factor: float = Field(1.0, gt=0, le=1024, description="Wavelengths above original_max_position_embeddings / this are scaled fully.")
+    high_freq_factor: float = Field(4.0, gt=0, le=1024, description="Wavelengths below original_max_position_embeddings / this are kept.")
+    original_max_position_embeddings: int = Field(8192, gt=0, le=MAX_SEQ, description="The context the unscaled model was trained for.")
+
+
 class ModelSpec(_Section):
     """What to train: a preset, an explicit shape, a bare size (planning only) or a factory.
 
@@ -68,6 +77,17 @@ class ModelSpec(_Section):
     vocab: int | None = Field(None, gt=0, le=MAX_VOCAB, description="Vocabulary size.")
     seq_len: int | None = Field(None, gt=0, le=MAX_SEQ, description="Sequence length (tokens per sample).")
     tie_embeddings: bool | None = Field(None, description="Share the embedding and output head weights.")
+    rope_theta: float | None = Field(None, gt=1, le=1e12, description="llama: rotary base (default 10000; Llama 3: 500000).")
+    rope_scaling: RopeScalingSpec | None = Field(None, description="llama: Llama 3.1-style rotary frequency scaling.")
+    norm_eps: float | None = Field(None, gt=0, lt=1, description="Epsilon of the LayerNorms (gpt) / RMSNorms (llama); default 1e-5.")
+    qkv_bias: bool | None = Field(None, description="Bias on the q, k, v projections (gpt: always; Qwen2: true; llama default false).")
+    out_bias: bool | None = Field(None, description="Bias on the attention output projection (gpt: always; llama default false).")
+    mlp_bias: bool | None = Field(None, description="Bias on the MLP's linears (gpt: always; llama default false).")
+    pad_vocab_to: int | None = Field(None, gt=0, le=1 << 16, description="Round the embedding and head rows up to a multiple of this (e.g. 64, or a multiple of tp); the padded logits are masked out of the softmax, so the loss is unchanged.")
+    max_positions: int | None = Field(None, gt=0, le=MAX_SEQ, description="gpt: learned position rows (default seq_len); llama: the context the model was made for (recorded on export).")
+    sliding_window: int | None = Field(None, gt=0, le=MAX_SEQ, description="llama: the model's attention window (Mistral v0.1: 4096); seq_len may not exceed it (the attention here is full causal).")
+    init: Literal["random", "hf", "checkpoint"] = Field("random", description="Initial weights: random (seeded by train.seed); hf: a local transformers folder (model.path: config.json + safetensors, the shape comes from config.json); checkpoint: a workbench checkpoint or a state_dict file (.safetensors, or .pt read as data) of this model.")
+    path: str | None = Field(None, max_length=4096, description="init=hf: the transformers folder; init=checkpoint: a checkpoint.uri, step directory or state_dict file.")
     params: float | None = Field(None, gt=0, le=MAX_PARAMS, description="A size alone (e.g. 7.5e9): planning of model states only, nothing to run. Beside a factory: the size planning uses without running it.")
     factory: str | None = Field(None, description="'pkg.module:function' returning an nn.Module (forward(tokens) -> logits).")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the factory.")

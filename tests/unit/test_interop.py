@@ -23,7 +23,7 @@ from workbench.interop import torchtitan as tt_mod
 from workbench.spec import load_spec
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "interop"
-DEBUG_LLAMA = dict(tt_mod.FLAVORS["debugmodel"], family="llama", seq_len=64, tie_embeddings=False)
+DEBUG_LLAMA = dict(tt_mod.FLAVORS["debugmodel"], family="llama", seq_len=64, tie_embeddings=False, rope_theta=500000.0)
 
 
 def spec(layout: dict, dtype: str = "fp32", **sections):

@@ -25,7 +25,7 @@ from workbench.interop.common import (
 )
 from workbench.parallelism import Parallelism, is_multi_stage
 
-_ROPE_THETA = 500000  # every llama3 flavor; the spec's llama uses 10000
+_ROPE_THETA = 500000.0  # every llama3 flavor (model.rope_theta on import)
 
 
 def _ffn(dim: int, multiplier: float | None = None, multiple_of: int = 256) -> int:
@@ -294,7 +294,7 @@ def _model(get, raw: dict, notes: Notes, old_layout: bool = False) -> None:
         return
     raw["model"] = {"family": "llama", **known[flavor], "seq_len": seq, "tie_embeddings": False}
     if name == "llama3":
-        notes.note(f"llama3 uses rope_theta={_ROPE_THETA}; the spec's llama family uses 10000")
+        raw["model"]["rope_theta"] = _ROPE_THETA
 
 
 def _checkpoint(get, raw: dict) -> None:
@@ -398,6 +398,10 @@ def _model_out(spec, notes: Notes, expressed: list[str]) -> dict:
     if shape.family != "llama" or flavor is None or shape.tie_embeddings:
         notes.unexpressed("model", spec.model.preset or shape.family, "torchtitan selects a model by name and "
                           f"flavor; no llama3 flavor ({', '.join(FLAVORS)}) has this shape")
+        return {}
+    if shape.rope_theta != _ROPE_THETA:
+        notes.unexpressed("model.rope_theta", shape.rope_theta, f"torchtitan's llama3 flavors use rope_theta="
+                          f"{_ROPE_THETA:g}; the {flavor} flavor would train another model")
         return {}
     expressed.append("model")
     return {"name": "llama3", "flavor": flavor}

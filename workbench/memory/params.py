@@ -11,25 +11,31 @@ from functools import lru_cache
 from workbench.parallelism import looped_stages
 
 # How the runtime's TP plan cuts each block tensor: "col" shards dim 0 (output features),
-# "row" shards dim 1 (input features), None is replicated. A row-parallel bias is added after
-# the reduction, so it stays whole.
-_GPT_BLOCK = (
-    ("attn_norm.weight", "h", None), ("attn_norm.bias", "h", None),
-    ("attn.wq.weight", "h,h", "col"), ("attn.wq.bias", "h", "col"),
-    ("attn.wk.weight", "kv,h", "col"), ("attn.wk.bias", "kv", "col"),
-    ("attn.wv.weight", "kv,h", "col"), ("attn.wv.bias", "kv", "col"),
-    ("attn.wo.weight", "h,h", "row"), ("attn.wo.bias", "h", None),
-    ("mlp_norm.weight", "h", None), ("mlp_norm.bias", "h", None),
-    ("mlp.w1.weight", "f,h", "col"), ("mlp.w1.bias", "f", "col"),
-    ("mlp.w2.weight", "h,f", "row"), ("mlp.w2.bias", "h", None),
+# "row" shards dim 1 (input features), None is replicated. A column-parallel bias shards with its
+# output dimension; a row-parallel bias is added after the reduction, so it stays whole.
+# (name, dims, split, which bias flag keeps it: None = always there)
+_BLOCK = (
+    ("attn_norm.weight", "h", None, None), ("attn_norm.bias", "h", None, "gpt"),
+    ("attn.wq.weight", "h,h", "col", None), ("attn.wq.bias", "h", "col", "qkv_bias"),
+    ("attn.wk.weight", "kv,h", "col", None), ("attn.wk.bias", "kv", "col", "qkv_bias"),
+    ("attn.wv.weight", "kv,h", "col", None), ("attn.wv.bias", "kv", "col", "qkv_bias"),
+    ("attn.wo.weight", "h,h", "row", None), ("attn.wo.bias", "h", None, "out_bias"),
+    ("mlp_norm.weight", "h", None, None), ("mlp_norm.bias", "h", None, "gpt"),
+    ("mlp.w1.weight", "f,h", "col", None), ("mlp.w1.bias", "f", "col", "mlp_bias"),
+    ("mlp.w2.weight", "h,f", "row", None), ("mlp.w2.bias", "h", None, "mlp_bias"),
+    ("mlp.w3.weight", "f,h", "col", "llama"), ("mlp.w3.bias", "f", "col", "llama+mlp_bias"),
 )
-_LLAMA_BLOCK = (
-    ("attn_norm.weight", "h", None),
-    ("attn.wq.weight", "h,h", "col"), ("attn.wk.weight", "kv,h", "col"),
-    ("attn.wv.weight", "kv,h", "col"), ("attn.wo.weight", "h,h", "row"),
-    ("mlp_norm.weight", "h", None),
-    ("mlp.w1.weight", "f,h", "col"), ("mlp.w2.weight", "h,f", "row"), ("mlp.w3.weight", "f,h", "col"),
-)
+
+
+@lru_cache(maxsize=256)
+def _block_table(shape) -> tuple[tuple[str, str, str | None], ...]:
+    """The block's tensors in `workbench.models.Block`'s parameter order for this shape."""
+    def present(flag: str | None) -> bool:
+        if flag is None:
+            return True
+        return all(getattr(shape, f) if f.endswith("bias") else shape.family == f for f in flag.split("+"))
+
+    return tuple((n, d, s) for n, d, s, flag in _BLOCK if present(flag))
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,8 @@ class Tensor:
 
 
 def _dims(spec: str, shape) -> tuple[int, ...]:
-    table = {"h": shape.hidden, "kv": shape.kv_dim, "f": shape.ffn_hidden, "v": shape.vocab, "s": shape.seq_len}
+    table = {"h": shape.hidden, "kv": shape.kv_dim, "f": shape.ffn_hidden, "v": shape.padded_vocab,
+             "s": shape.max_positions}
     return tuple(table[d] for d in spec.split(","))
 
 
@@ -168,15 +175,15 @@ def balance_blocks(block_params: tuple[int, ...], first_extra: int, last_extra: 
 
 
 def block_tensors(shape, tp: int, prefix: str = "") -> list[Tensor]:
-    table = _GPT_BLOCK if shape.family == "gpt" else _LLAMA_BLOCK
-    return [Tensor(prefix + n, _local(_dims(d, shape), s, tp)) for n, d, s in table]
+    return [Tensor(prefix + n, _local(_dims(d, shape), s, tp)) for n, d, s in _block_table(shape)]
 
 
 def embedding_tensors(shape, tp: int) -> list[Tensor]:
-    # Vocabulary-parallel embedding (rows split over tp); learned positions stay whole.
-    out = [Tensor("tok_emb.weight", (shape.vocab // tp if shape.vocab % tp == 0 else shape.vocab, shape.hidden))]
+    # Vocabulary-parallel embedding (rows, padding included, split over tp); learned positions stay whole.
+    v = shape.padded_vocab
+    out = [Tensor("tok_emb.weight", (v // tp if v % tp == 0 else v, shape.hidden))]
     if shape.family == "gpt":
-        out.append(Tensor("pos_emb.weight", (shape.seq_len, shape.hidden)))
+        out.append(Tensor("pos_emb.weight", (shape.max_positions, shape.hidden)))
     return out
 
 
@@ -188,7 +195,8 @@ def final_tensors(shape, tp: int, head_copy: bool = False) -> list[Tensor]:
         norm.append(Tensor("norm.bias", (shape.hidden,)))
     if shape.tie_embeddings and not head_copy:
         return norm
-    vocab_local = shape.vocab // tp if shape.vocab % tp == 0 else shape.vocab
+    v = shape.padded_vocab
+    vocab_local = v // tp if v % tp == 0 else v
     return norm + [Tensor("head.weight", (vocab_local, shape.hidden))]
 
 

@@ -68,15 +68,43 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
                 setattr(module, name, getattr(owner, attr))
     num_layers = max(1, _count_blocks(model))
     seen: set[int] = set()
+    named = []
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen:  # tied weights: initialize once
             continue
         seen.add(id(param))
-        full = init_full(param_name(model, name), param.shape, seed, num_layers)
+        named.append((param_name(model, name), param))
+    source = getattr(model, "init_source", None)
+    if source is not None:  # released or earlier weights: each rank reads its own slices
+        _load(model, named, source)
+        return model
+    for name, param in named:
+        full = init_full(name, param.shape, seed, num_layers)
         local = local_slice(full, param)
         target = param.to_local() if isinstance(param, DTensor) else param
         target.copy_(local.to(device=target.device, dtype=target.dtype))
     return model
+
+
+def _load(model: nn.Module, named: list, source: tuple[str, str]) -> None:
+    """Fill `named` (canonical name, parameter) from model.init_source (workbench.hf_import): the
+    checkpoint's values in fp32, this rank's region of each tensor only."""
+    from torch.distributed.tensor import DTensor
+
+    from workbench.hf_import import CheckpointLoader, local_index, open_loader
+
+    loader = open_loader(source, model.shape)
+    try:
+        if isinstance(loader, CheckpointLoader):
+            loader.fill(named)
+            return
+        for name, param in named:
+            local = loader.read(name, local_index(param))
+            target = param.to_local() if isinstance(param, DTensor) else param
+            target.copy_(local.to(device=target.device, dtype=target.dtype))
+            del local
+    finally:
+        loader.close()
 
 
 def _tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
