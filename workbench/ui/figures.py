@@ -21,6 +21,20 @@ _PAST = ("#9e9e9e", "#bcbd22", "#17becf", "#e377c2")  # earlier runs' loss, bene
 _FONT = dict(family="DejaVu Sans, Arial, sans-serif", size=12)
 # Above this many ranks, identical (pp, tp) positions are drawn once with a count.
 MAX_BARS = 32
+# Where a prediction's numbers come from, until the planner names it (`PlanResult.source`).
+DEFAULT_SOURCE = "catalog defaults"
+NO_CPU_MFU = ("No MFU for CPU devices: MFU is the share of a GPU's tensor-core peak a run reaches, "
+              "and a CPU has no meaningful peak to divide by.")
+
+
+def is_cpu(device: str | None) -> bool:
+    """True for the CPU "device" (resources.gpu == "cpu"), which has no MFU."""
+    return str(device or "").lower() == "cpu"
+
+
+def mfu_text(mfu: float | None, device: str | None) -> str:
+    """MFU as a percentage, or "-" where there is none (CPU devices, no number)."""
+    return "-" if is_cpu(device) or mfu is None else f"{mfu:.0%}"
 
 
 def _base_layout(fig: go.Figure, title: str, height: int) -> go.Figure:
@@ -161,7 +175,7 @@ def smoothed(values: list[float], weight: float) -> list[float]:
 
 
 def run_figure(events: list[dict], height: int = 320, *, history: list[dict] = (), smooth: float = 0.0,
-               log_loss: bool = False) -> go.Figure:
+               log_loss: bool = False, predicted: dict | None = None) -> go.Figure:
     """Loss, throughput (tokens/s) and step time (s) against the optimizer step.
 
     Args:
@@ -170,10 +184,13 @@ def run_figure(events: list[dict], height: int = 320, *, history: list[dict] = (
         history: earlier runs, ``{"label": str, "events": [...]}``, whose loss is drawn thin beneath.
         smooth: exponential-moving-average weight for the loss curves (0: raw).
         log_loss: draw the loss on a log axis.
+        predicted: the prediction for the running layout (`run_panel.predict_run`): its tokens/s
+            and step time are drawn as dashed "predicted" lines on those panels, the source in
+            their hover text.
     Returns:
         A go.Figure with three side-by-side panels; three traces (one per panel, the first ones),
         empty before the first step, then the held-out loss (dashed, on the loss panel) once there
-        are "eval" events, then one loss trace per earlier run.
+        are "eval" events, then one loss trace per earlier run, then the two "predicted" lines.
     """
     steps = [e for e in events if e.get("event") == "step"]
     x = [e["step"] for e in steps]
@@ -203,6 +220,14 @@ def run_figure(events: list[dict], height: int = 320, *, history: list[dict] = (
                                  line=dict(color=_PAST[i % len(_PAST)], width=1.2, dash="dot"),
                                  hovertemplate=f"{run['label']}<br>step %{{x}}<br>loss %{{y:.4g}}<extra></extra>"),
                       row=1, col=1)
+    if predicted and predicted.get("step_time_s"):
+        ends = [1, max(x[-1] if x else 1, 2)]
+        source = str(predicted.get("source") or DEFAULT_SOURCE).replace("%{", "% {")
+        for col, key, fmt in ((2, "tokens_per_s", ",.0f"), (3, "step_time_s", ".4g")):
+            fig.add_trace(go.Scatter(x=ends, y=[predicted[key]] * 2, mode="lines", name="predicted",
+                                     showlegend=False, line=dict(color=COLORS[key], width=1.5, dash="dash"),
+                                     hovertemplate=f"predicted {key}: %{{y:{fmt}}}<br>{source}<extra></extra>"),
+                          row=1, col=col)
     if log_loss:
         fig.update_yaxes(type="log", row=1, col=1)
     for e in events:
@@ -297,22 +322,31 @@ def plan_figure(plan: dict, height: int = 320) -> go.Figure:
         A go.Figure; hover shows the layout and the cost per hour.
     """
     fig = go.Figure()
+    source = plan.get("source") or DEFAULT_SOURCE
+    device = plan.get("device")
     for ok, color, name in ((True, COLORS["master"], "fits"), (False, COLORS["overflow"], "does not fit")):
         rows = [c for c in plan["candidates"] if bool(c["fits"]) == ok]
         fig.add_trace(go.Scatter(
             x=[c["peak_bytes"] / GiB for c in rows], y=[c["tokens_per_s"] for c in rows], mode="markers",
             name=name, marker=dict(color=color, size=10, line=dict(width=1, color="white")),
             text=[layout_label(c["layout"], c.get("micro_batch")) for c in rows],
-            customdata=[[c.get("usd_per_hour", 0.0), c.get("mfu", 0.0)] for c in rows],
+            customdata=[[f"{c.get('usd_per_hour', 0.0):.2f}", mfu_text(c.get("mfu"), device)] for c in rows],
             hovertemplate="%{text}<br>peak %{x:.1f} GiB, %{y:,.0f} tokens/s<br>"
-                          "MFU %{customdata[1]:.0%}, $%{customdata[0]:.2f}/h<extra></extra>"))
+                          "MFU %{customdata[1]}, $%{customdata[0]}/h<br>predicted from "
+                          + source.replace("%{", "% {") + "<extra></extra>"))
     _base_layout(fig, "Planner: candidate layouts", height)
-    fig.update_layout(xaxis_title="peak memory per rank (GiB)", yaxis_title="tokens/s")
+    fig.update_layout(xaxis_title="peak memory per rank (GiB)", yaxis_title="tokens/s (predicted)")
     return fig
 
 
 def layout_label(layout: dict, micro_batch: int | None = None) -> str:
-    """A short human label for a layout, e.g. ``dp4 tp2 pp1 zero3 ckpt=full mb=2``."""
+    """A short human label for a layout, e.g. ``dp4 tp2 pp2 zero1 sp interleaved-1f1b v4 mb=2``.
+
+    Every setting that can tell two planner rows apart is in it: sequence parallel ("sp") under
+    tp, and the virtual stages per pipeline rank ("v4") of an interleaved or zero-bubble schedule.
+    """
+    from workbench.parallelism import is_multi_stage
+
     parts = [f"dp{layout.get('dp', 1)}", f"tp{layout.get('tp', 1)}", f"pp{layout.get('pp', 1)}"]
     if layout.get("zero"):
         parts.append(f"zero{layout['zero']}")
@@ -320,8 +354,12 @@ def layout_label(layout: dict, micro_batch: int | None = None) -> str:
         parts.append(f"offload={layout['offload']}")
     if layout.get("activation_checkpointing", "none") != "none":
         parts.append(f"ckpt={layout['activation_checkpointing']}")
+    if layout.get("tp", 1) > 1 and layout.get("sequence_parallel"):
+        parts.append("sp")
     if layout.get("pp", 1) > 1 and layout.get("pp_schedule"):
         parts.append(layout["pp_schedule"])
+        if is_multi_stage(layout["pp_schedule"]) and layout.get("virtual_stages"):
+            parts.append(f"v{layout['virtual_stages']}")
     if micro_batch:
         parts.append(f"mb={micro_batch}")
     return " ".join(parts)

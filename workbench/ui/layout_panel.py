@@ -8,7 +8,7 @@ from __future__ import annotations
 import ipywidgets as w
 
 from workbench.catalog import DEVICES
-from workbench.parallelism import PIPELINE_SCHEDULES
+from workbench.parallelism import PIPELINE_SCHEDULES, is_multi_stage
 from workbench.spec import JobSpec
 from workbench.ui.live import FigureBox, labeled, note_html, section
 from workbench.ui.state import WorkbenchState
@@ -62,12 +62,25 @@ class LayoutPanel:
             "layout.offload": w.Dropdown(options=["none", "cpu", "nvme"], layout=_FIELD),
             "layout.activation_checkpointing": w.Dropdown(options=["none", "selective", "full"], layout=_FIELD),
             "layout.pp_schedule": w.Dropdown(options=list(PIPELINE_SCHEDULES), layout=_FIELD),
+            "layout.virtual_stages": w.IntText(layout=_FIELD, tooltip=(
+                "Stages per pipeline rank of interleaved-1f1b and zero-bubble (more: a smaller bubble, "
+                "more sends)")),
+            "layout.sequence_parallel": w.Checkbox(indent=False, layout=w.Layout(width="auto"), tooltip=(
+                "Shard the residual stream, norms and saved inputs along the sequence between tensor-parallel "
+                "regions (Megatron-style); needs tp >= 2")),
             "precision.dtype": w.ToggleButtons(options=["fp32", "bf16", "fp16"], style={"button_width": "52px"}),
             "train.micro_batch": w.IntText(layout=_FIELD),
             "train.global_batch": w.IntText(layout=_FIELD),
             "train.steps": w.IntText(layout=_FIELD),
         }
         self.follow = w.Checkbox(value=True, description="GPUs = dp × tp × pp", indent=False)
+        # A local Hugging Face folder (config.json + safetensors): model.init = "hf", model.path = it;
+        # the shape then comes from its config.json (the preset and shape fields show it, read-only).
+        self.model_path = w.Text(placeholder="local HF model folder", continuous_update=False, layout=_FIELD,
+                                 tooltip="A local Hugging Face model folder (config.json + *.safetensors): "
+                                         "the run starts from its weights, the shape comes from its config.json")
+        self.model_path.add_class("wb-model-path")
+        self._model_before: dict | None = None  # the model section the folder replaced, back when it is cleared
         self.summary = w.HTML()
         # No bounds on the number fields (they would clamp silently, tp=100 -> 64): load_spec says
         # what is wrong, under the section the error names.
@@ -78,17 +91,21 @@ class LayoutPanel:
             field.add_class("wb-" + key.replace(".", "-"))  # stable hooks for the browser test and CSS
             field.observe(lambda ch, key=key: self._on_change(key), names="value")
         self.follow.observe(lambda ch: self._on_change("follow"), names="value")
+        self.model_path.observe(lambda ch: self._on_folder(), names="value")
         f = self.fields
         e = self.errors
         self.widget = w.VBox([
             e["spec"],
             section("Model", labeled(f["model.preset"], "preset"),
-                    *[labeled(f[f"model.{k}"], k.replace("_", " ")) for k in SHAPE_KEYS], e["model"]),
+                    *[labeled(f[f"model.{k}"], k.replace("_", " ")) for k in SHAPE_KEYS],
+                    labeled(self.model_path, "HF folder"), e["model"]),
             section("GPUs", labeled(f["resources.gpu"], "type"), self.follow,
                     labeled(f["resources.nodes"], "nodes"), labeled(f["resources.gpus_per_node"], "per node"),
                     e["resources"]),
             section("Parallel layout", labeled(f["layout.dp"], "data (dp)"), labeled(f["layout.tp"], "tensor (tp)"),
                     labeled(f["layout.pp"], "pipeline (pp)"), labeled(f["layout.pp_schedule"], "pp schedule"),
+                    labeled(f["layout.virtual_stages"], "virtual stages"),
+                    labeled(f["layout.sequence_parallel"], "sequence par."),
                     labeled(f["layout.zero"], "ZeRO stage"), labeled(f["layout.offload"], "offload"),
                     labeled(f["layout.activation_checkpointing"], "act. ckpt"), e["layout"]),
             section("Numerics and batch", labeled(f["precision.dtype"], "precision"),
@@ -107,12 +124,17 @@ class LayoutPanel:
         try:
             preset = _get(raw, "model.preset")
             base = self.presets.get(preset, {})
+            folder = _folder(raw)
+            if folder is not None:  # the shape is the folder's config.json (when it resolves)
+                base = _folder_shape(self.state.spec)
+            if self.model_path.value.strip() != (folder or ""):
+                self.model_path.value = folder or ""
             for key, field in self.fields.items():
                 value = _get(raw, key)
                 if key == "model.preset":
                     value = preset or "custom"
-                elif key.startswith("model.") and value is None:
-                    value = base.get(key.split(".")[1], 1)
+                elif key.startswith("model.") and (value is None or folder is not None):
+                    value = base.get(key.split(".")[1], field.value if folder is not None else 1)
                 elif key == "resources.gpus_per_node" and self.state.spec is not None:
                     value = self.state.spec.resources.gpus_per_node  # derived from the layout when not given
                 elif value is None:
@@ -134,6 +156,11 @@ class LayoutPanel:
             box.value = note_html(st.error, "error") if name == where else ""
         self.fields["resources.gpus_per_node"].disabled = self.follow.value
         self.fields["layout.pp_schedule"].disabled = self.fields["layout.pp"].value == 1
+        self.fields["layout.virtual_stages"].disabled = (self.fields["layout.pp"].value == 1
+                                                         or not is_multi_stage(self.fields["layout.pp_schedule"].value))
+        from_folder = _folder(st.raw) is not None
+        for k in ("preset", *SHAPE_KEYS):  # a folder's shape is its config.json's
+            self.fields[f"model.{k}"].disabled = from_folder
         if st.spec is None:
             self.summary.value = ""
             return
@@ -162,6 +189,11 @@ class LayoutPanel:
         overrides: dict = {k: f[k].value for k in f if not k.startswith(("model.", "resources."))}
         overrides["resources.gpu"] = f["resources.gpu"].value
         overrides["resources.nodes"] = f["resources.nodes"].value
+        # Without gpus_per_node, load_spec asks for exactly the GPUs the layout needs.
+        overrides["resources.gpus_per_node"] = None if self.follow.value else f["resources.gpus_per_node"].value
+        if _folder(self.state.raw) is not None:  # the model is the folder's: the form's shape fields are its view
+            self.state.update(overrides)
+            return
         preset = f["model.preset"].value
         base = self.presets.get(preset, {})
         overrides["model.preset"] = None if preset == "custom" else preset
@@ -169,9 +201,23 @@ class LayoutPanel:
         for k in SHAPE_KEYS:
             value = f[f"model.{k}"].value
             overrides[f"model.{k}"] = None if base.get(k) == value else value
-        # Without gpus_per_node, load_spec asks for exactly the GPUs the layout needs.
-        overrides["resources.gpus_per_node"] = None if self.follow.value else f["resources.gpus_per_node"].value
         self.state.update(overrides)
+
+    def _on_folder(self) -> None:
+        """The HF folder field: a folder makes the model that folder's (`model.init: hf`, `model.path`);
+        clearing it brings back the model section it replaced. A folder that does not load shows its
+        one ConfigError under the Model section, right under this field."""
+        if self._syncing:
+            return
+        folder = self.model_path.value.strip()
+        model = dict(self.state.raw.get("model") or {})
+        if folder:
+            if _folder(self.state.raw) is None:
+                self._model_before = model
+            self.state.update({"model": {"init": "hf", "path": folder}})
+        elif _folder(self.state.raw) is not None:
+            before, self._model_before = self._model_before, None
+            self.state.update({"model": before or {"preset": self.fields["model.preset"].value}})
 
     def _reset_shape(self) -> None:
         base = self.presets.get(self.fields["model.preset"].value, {})
@@ -182,6 +228,23 @@ class LayoutPanel:
                     self.fields[f"model.{k}"].value = base[k]
         finally:
             self._syncing = False
+
+
+def _folder(raw: dict) -> str | None:
+    """The HF folder the raw spec's model loads (`model.init: hf`), else None."""
+    model = raw.get("model") or {}
+    return str(model.get("path") or "") if isinstance(model, dict) and model.get("init") == "hf" else None
+
+
+def _folder_shape(spec) -> dict:
+    """The shape fields of a spec whose model is a folder ({} while it does not resolve)."""
+    if spec is None:
+        return {}
+    try:
+        shape = spec.model.shape()
+    except Exception:  # noqa: BLE001 - a folder that does not resolve: its error is the form's
+        return {}
+    return {k: getattr(shape, k, None) for k in SHAPE_KEYS}
 
 
 def _lr_figure(train):

@@ -107,8 +107,12 @@ class MemoryPanel:
             self.plan_box.children = [w.HTML(note_html(text, "info"))]
             self.plan_fig_box.show(None)
             return
+        cpu = figures.is_cpu(plan.get("device"))
+        no_mfu = html.escape(figures.NO_CPU_MFU, quote=True)
         header = ["layout", "fits", "peak GiB", "tokens/s", "step s", "MFU", "$/h", "spot $/h", ""]
-        cells = [w.HTML(f"<b>{h}</b>") for h in header]  # headers wrap at their spaces
+        cells = [w.HTML(f"<b title='{no_mfu}'>MFU</b>" if h == "MFU" and cpu else f"<b>{h}</b>")
+                 for h in header]  # headers wrap at their spaces
+        mfu_cell = f"<span class='wb-no-mfu' title='{no_mfu}'>-</span>"
         for c in rows:
             ok = "<span style='color:#54A24B'>yes</span>" if c["fits"] else "<span style='color:#D62728'>no</span>"
             refused = c.get("not_runnable") if c.get("runnable") is False else None
@@ -116,7 +120,8 @@ class MemoryPanel:
             if refused:
                 label += f"<br><span style='color:#888;font-size:11px'>plan only: {html.escape(refused)}</span>"
             values = [label, ok, f"{c['peak_bytes'] / 2**30:.1f}", f"{c['tokens_per_s']:,.0f}",
-                      f"{c['step_time_s']:.3g}", f"{c.get('mfu', 0):.0%}", f"{c.get('usd_per_hour', 0):.2f}",
+                      f"{c['step_time_s']:.3g}", mfu_cell if cpu else figures.mfu_text(c.get("mfu"), None),
+                      f"{c.get('usd_per_hour', 0):.2f}",
                       f"{c.get('usd_per_hour_spot', 0):.2f}"]
             use = w.Button(description="Use", layout=w.Layout(width="52px", height="26px"),
                            tooltip=f"Cannot run here: {refused}" if refused else "Write this layout into the form")
@@ -128,12 +133,15 @@ class MemoryPanel:
         grid = w.GridBox(cells, layout=w.Layout(
             grid_template_columns="minmax(84px, 1fr) repeat(7, auto) 56px", grid_gap="2px 8px", max_width="100%"))
         grid.add_class("wb-plan-table")
-        self.plan_box.children = [w.HTML(given_html(plan)), grid]
+        self.plan_box.children = [w.HTML(source_html(plan)), w.HTML(given_html(plan)), grid]
         self.plan_fig_box.show(figures.plan_figure(plan))
 
     @staticmethod
     def _overrides(candidate: dict) -> dict:
-        overrides = {f"layout.{k}": v for k, v in candidate["layout"].items()}
+        """Every setting of the candidate's layout; the ones it does not name (virtual stages of a
+        schedule without them) go back to their defaults, so nothing of the form's earlier layout stays."""
+        overrides = {"layout.virtual_stages": None, "layout.sequence_parallel": None}
+        overrides.update({f"layout.{k}": v for k, v in candidate["layout"].items()})
         if candidate.get("micro_batch"):
             overrides["train.micro_batch"] = candidate["micro_batch"]
         return overrides
@@ -145,6 +153,16 @@ class MemoryPanel:
         self.state.update(overrides)
 
 
+def source_html(plan: dict) -> str:
+    """The line above the planner's numbers that says where they come from (`PlanResult.source`)."""
+    source = plan.get("source") or figures.DEFAULT_SOURCE
+    text = (f"<div class='wb-plan-source' style='font-size:12px;color:#444;margin:4px 0'>Predicted step time, "
+            f"tokens/s, MFU and cost: <b>{html.escape(source)}</b>")
+    if figures.is_cpu(plan.get("device")):
+        text += (f". <span title='{html.escape(figures.NO_CPU_MFU, quote=True)}'>No MFU on CPU devices.</span>")
+    return text + "</div>"
+
+
 def given_html(plan: dict) -> str:
     """The spec's own layout scored by the planner (`plan --json`'s "given"), one line above the ranking."""
     g = plan.get("given")
@@ -152,9 +170,10 @@ def given_html(plan: dict) -> str:
         why = plan.get("given_error")
         return note_html("Your layout could not be scored: " + why, "error") if why else ""
     fits = "fits" if g["fits"] else "does not fit"
+    mfu = "" if figures.is_cpu(plan.get("device")) else f"MFU {figures.mfu_text(g.get('mfu'), None)}, "
     return (f"<p><b>Your layout</b> {html.escape(figures.layout_label(g['layout'], g.get('micro_batch')))}: {fits}, "
             f"peak {g['peak_bytes'] / 2**30:.1f} GiB, {g['tokens_per_s']:,.0f} tokens/s, step {g['step_time_s']:.3g} s, "
-            f"MFU {g['mfu']:.0%}, ${g['usd_per_hour']:.2f}/h (spot ${g['usd_per_hour_spot']:.2f}/h)</p>")
+            f"{mfu}${g['usd_per_hour']:.2f}/h (spot ${g['usd_per_hour_spot']:.2f}/h)</p>")
 
 
 def _details(est: dict) -> str:

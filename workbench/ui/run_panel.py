@@ -40,6 +40,12 @@ class RunPanel:
         self._first_own: dict | None = None  # this run's first own step event (ETA)
         self._step_shown_at = 0.0
         self._checkpoints: tuple | None = None  # (uri, committed steps) -> newest complete step: see resumable_step
+        # The running spec, its memory estimate and its step-time prediction, fixed when Run is pressed:
+        # measurements are paired with these, never with a later edit of the form.
+        self.run_spec = None
+        self._run_estimate: dict | None = None
+        self.prediction: dict | None = None  # predict_run(run_spec), from the run's thread
+        self._run_seq = 0  # which Run press the prediction belongs to
         self._render_lock = threading.Lock()  # the refresher thread and the kernel's thread both render
         self.run_button = w.Button(description="Run", icon="play", button_style="success",
                                    tooltip="Train this spec on local Ray", layout=w.Layout(**_BUTTON))
@@ -64,6 +70,8 @@ class RunPanel:
         self.mem_box = FigureBox()  # with the first memory event
         self.timeline_box = FigureBox()
         self.rank_times = w.HTML()
+        self.predicted = w.HTML()  # step time and tokens/s: predicted for the running layout beside measured
+        self.predicted.add_class("wb-run-predicted")
         self.log = w.HTML()
         self.run_button.on_click(lambda _: self.run())
         self.resume_button.on_click(lambda _: self.run(resume=True))
@@ -75,7 +83,7 @@ class RunPanel:
         self.widget = w.VBox([
             w.HBox([self.run_button, self.stop_button, self.resume_button, self.progress, self.progress_text],
                    layout=w.Layout(**wrap)),
-            self.note, self.run_box,
+            self.note, self.predicted, self.run_box,
             w.HBox([self.smooth, self.log_loss, self.overlay, self.report_button], layout=w.Layout(**wrap)),
             self.mem_box, self.rank_times, self.timeline_box, self.log], layout=w.Layout(max_width="100%"))
         state.observe(self._on_state)
@@ -110,11 +118,17 @@ class RunPanel:
         label = f"run {len(st.history) + 1}" + (" (resumed)" if resume else "")
         carried = _continued(st.snapshot(), self.resumable_step()) if resume else []
         self._carried = sum(1 for e in carried if e.get("event") == "step")
+        self.run_spec, self._run_estimate, self.prediction = st.spec, st.estimate, None
+        self._run_seq += 1
         st.start_events(label, carry=carried)
-        threading.Thread(target=self._start_and_follow, args=(start, st.spec, resume), name="workbench-ui-run",
-                         daemon=True).start()
+        threading.Thread(target=self._start_and_follow, args=(start, st.spec, resume, self._run_seq),
+                         name="workbench-ui-run", daemon=True).start()
 
-    def _start_and_follow(self, start, spec, resume: bool) -> None:
+    def _start_and_follow(self, start, spec, resume: bool, seq: int = 0) -> None:
+        prediction = predict_run(spec)  # (the planner: well under a second) before the workers take the CPU
+        if seq == self._run_seq:  # still this run's
+            self.prediction = prediction
+            self.state.touch()
         try:
             self.handle = start(spec, on_event=self.state.add_event, resume=resume)
         except Exception as e:  # noqa: BLE001 - on this thread nothing else would show it
@@ -195,11 +209,14 @@ class RunPanel:
         ended = not running and st.run_state != "idle"  # (the idle and running notes keep what they show)
         self.note.value = self._note(events, steps, running, can_resume) + (self._report if ended else "")
         history = [r for r in st.history if self.overlay.value]
+        predicted = self.prediction if self.prediction and "error" not in self.prediction else None
         self.run_box.show(figures.run_figure(events, history=history, smooth=self.smooth.value,
-                                                     log_loss=self.log_loss.value))
+                                             log_loss=self.log_loss.value, predicted=predicted))
         measured = figures.latest_measured(events)
         self.mem_box.show(self._memory_figure(measured) if measured else None)
         self.rank_times.value = _rank_times_html(figures.latest_rank_times(events))
+        self.predicted.value = prediction_html(self.prediction, steps[self._carried:], self.run_spec) \
+            if self.run_spec is not None and st.run_state != "idle" else ""
         has_timeline = any(e.get("event") == "timeline" for e in events)
         self.timeline_box.show(figures.timeline_figure(events) if has_timeline else None)
         self.log.value = _log_html(events)
@@ -285,11 +302,91 @@ class RunPanel:
         return self._checkpoints[1]
 
     def _memory_figure(self, measured: dict):
-        spec = self.state.spec
+        """The run's measured memory beside the estimate of the spec that runs (never the form's later edit)."""
+        spec, estimate = self.run_spec, self._run_estimate
         device = _device_bytes(spec.resources.gpu) if spec is not None else None
-        fig = figures.memory_figure(self.state.estimate, measured, device_memory=device, height=320)
-        title = "Memory per rank: measured beside predicted" if self.state.estimate else "Memory per rank: measured"
+        fig = figures.memory_figure(estimate, measured, device_memory=device, height=320)
+        title = "Memory per rank: measured beside predicted" if estimate else "Memory per rank: measured"
         return fig.update_layout(title_text=title)
+
+
+def predict_run(spec) -> dict:
+    """The planner's step time and tokens/s for exactly this spec's layout (`plan(spec).given`) and
+    where they come from (`PlanResult.source`); {"error": why} when it cannot be scored. Never raises:
+    a run starts whatever the planner says."""
+    try:
+        from workbench.planner import plan
+
+        result = plan(spec)
+    except ImportError:
+        return {"error": "the planner (workbench.planner) is not installed in this build"}
+    except ConfigError as e:
+        return {"error": str(e).splitlines()[0]}
+    except Exception as e:  # noqa: BLE001 - a planner bug must not stop the run; it is shown instead
+        return {"error": f"the planner failed: {type(e).__name__}: {e}"}
+    source = str(getattr(result, "source", None) or figures.DEFAULT_SOURCE)
+    g = result.given
+    if g is None:
+        return {"error": (result.given_error or "the layout could not be scored").splitlines()[0], "source": source}
+    return {"step_time_s": g.step_time_s, "tokens_per_s": g.tokens_per_s, "mfu": g.mfu, "source": source,
+            "device": result.device, "layout": dict(g.layout), "micro_batch": g.micro_batch}
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
+def measured_steps(own: list[dict]) -> tuple[float, float, str] | None:
+    """(median step time, median tokens/s, which steps) of a run's own step events; the first is
+    left out once there are more (it holds the warm-up)."""
+    import statistics
+
+    steady = own[1:] if len(own) > 1 else own
+    if not steady:
+        return None
+    first, last = steady[0]["step"], steady[-1]["step"]
+    which = f"step {first}" if first == last else f"median of steps {first}-{last}"
+    return (statistics.median(e["step_time_s"] for e in steady),
+            statistics.median(e["tokens_per_s"] for e in steady), which)
+
+
+def prediction_html(prediction: dict | None, own: list[dict], spec) -> str:
+    """Step time and tokens/s predicted for the running layout beside the measured ones (this run's own
+    steps), with the prediction's source. `spec` is the running spec: its layout is named."""
+    lay = spec.layout
+    layout = html.escape(figures.layout_label(
+        {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero, "offload": lay.offload,
+         "activation_checkpointing": lay.activation_checkpointing, "pp_schedule": lay.pp_schedule,
+         "virtual_stages": lay.virtual_stages, "sequence_parallel": lay.sequence_parallel}, spec.train.micro_batch))
+    head = f"<b>Predicted beside measured</b> for this run's layout ({layout} on {html.escape(spec.resources.gpu)})"
+    style = "font-size:12px;margin:4px 0"
+    if prediction is None:
+        return f"<div class='wb-run-predicted-body' style='{style}'>{head}: predicting…</div>"
+    if "error" in prediction:
+        return (f"<div class='wb-run-predicted-body' style='{style}'>{head}: no prediction: "
+                f"{html.escape(prediction['error'])}</div>")
+    got = measured_steps(own)
+    p_step, p_tok = prediction["step_time_s"], prediction["tokens_per_s"]
+    if got is None:
+        m_step = m_tok = "waiting for steps"
+        r_step = r_tok = which = ""
+    else:
+        step, tok, which = got
+        m_step, m_tok = _duration(step), f"{tok:,.0f}"
+        r_step = f"{step / p_step:.2f}x" if p_step else "-"
+        r_tok = f"{tok / p_tok:.2f}x" if p_tok else "-"
+        which = f"; measured: {which}"
+    cell = "style='padding:1px 10px 1px 0;text-align:right;white-space:nowrap'"
+    rows = "".join(
+        f"<tr><td style='padding-right:10px'>{name}</td><td class='wb-predicted-{key}' {cell}>{pred}</td>"
+        f"<td class='wb-measured-{key}' {cell}>{meas}</td><td {cell}>{ratio}</td></tr>"
+        for name, key, pred, meas, ratio in (("step time", "step", _duration(p_step), m_step, r_step),
+                                             ("tokens/s", "tokens", f"{p_tok:,.0f}", m_tok, r_tok)))
+    return (f"<div class='wb-run-predicted-body' style='{style}'>{head}<table style='border-collapse:collapse'>"
+            f"<tr style='color:#666'><td></td><td {cell}>predicted</td><td {cell}>measured</td>"
+            f"<td {cell}>measured / predicted</td></tr>{rows}</table>"
+            f"<span class='wb-prediction-source' style='color:#555'>predicted from "
+            f"{html.escape(prediction['source'])}{html.escape(which)}</span></div>")
 
 
 def _rank_times_html(times: dict[int, dict]) -> str:

@@ -67,6 +67,8 @@ class WorkbenchState:
             self.error = None
         except ConfigError as e:
             self.spec, self.error = None, str(e)
+        except Exception as e:  # noqa: BLE001 - a bug behind the spec (e.g. reading a model folder): shown, never raised
+            self.spec, self.error = None, f"the spec could not be read: {type(e).__name__}: {e}"
         self._estimate()
         if self.plan is not None and _plan_key(raw) != self._plan_key:
             self.plan = None  # it answered another job
@@ -112,7 +114,10 @@ class WorkbenchState:
             self.plan = {"note": "The planner (workbench.planner) is not installed in this build yet."}
         else:
             try:
-                self.plan = plan(self.spec).to_dict(top=top)
+                result = plan(self.spec)
+                self.plan = result.to_dict(top=top)
+                # where the numbers come from (a calibration profile or the catalog), shown beside them
+                self.plan["source"] = str(getattr(result, "source", None) or "catalog defaults")
             except ConfigError as e:
                 self.plan = {"note": str(e)}
         self._plan_key = _plan_key(self.raw)
