@@ -159,3 +159,79 @@ def test_a_prediction_that_cannot_be_made_says_why():
     pred = run_panel.predict_run(spec)
     assert "error" in pred and "shape" in pred["error"]
     assert "no prediction: " in run_panel.prediction_html(pred, [], spec)
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory):
+    """Small random transformers models saved as a released model is (config.json + safetensors), offline."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("hf")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=3, n_embd=64, n_head=4, vocab_size=256, n_positions=128, bos_token_id=0, eos_token_id=0))
+    gpt2.save_pretrained(root / "gpt2")
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=256, max_position_embeddings=128, rope_theta=500000.0, bos_token_id=0, eos_token_id=0))
+    llama.save_pretrained(root / "llama")
+    (root / "unknown").mkdir()
+    (root / "unknown" / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"]}))
+    return root
+
+
+def test_a_model_folder_becomes_the_model_and_the_charts_show_its_shape(hf_folders):
+    from workbench.memory import estimate_memory
+    from workbench.spec import load_spec
+
+    wb = Workbench()
+    lp, f = wb.layout_panel, wb.layout_panel.fields
+    for name, (layers, hidden, heads) in (("gpt2", (3, 64, 4)), ("llama", (2, 64, 4))):
+        lp.model_path.value = str(hf_folders / name)
+        assert wb.state.error is None and wb.state.raw["model"] == {"init": "hf", "path": str(hf_folders / name)}
+        assert (f["model.layers"].value, f["model.hidden"].value, f["model.heads"].value) == (layers, hidden, heads)
+        assert f["model.layers"].disabled and f["model.preset"].disabled and not f["model.seq_len"].disabled
+        want = load_spec({**wb.state.raw, "model": {"init": "hf", "path": str(hf_folders / name)}})
+        assert wb.spec.model.shape() == want.model.shape()
+        chart = wb.memory_panel.fig_box.figure
+        expected = figures.memory_figure(estimate_memory(want).to_dict())
+        assert chart.layout.title.text == expected.layout.title.text
+        assert [list(t.y) for t in chart.data] == [list(t.y) for t in expected.data]
+        wb.memory_panel._plan()
+        assert wb.state.plan["given"]["step_time_s"] == plan(want).given.step_time_s
+    f["model.seq_len"].value = 64  # the one shape field a folder's model may change
+    f["layout.dp"].value = 1  # other edits keep the folder
+    assert wb.spec.model.init == "hf" and wb.spec.model.shape().seq_len == 64 and wb.spec.layout.dp == 1
+
+    lp.model_path.value = ""  # back to the model the folder replaced
+    assert wb.state.raw["model"] == {"preset": "gpt-tiny"} and not f["model.layers"].disabled
+
+
+@pytest.mark.parametrize("folder", ["missing", ".", "unknown"])
+def test_a_bad_model_folder_shows_one_plain_error_next_to_the_field(hf_folders, folder):
+    from workbench.errors import ConfigError
+    from workbench.spec import load_spec
+
+    wb = Workbench()
+    path = str(hf_folders / folder)
+    wb.layout_panel.model_path.value = path
+    with pytest.raises(ConfigError) as why:
+        load_spec(wb.state.raw)
+    assert wb.state.spec is None and wb.state.error == str(why.value) and "Traceback" not in wb.state.error
+    shown = [name for name, box in wb.layout_panel.errors.items() if box.value]
+    assert shown == ["model"]  # the Model section: the HF folder field is its last row
+    assert wb.memory_panel.fig_box.figure is None  # no chart of an earlier model
+    wb.layout_panel.model_path.value = str(hf_folders / "gpt2")
+    assert wb.state.error is None and not any(box.value for box in wb.layout_panel.errors.values())
+
+
+def test_a_spec_with_a_model_folder_shows_it_in_the_form(hf_folders, tmp_path):
+    from workbench.spec import load_spec
+
+    path = tmp_path / "ft.yaml"
+    load_spec({"name": "ft", "model": {"init": "hf", "path": str(hf_folders / "llama")}, "layout": {"dp": 2},
+               "resources": {"gpu": "cpu"}}).save(path)
+    wb = Workbench(str(path))
+    assert wb.layout_panel.model_path.value == str(hf_folders / "llama")
+    assert wb.layout_panel.fields["model.layers"].value == 2 and wb.layout_panel.fields["model.layers"].disabled

@@ -159,8 +159,8 @@ class LayoutPanel:
         self.fields["layout.virtual_stages"].disabled = (self.fields["layout.pp"].value == 1
                                                          or not is_multi_stage(self.fields["layout.pp_schedule"].value))
         from_folder = _folder(st.raw) is not None
-        for k in ("preset", *SHAPE_KEYS):  # a folder's shape is its config.json's
-            self.fields[f"model.{k}"].disabled = from_folder
+        for k in ("preset", *SHAPE_KEYS):  # a folder's shape is its config.json's (but a shorter seq_len)
+            self.fields[f"model.{k}"].disabled = from_folder and k != "seq_len"
         if st.spec is None:
             self.summary.value = ""
             return
@@ -192,6 +192,8 @@ class LayoutPanel:
         # Without gpus_per_node, load_spec asks for exactly the GPUs the layout needs.
         overrides["resources.gpus_per_node"] = None if self.follow.value else f["resources.gpus_per_node"].value
         if _folder(self.state.raw) is not None:  # the model is the folder's: the form's shape fields are its view
+            if key == "model.seq_len" or "seq_len" in self.state.raw["model"]:  # the one shape field it may set
+                overrides["model.seq_len"] = f["model.seq_len"].value
             self.state.update(overrides)
             return
         preset = f["model.preset"].value
