@@ -97,7 +97,34 @@ def _map_config(c: dict, where: str) -> dict:
         raise ConfigError(f"{where}: auto_map names remote code (trust_remote_code), which is never run here; the "
                           "workbench loads the built-in architectures only.")
     get = _Getter(c, where)
-    return _gpt2_fields(get) if kind == "gpt2" else _llama_fields(get, kind)
+    out = _gpt2_fields(get) if kind == "gpt2" else _llama_fields(get, kind)
+    _check_bounds(out, where, kind)
+    return out
+
+
+_HF_NAMES = {"gpt2": {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn_hidden": "n_inner",
+                      "max_positions": "n_positions", "seq_len": "n_positions", "norm_eps": "layer_norm_epsilon"},
+             "llama": {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
+                       "kv_heads": "num_key_value_heads", "ffn_hidden": "intermediate_size",
+                       "max_positions": "max_position_embeddings", "seq_len": "max_position_embeddings",
+                       "norm_eps": "rms_norm_eps"}}
+
+
+def _check_bounds(fields: dict, where: str, kind: str) -> None:
+    """The spec's own bounds (workbench.spec_input) on every number, each error naming config.json's field."""
+    from pydantic import ValidationError
+
+    from workbench.spec import ModelSpec
+
+    plain = {k: v for k, v in fields.items() if k != "rope_scaling"}
+    try:
+        ModelSpec(**plain)
+    except ValidationError as e:
+        err = e.errors()[0]
+        ours = str(err["loc"][0]) if err["loc"] else "?"
+        theirs = _HF_NAMES["gpt2" if kind == "gpt2" else "llama"].get(ours, ours)
+        raise ConfigError(f"{where}: {theirs}={_short(fields.get(ours))} is out of bounds ({err['msg']}): not a "
+                          "model this workbench can plan or build.") from None
 
 
 class _Getter:
