@@ -36,7 +36,9 @@ def test_run_stop_and_resume_from_the_panel(tmp_path):
     assert panel.resume_button.layout.display == "none"  # nothing under the URI yet
 
     panel.run()
+    ran = panel.run_spec
     wait_for(lambda: len(steps_of(st.snapshot())) >= 7, "step 7")
+    check_the_pairing_stays_with_the_running_spec(wb, ran)
     panel.stop()
     wait_for(lambda: st.run_state != "running", "the end of the stopped run")
     stopped = st.snapshot()
@@ -68,3 +70,27 @@ def test_run_stop_and_resume_from_the_panel(tmp_path):
     assert panel.progress.value == STEPS and panel.progress_text.value == f"completed at step {STEPS} / {STEPS}"
     measured = [t for t in panel.mem_box.figure.data if t.name == "params"]  # the memory chart's measured bars
     assert measured and all(v > 0 for v in measured[0].y if v is not None), measured
+
+
+def check_the_pairing_stays_with_the_running_spec(wb, ran) -> None:
+    """While the run goes the form changes (#34's stale pairing): the panel keeps showing the running
+    layout's prediction (plan(spec).given, fixed at Run) beside the measured steps, and the measured
+    memory beside the running spec's estimate; then the form is put back."""
+    from workbench.ui import run_panel
+
+    panel, fields = wb.run_panel, wb.layout_panel.fields
+    wait_for(lambda: panel.prediction is not None, "the prediction", limit_s=60)
+    assert panel.prediction == run_panel.predict_run(ran) and "step_time_s" in panel.prediction
+    fields["layout.dp"].value, fields["train.micro_batch"].value = 1, 4
+    assert wb.spec.layout.dp == 1 and ran.layout.dp == 2
+    panel.render()
+    text = panel.predicted.value
+    assert "dp2 tp1 pp1 mb=2 on cpu" in text and run_panel._duration(panel.prediction["step_time_s"]) in text
+    assert "median of steps 2-" in text and "waiting for steps" not in text
+    predicted = [t for t in panel.run_box.figure.data if t.name == "predicted"]
+    assert [t.y[0] for t in predicted] == [panel.prediction["tokens_per_s"], panel.prediction["step_time_s"]]
+    wait_for(lambda: panel.mem_box.figure is not None, "the measured memory", limit_s=60)
+    panel.render()
+    assert list(panel.mem_box.figure.data[0].x[0]) == ["rank 0", "rank 0", "rank 1", "rank 1"]  # the run's 2 ranks
+    fields["layout.dp"].value, fields["train.micro_batch"].value = 2, 2
+    assert wb.spec.layout == ran.layout
