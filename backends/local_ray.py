@@ -193,6 +193,10 @@ def _rank_main(fd: int) -> None:
 
     from workbench.runtime.loop import train
 
+    if config.get("entry") == "calibrate":  # `workbench calibrate`: microbenchmarks on the ranks a run gets
+        from workbench.calibrate import calibrate_rank
+
+        train = functools.partial(calibrate_rank, options=config["options"])
     try:
         train(config["spec"], sink, should_stop=should_stop, resume=config["resume"], attempt=config["attempt"])
     except BaseException as e:  # noqa: BLE001 - every failure goes to the relay, then the driver
@@ -363,7 +367,10 @@ class LocalRayJob:
     rank, on whatever nodes are left; with `backend.elastic` it takes the largest dp they hold
     (backends/elastic.py) instead of waiting for capacity."""
 
-    def __init__(self, spec, on_event: Callable[[dict], None] | None = None, resume: bool = False):
+    def __init__(self, spec, on_event: Callable[[dict], None] | None = None, resume: bool = False,
+                 entry: dict | None = None):
+        """`entry`: {"entry": "calibrate", "options": {...}} runs `workbench calibrate`'s per-rank
+        microbenchmarks (workbench/calibrate.py) instead of the training loop."""
         import torch
 
         ensure_ray()
@@ -372,6 +379,7 @@ class LocalRayJob:
         self.events: list[dict] = []
         self._on_event = on_event
         self._resume = resume
+        self._entry = entry or {}
         self._run_id = os.environ.get("WORKBENCH_RUN_ID") or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._state = JobState.PENDING
         self._error: str | None = None
@@ -437,7 +445,7 @@ class LocalRayJob:
             where = [{**w, "bundle": i // tp} for i, w in enumerate(ray.get([r.where.remote() for r in relays]))]
             ranks = rank_order(where)
             master = ray.get(relays[ranks.index(0)].serve_store.remote())
-            config = {"spec": spec.to_dict(), "resume": self._resume or attempt > 0, "attempt": attempt}
+            config = {"spec": spec.to_dict(), "resume": self._resume or attempt > 0, "attempt": attempt, **self._entry}
             # WORKBENCH_RUN_ID: the restarted group is the same run, so it takes over the checkpoint lease
             envs = [{**rank_env(where, ranks, i, master), "WORKBENCH_RUN_ID": self._run_id} for i in range(world)]
             runs = {relays[i].run.remote(config, envs[i]): ranks[i] for i in range(world)}

@@ -1,5 +1,5 @@
-"""The `workbench` command: run, validate, memory, plan, dispatch, import, export-config, data prepare,
-export, sample (see docs/architecture.md, Contracts)."""
+"""The `workbench` command: run, validate, memory, plan, calibrate, dispatch, import, export-config, data
+prepare, export, sample (see docs/architecture.md, Contracts)."""
 from __future__ import annotations
 
 import argparse
@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     dispatch = command("dispatch", "Submit the job to a backend, or print the request with --dry-run.")
     dispatch.add_argument("--backend", help="local | ray | sagemaker | vertex | azureml (default: the spec's)")
     dispatch.add_argument("--dry-run", action="store_true", help="print the exact request; needs no credentials or network")
+    cal = command("calibrate", "Measure this cluster (GEMMs, memory, collectives) for plan and memory to use.")
+    cal.add_argument("-o", "--output", help="write the profile here (default: $WORKBENCH_HOME/profiles/<device>.yaml)")
+    cal.add_argument("--quick", action="store_true", help="fewer sizes, shorter timings (under a minute on a laptop)")
     _interop_commands(sub, command)
     _training_commands(sub)
     return p
@@ -153,6 +156,15 @@ def _plan(args) -> int:
     return 0
 
 
+def _calibrate(args) -> int:
+    from workbench.calibrate import calibrate, summary
+
+    profile, path = calibrate(_load(args, layout=False), out=args.output, quick=args.quick)
+    print(summary(profile))
+    print(f"wrote {path}; `workbench plan` and `workbench memory` now use it")
+    return 0
+
+
 def _dispatch(args) -> int:
     from backends import dispatch
 
@@ -224,7 +236,7 @@ def _sample(args) -> int:
 
 _COMMANDS = {"run": _run, "validate": _validate, "memory": _memory, "plan": _plan, "dispatch": _dispatch,
              "data": _data, "export": _export, "sample": _sample, "import": _import,
-             "export-config": _export_config}
+             "export-config": _export_config, "calibrate": _calibrate}
 
 if __name__ == "__main__":
     sys.exit(main())

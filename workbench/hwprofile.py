@@ -42,48 +42,68 @@ def _ring(kind: str, size: int) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class GemmFit:
-    """t(m, n, k) = t0 + 2 (m + a)(n + a)(k + a) / rate: smooth, increasing in every dimension,
-    `rate` the large-GEMM FLOP/s, `a` the width below which a dimension fills the units poorly,
-    `t0` the fixed cost of a call; extrapolates linearly in each dimension."""
+    """t(m, n, k) = t0 + 2 (m + am)(n + an)(k + ak) / rate: smooth, increasing in every dimension,
+    `rate` the large-GEMM FLOP/s, (am, an, ak) the width below which each dimension fills the
+    units poorly (a short reduction dimension k costs differently from few rows m), `t0` the fixed
+    cost of a call; extrapolates linearly in each dimension."""
 
     rate: float
-    a: float
+    a: tuple  # (am, an, ak)
     t0: float
     worst: float  # largest |relative error| over the measured points
 
     def seconds(self, m: float, n: float, k: float) -> float:
-        return self.t0 + 2.0 * (m + self.a) * (n + self.a) * (k + self.a) / self.rate
+        am, an, ak = self.a
+        return self.t0 + 2.0 * (m + am) * (n + an) * (k + ak) / self.rate
+
+
+def _solve(pts: list, a: tuple) -> tuple[float, float, float] | None:
+    """(sum of squared relative errors, t0, 1/rate) minimising sum((t0 + c x_i) / t_i - 1)^2 over
+    t0 >= 0, c > 0 for fixed widths `a` (a 2x2 linear solve); None without a positive slope."""
+    am, an, ak = a
+    u = [1 / t for *_, t in pts]
+    v = [2 * (m + am) * (n + an) * (k + ak) / t for m, n, k, t in pts]
+    suu, svv, suv = sum(x * x for x in u), sum(x * x for x in v), sum(p * q for p, q in zip(u, v))
+    su, sv = sum(u), sum(v)
+    det = suu * svv - suv * suv
+    t0, c = 0.0, sv / svv
+    if len(pts) > 1 and det > 1e-12 * suu * svv:
+        t0_, c_ = (su * svv - sv * suv) / det, (sv * suu - su * suv) / det
+        if t0_ >= 0 and c_ > 0:
+            t0, c = t0_, c_
+    if c <= 0:
+        return None
+    return sum((t0 * p + c * q - 1) ** 2 for p, q in zip(u, v)), t0, c
 
 
 def fit_gemm(points) -> GemmFit:
-    """Least relative squared error fit of GemmFit through (m, n, k, seconds) points: for each `a`
-    on a log grid, t0 and 1/rate are a 2x2 linear solve (t0 >= 0, rate > 0); the best `a` wins."""
+    """Least relative squared error fit of GemmFit through (m, n, k, seconds) points: the widths on
+    a coarse log grid, then refined one dimension at a time; t0 and 1/rate solved exactly for each."""
     pts = [(float(m), float(n), float(k), float(t)) for m, n, k, t in points]
+    grid = [0.0, 2.0, 8.0, 32.0, 128.0, 512.0, 2048.0]
     best = None
-    for a in [0.0, *(2.0 ** (i / 4) for i in range(0, 53))]:  # 0, 1 .. 8192
-        xs = [2 * (m + a) * (n + a) * (k + a) for m, n, k, _ in pts]
-        # minimise sum((t0 + c x_i) / t_i - 1)^2 over t0 >= 0, c > 0
-        u = [1 / t for *_, t in pts]
-        v = [x / t for x, (*_, t) in zip(xs, pts)]
-        suu, svv, suv = sum(x * x for x in u), sum(x * x for x in v), sum(p * q for p, q in zip(u, v))
-        su, sv = sum(u), sum(v)
-        det = suu * svv - suv * suv
-        t0, c = 0.0, sv / svv
-        if len(pts) > 1 and det > 1e-12 * suu * svv:
-            t0_, c_ = (su * svv - sv * suv) / det, (sv * suu - su * suv) / det
-            if t0_ >= 0 and c_ > 0:
-                t0, c = t0_, c_
-        if c <= 0:
-            continue
-        errs = [abs((t0 + c * x) / t - 1) for x, (*_, t) in zip(xs, pts)]
-        sse = sum(e * e for e in errs)
-        if best is None or sse < best[0] - 1e-15:
-            best = (sse, GemmFit(rate=1 / c, a=a, t0=t0, worst=max(errs)))
+    for a in ((x, y, z) for x in grid for y in grid for z in grid):
+        got = _solve(pts, a)
+        if got is not None and (best is None or got[0] < best[0][0] - 1e-15):
+            best = (got, a)
     if best is None:  # no positive slope at any width: times do not grow with size (noise only)
         t = sorted(p[3] for p in pts)[len(pts) // 2]
         big = max(2 * m * n * k for m, n, k, _ in pts)
-        return GemmFit(rate=big / t, a=0.0, t0=0.0, worst=max(abs(p[3] / t - 1) for p in pts))
-    return best[1]
+        return GemmFit(rate=big / t, a=(0.0, 0.0, 0.0), t0=0.0, worst=max(abs(p[3] / t - 1) for p in pts))
+    for factor in (2.0, 2 ** 0.5, 2 ** 0.25, 2 ** 0.125):
+        improved = True
+        while improved:
+            improved = False
+            for dim in range(3):
+                for cand in (best[1][dim] * factor, best[1][dim] / factor, max(best[1][dim], 1.0) * factor):
+                    a = (cand, best[1][1], best[1][2]) if dim == 0 else (
+                        (best[1][0], cand, best[1][2]) if dim == 1 else (best[1][0], best[1][1], cand))
+                    got = _solve(pts, a)
+                    if got is not None and got[0] < best[0][0] * (1 - 1e-9):
+                        best, improved = (got, a), True
+    (_, t0, c), a = best
+    worst = max(abs((t0 + 2 * c * (m + a[0]) * (n + a[1]) * (k + a[2])) / t - 1) for m, n, k, t in pts)
+    return GemmFit(rate=1 / c, a=tuple(a), t0=t0, worst=worst)
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,14 @@ from workbench.hwprofile import (
     save_profile,
 )
 
-RATE, A, T0 = 50e9, 24.0, 8e-6  # a made-up device: 50 GFLOP/s, dimensions fill at ~24, 8 us per call
+RATE, T0 = 50e9, 8e-6  # a made-up device: 50 GFLOP/s, 8 us per call
+AM, AN, AK = 24.0, 8.0, 96.0  # rows fill at ~24, columns at ~8, a short reduction costs most
 
 
 def _gemm_points(dtype="fp32", rate=RATE):
     sizes = [(64, 64, 64), (256, 256, 256), (1024, 1024, 1024), (256, 192, 64), (256, 64, 64), (256, 256, 64),
              (256, 64, 256), (8, 512, 512), (2048, 128, 32)]
-    return tuple((dtype, m, n, k, T0 + 2 * (m + A) * (n + A) * (k + A) / rate) for m, n, k in sizes)
+    return tuple((dtype, m, n, k, T0 + 2 * (m + AM) * (n + AN) * (k + AK) / rate) for m, n, k in sizes)
 
 
 def _colls(ranks=2):
@@ -61,7 +62,7 @@ def test_gemm_fit_recovers_the_law_and_is_monotone():
     assert fit.worst < 0.05
     p = _profile()
     for m, n, k in [(64, 64, 64), (1024, 1024, 1024), (8, 512, 512)]:
-        assert p.gemm_s(m, n, k, "fp32") == pytest.approx(T0 + 2 * (m + A) * (n + A) * (k + A) / RATE, rel=0.05)
+        assert p.gemm_s(m, n, k, "fp32") == pytest.approx(T0 + 2 * (m + AM) * (n + AN) * (k + AK) / RATE, rel=0.05)
     # increasing in every dimension, including far outside the measured range
     for dim in range(3):
         last = 0.0
@@ -85,7 +86,7 @@ def test_gemm_fit_of_noisy_points_stays_sane():
     noise = [1.3, 0.8, 1.1, 0.9, 1.2, 0.85, 1.0, 1.15, 0.95]
     pts = [(m, n, k, t * f) for (_, m, n, k, t), f in zip(_gemm_points(), noise)]
     fit = fit_gemm(pts)
-    assert fit.rate > 0 and fit.t0 >= 0 and fit.a >= 0
+    assert fit.rate > 0 and fit.t0 >= 0 and min(fit.a) >= 0
     assert fit.worst < 0.5
     assert fit.seconds(2048, 2048, 2048) > fit.seconds(1024, 1024, 1024) > fit.seconds(8, 8, 8) > 0
 

@@ -1,0 +1,366 @@
+"""`workbench calibrate`: microbenchmarks on the spec's own resources (GEMM time by shape, memory
+bandwidth, per-op overhead, collectives by message size), run through the backend `run` uses (one
+Ray actor and process per rank, gloo or NCCL), written as a hardware profile (workbench/hwprofile.py).
+
+Every rank runs each compute benchmark at the same time, as training uses the host; a figure is
+the slowest rank's. The driver side imports no torch; `calibrate_rank` runs in each rank's process.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from functools import partial
+from pathlib import Path
+
+from workbench.errors import ConfigError, WorkerError
+from workbench.hwprofile import HardwareProfile, default_profile_path, profile_from_dict, save_profile
+from workbench.spec import JobSpec, load_spec
+
+KiB, MiB = 1 << 10, 1 << 20
+# (message sizes, seconds per timed figure, elementwise tensor elements, grid of m = n = k, repeats)
+_PLANS = {
+    "quick": {"sizes": [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB], "budget_s": 0.03, "elements": 4 << 20,
+              "cubes": [32, 128, 512], "repeats": 2, "gemm_budget_s": 8.0},
+    "full": {"sizes": [4 * KiB << (2 * i) for i in range(8)], "budget_s": 0.15, "elements": 16 << 20,
+             "cubes": [16, 32, 64, 128, 256, 512, 1024], "repeats": 3, "gemm_budget_s": 60.0},
+}
+_GPU_ELEMENTS = 256 << 20  # 1 GiB fp32 per tensor: well past any GPU's caches
+_TIMEOUT_S = {"quick": 300, "full": 1200}
+
+
+# -- driver ---------------------------------------------------------------------------------
+def _job_spec(spec: JobSpec) -> JobSpec:
+    """The job the ranks run: every GPU (or CPU worker) of resources, one rank each (dp only)."""
+    raw = spec.to_dict()
+    world = spec.resources.num_gpus
+    raw["layout"] = {"dp": world}
+    raw["train"] = {**raw.get("train", {}), "global_batch": raw.get("train", {}).get("micro_batch", 1) * world}
+    raw.pop("checkpoint", None)
+    raw.pop("tracking", None)
+    return load_spec(raw)
+
+
+def _options(spec: JobSpec, quick: bool) -> dict:
+    """What the ranks measure: the plan, dtypes, and the GEMM shapes of the spec's own model."""
+    mode = "quick" if quick else "full"
+    dtypes = ["fp32"] if spec.precision.dtype == "fp32" and quick else ["fp32", "bf16"]
+    if spec.resources.gpu != "cpu" and not quick:
+        dtypes.append("fp16")
+    if spec.precision.dtype not in dtypes:
+        dtypes.append(spec.precision.dtype)
+    return {"mode": mode, **_PLANS[mode], "dtypes": dtypes, "model_shapes": model_gemm_shapes(spec),
+            "device": spec.resources.gpu}
+
+
+def model_gemm_shapes(spec: JobSpec) -> list[list[int]]:
+    """(m, n, k) of every matmul of one micro-batch's forward and backward: the q/k/v, output,
+    MLP and head projections at tp = 1 and at the spec's tp (columns split), as
+    (tokens x in) @ (in x out), and their backward's (m, k, n) and (k, n, m). Empty for a
+    size-only or factory model."""
+    try:
+        s = spec.model.shape()
+    except ConfigError:
+        return []
+    m = spec.train.micro_batch * s.seq_len
+    out = set()
+    for tp in sorted({1, spec.layout.tp if spec.layout.tp else 1}):
+        h, kv, f, v = s.hidden, s.kv_dim // tp or 1, s.ffn_hidden // tp or 1, s.vocab // tp or 1
+        for n, k in [(h // tp or 1, h), (kv, h), (h, h // tp or 1), (f, h), (h, f), (v, h)]:
+            out |= {(m, n, k), (m, k, n), (k, n, m)}
+    return [list(x) for x in sorted(out)]
+
+
+def calibrate(spec: JobSpec | dict | str, out: str | Path | None = None, quick: bool = False,
+              note: Callable[[str], None] | None = None) -> tuple[HardwareProfile, Path]:
+    """Measure the spec's resources and write the hardware profile.
+
+    Args:
+        spec: a JobSpec, dict or YAML path; its resources (device, ranks per node, nodes), backend
+            (local or ray), model (its GEMM shapes are measured) and precision are used.
+        out: where to write the profile (default: $WORKBENCH_HOME/profiles/<device>.yaml).
+        quick: fewer sizes and shorter timings (well under a minute on a small CPU host).
+        note: called with a line of progress now and then (default: stderr).
+    Returns:
+        (the profile, the path it was written to).
+    Raises:
+        ConfigError: a backend calibrate cannot run through, a GPU device without CUDA here,
+            an unwritable output.
+        WorkerError: a rank failed (RayStartError, exit 69, when the local Ray cluster did not start).
+    """
+    spec = load_spec(spec, layout=False)
+    say = note or (lambda line: print(line, file=sys.stderr, flush=True))
+    if spec.backend.name not in ("local", "ray"):
+        raise ConfigError(f"backend.name {spec.backend.name!r}: calibrate runs on this machine (local) or on the Ray "
+                          "cluster this machine belongs to (ray). To profile cloud machines, run `workbench "
+                          "calibrate` on one of them with backend.name: local (or ray), then pass the profile "
+                          "file to plan.")
+    path = Path(out) if out is not None else default_profile_path(spec.resources.gpu)
+    _check_writable(path)
+    if spec.backend.name == "local" and spec.resources.gpu != "cpu":
+        import torch
+
+        if torch.cuda.device_count() < spec.resources.gpus_per_node:
+            raise ConfigError(f"resources.gpu is {spec.resources.gpu} with {spec.resources.gpus_per_node} per node, "
+                              f"but this machine has {torch.cuda.device_count()} CUDA devices. Calibrate on the "
+                              "machines the profile is for, or set resources.gpu: cpu to profile this CPU.")
+    job_spec = _job_spec(spec)
+    options = _options(spec, quick)
+    events = _run(job_spec, options, spec.backend.name, say)
+    found = [e for e in events if e.get("event") == "calibration"]
+    if not found:
+        raise WorkerError("calibration ended without a result from rank 0 (see the Ray logs)")
+    raw = {**found[-1]["profile"], "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "backend": spec.backend.name}
+    profile = profile_from_dict(raw, "(measured)")
+    save_profile(profile, path)
+    return profile, path
+
+
+def _check_writable(path: Path) -> None:
+    parent = next((p for p in [path.parent, *path.parent.parents] if p.exists()), None)
+    if path.is_dir() or parent is None or not parent.is_dir():
+        raise ConfigError(f"cannot write the hardware profile to {str(path)!r}: "
+                          f"{'it is a folder' if path.is_dir() else 'no folder above it can hold it'}. "
+                          "Pass a file path with -o.")
+
+
+def _run(job_spec: JobSpec, options: dict, backend: str, say: Callable[[str], None]) -> list[dict]:
+    """Run the ranks through the local-Ray launcher (backends/local_ray.py), as `run` does."""
+    from backends.base import JobState
+    from backends.local_ray import LocalRayJob, ensure_ray
+
+    if backend == "ray":
+        import ray
+
+        if not ray.is_initialized():  # join the cluster this machine belongs to (RAY_ADDRESS or `ray start`)
+            ray.init(address="auto", logging_level=logging.ERROR, log_to_driver=False)
+    else:
+        ensure_ray(note=lambda kind, line: say(f"{kind}: {line}"))
+
+    def on_event(event: dict) -> None:
+        if event.get("event") in ("note", "warning"):
+            say(f"{event['event']}: {event['message']}")
+
+    timeout = _TIMEOUT_S[options["mode"]]
+    job = LocalRayJob(job_spec, on_event=on_event, entry={"entry": "calibrate", "options": options})
+    status = job.wait(timeout_s=timeout)
+    if status.state in (JobState.PENDING, JobState.RUNNING):
+        job.cancel()
+        raise WorkerError(f"calibration did not finish within {timeout} s (a busy machine?); try --quick")
+    if status.state.value == "failed":
+        raise WorkerError(status.message or "a rank failed without a message (see the Ray logs)")
+    return job.events
+
+
+def summary(profile: HardwareProfile, model_shapes: list | None = None) -> str:
+    """The table `workbench calibrate` prints."""
+    lines = [f"{profile.label()}; host {profile.host}, {profile.threads_per_rank} threads per rank", "",
+             "GEMM (all ranks at once)  rate            fill widths m/n/k  per call  worst fit error  points"]
+    for dtype in profile.gemm_dtypes:
+        fit = profile.gemm_fit(dtype)
+        count = sum(1 for p in profile.gemm if p[0] == dtype)
+        widths = "/".join(f"{x:.0f}" for x in fit.a)
+        lines.append(f"  {dtype:<23} {fit.rate / 1e9:7.1f} GFLOP/s  {widths:>17}  {fit.t0 * 1e6:5.1f} us  "
+                     f"{fit.worst:15.0%}  {count:6d}")
+    lines += ["", f"memory bandwidth per rank  {profile.memory_bw / 1e9:.2f} GB/s",
+              f"per-op overhead            {profile.op_overhead_s * 1e6:.1f} us", ""]
+    kinds = sorted({(p[0], p[1], p[2]) for p in profile.collectives})
+    sizes = sorted({p[3] for p in profile.collectives})
+    if kinds:
+        lines.append("bus bandwidth (GB/s)".ljust(26) + "".join(f"{_size(s):>9}" for s in sizes))
+        for kind, link, ranks in kinds:
+            cells = []
+            for s in sizes:
+                t = next((p[4] for p in profile.collectives if p[:4] == (kind, link, ranks, s)), None)
+                share = 1.0 if kind == "p2p" else (2 if kind == "all_reduce" else 1) * (ranks - 1) / ranks
+                cells.append(f"{s * share / t / 1e9:9.3f}" if t else f"{'-':>9}")
+            lines.append(f"  {kind} {link} x{ranks}".ljust(26) + "".join(cells))
+    else:
+        lines.append("collectives: none (one rank)")
+    return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
+
+
+# -- ranks ----------------------------------------------------------------------------------
+def calibrate_rank(spec: dict, sink, *, options: dict, should_stop=lambda: False, resume=False, attempt=0) -> None:
+    """One rank's part (started by backends/local_ray.py's `_rank_main`): every benchmark with all
+    ranks at once, the slowest rank's time; rank 0 sends {"event": "calibration", "profile": ...}."""
+    import os
+
+    import torch
+
+    from workbench.runtime.loop import init_distributed
+
+    ctx = init_distributed()
+    if options["device"] != "cpu" and ctx.device.type != "cuda":
+        raise WorkerError(f"resources.gpu is {options['device']}, but this rank sees no CUDA device")
+    world = ctx.world_size
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes = max(1, world // per_node)
+    bench = _Bench(ctx, options, nodes, per_node, sink if ctx.rank == 0 else None)
+    gemm = bench.gemms(options["dtypes"], options["model_shapes"], options["cubes"])
+    memory_bw = bench.memory_bw(options["elements"] if ctx.device.type == "cpu" else _GPU_ELEMENTS)
+    overhead = bench.op_overhead()
+    collectives = bench.collectives(options["sizes"])
+    if ctx.rank == 0:
+        sink({"event": "calibration", "profile": {
+            "device": options["device"], "created": "1970-01-01T00:00:00+00:00", "host": socket.gethostname()[:255],
+            "backend": "local", "nodes": nodes, "ranks_per_node": per_node,
+            "threads_per_rank": torch.get_num_threads(), "gemm": gemm, "memory_bw": memory_bw,
+            "op_overhead_s": overhead, "collectives": collectives}})
+        sink({"event": "end", "status": "completed", "step": 0})
+
+
+class _Bench:
+    """The microbenchmarks of one rank. Every decision that shapes a collective sequence (repeat
+    counts, the time budget) is taken from figures all ranks agreed on (an all-reduce MAX), so the
+    ranks run the same collectives in the same order."""
+
+    def __init__(self, ctx, options: dict, nodes: int, per_node: int, sink):
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist, self.ctx, self.dev = torch, dist, ctx, ctx.device
+        self.nodes, self.per_node = nodes, per_node
+        self.budget_s, self.repeats = options["budget_s"], options["repeats"]
+        self.gemm_budget_s = options["gemm_budget_s"]
+        self.sink = sink
+        self.distributed = dist.is_initialized() and ctx.world_size > 1
+        self.spent_s = 0.0  # agreed estimate of the time the GEMMs took so far
+
+    def note(self, message: str) -> None:
+        if self.sink is not None:
+            self.sink({"event": "note", "message": f"calibrate: {message}"})
+
+    def _sync(self) -> None:
+        if self.dev.type == "cuda":
+            self.torch.cuda.synchronize()
+
+    def _max(self, x: float) -> float:
+        if not self.distributed:
+            return x
+        t = self.torch.tensor([x], dtype=self.torch.float64, device=self.dev)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            self._max(0.0)
+
+    def time(self, fn) -> float:
+        """Seconds per call of `fn`, every rank calling it at once: the slowest rank's mean over a
+        run of about `budget_s`, the fastest of `repeats` runs."""
+        fn()
+        self._sync()
+        self._barrier()
+        start = time.perf_counter()
+        fn()
+        self._sync()
+        one = self._max(time.perf_counter() - start)
+        reps = max(1, min(10_000, int(self.budget_s / max(one, 1e-9))))
+        runs = self.repeats if one < self.budget_s else 1
+        times = []
+        for _ in range(runs):
+            self._barrier()
+            start = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            self._sync()
+            times.append(self._max((time.perf_counter() - start) / reps))
+        self.spent_s += 2 * one + sum(times) * reps
+        return min(times)  # the least disturbed run: others share the host
+
+    def gemms(self, dtypes: list, model_shapes: list, cubes: list) -> list:
+        """(dtype, m, n, k, seconds): the model's shapes first, then a grid, until the budget is spent."""
+        torch = self.torch
+        grid = [(c, c, c) for c in cubes] + [(4 * c, c, c) for c in cubes[1:-1]] + [(c, 4 * c, c) for c in cubes[1:-1]]
+        limit = 2e11 if self.dev.type == "cpu" else 1e15  # FLOPs of one call: seconds at most on either
+        out: list = []
+        for group, shapes in (("model shapes", [tuple(s) for s in model_shapes]), ("grid", grid)):
+            shapes = [s for s in shapes if 2 * s[0] * s[1] * s[2] <= limit]
+            self.note(f"GEMMs, {group}: {len(shapes)} shapes x {', '.join(dtypes)}")
+            for dtype in dtypes:
+                dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+                for m, n, k in shapes:
+                    if self.spent_s > self.gemm_budget_s:
+                        self.note(f"GEMM time budget ({self.gemm_budget_s:g} s) spent; {len(out)} points measured")
+                        return out
+                    a = torch.randn(m, k, device=self.dev).to(dt)
+                    b = torch.randn(k, n, device=self.dev).to(dt)
+                    c = torch.empty(m, n, device=self.dev, dtype=dt)
+                    out.append([dtype, m, n, k, self.time(lambda a=a, b=b, c=c: torch.mm(a, b, out=c))])
+        return out
+
+    def memory_bw(self, elements: int) -> float:
+        """Bytes/s of c = a + b on tensors far larger than the caches (two reads and a write)."""
+        self.note("memory bandwidth")
+        torch = self.torch
+        a, b, c = (torch.rand(elements, device=self.dev) for _ in range(3))
+        return 3 * a.element_size() * elements / self.time(lambda: torch.add(a, b, out=c))
+
+    def op_overhead(self) -> float:
+        """Seconds of one tiny op recorded by autograd (a forward op on a 16-element tensor)."""
+        self.note("per-op overhead")
+        x = self.torch.zeros(16, device=self.dev, requires_grad=True)
+        return self.time(lambda: self.torch.mul(x, 2.0))
+
+    def _groups(self) -> list:
+        """(link, this rank's group or None for the world, ranks in it, its members): the node's ranks
+        (intra) and, with several nodes, one rank per node at the same local index (inter). Every
+        rank creates every group, in the same order (torch.distributed requires it)."""
+        world, per = self.ctx.world_size, self.per_node
+        if self.nodes == 1:
+            return [("intra", None, world, list(range(world)))] if world > 1 else []
+        out = []
+        intra = [list(range(n * per, (n + 1) * per)) for n in range(self.nodes)]
+        inter = [[n * per + i for n in range(self.nodes)] for i in range(per)]
+        for link, members in (("intra", intra), ("inter", inter)):
+            mine = None
+            for ranks in members:
+                group = self.dist.new_group(ranks)
+                if self.ctx.rank in ranks:
+                    mine = (link, group, len(ranks), ranks)
+            if mine is not None and mine[2] > 1:
+                out.append(mine)
+        return out
+
+    def collectives(self, sizes: list) -> list:
+        """(kind, link, ranks, nbytes, seconds) for each message size, every group at once."""
+        torch, dist, dev = self.torch, self.dist, self.dev
+        out: list = []
+        for link, group, n, members in self._groups():
+            self.note(f"collectives {link}-node over {n} ranks: {len(sizes)} sizes")
+            me = members.index(self.ctx.rank)
+            peer = members[me ^ 1] if (me ^ 1) < n else None  # p2p pairs: 0-1, 2-3, ...
+            for nbytes in sizes:
+                numel = max(n, nbytes // 4 // n * n)
+                full = torch.ones(numel, device=dev)
+                part = torch.ones(numel // n, device=dev)
+                fns = {"all_reduce": partial(dist.all_reduce, full, group=group),
+                       "all_gather": partial(dist.all_gather_into_tensor, full, part, group=group),
+                       "reduce_scatter": partial(dist.reduce_scatter_tensor, part, full, group=group)}
+                for kind, fn in fns.items():
+                    out.append([kind, link, n, numel * 4, self.time(fn)])
+                out.append(["p2p", link, 2, numel * 4, self.time(self._ping_pong(full, peer, me % 2 == 0)) / 2])
+        return out
+
+    def _ping_pong(self, t, peer: int | None, first: bool):
+        dist = self.dist
+
+        def fn():
+            if peer is None:
+                return
+            if first:
+                dist.send(t, peer)
+                dist.recv(t, peer)
+            else:
+                dist.recv(t, peer)
+                dist.send(t, peer)
+        return fn
