@@ -15,23 +15,37 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from workbench import steptime  # noqa: E402
-from workbench.calibration import errors, load_cases, predict  # noqa: E402
+from workbench.calibration import errors, load_cases, predict, priced  # noqa: E402
 
-# (name, getter, setter, lower bound, upper bound)
+
+def _dict_param(name: str, table: dict, key: str, lo: float, hi: float):
+    return (f"{name}[{key}]", lambda: table[key], lambda v: table.__setitem__(key, v), lo, hi)
+
+
+def _attr_param(name: str, lo: float, hi: float):
+    return (name, lambda: getattr(steptime, name), lambda v: setattr(steptime, name, v), lo, hi)
+
+
+# (name, getter, setter, lower bound, upper bound): the fitted constants of workbench/steptime.py.
 PARAMS = [
-    ("GEMM_EFFICIENCY[a100]", lambda: steptime.GEMM_EFFICIENCY["a100"],
-     lambda v: steptime.GEMM_EFFICIENCY.__setitem__("a100", v), 0.3, 0.95),
-    ("GEMM_EFFICIENCY[h100]", lambda: steptime.GEMM_EFFICIENCY["h100"],
-     lambda v: steptime.GEMM_EFFICIENCY.__setitem__("h100", v), 0.3, 0.95),
-    ("GEMM_HALF_WIDTH", lambda: steptime.GEMM_HALF_WIDTH,
-     lambda v: setattr(steptime, "GEMM_HALF_WIDTH", v), 0.0, 2000.0),
-    ("ATTENTION_EFFICIENCY", lambda: steptime.ATTENTION_EFFICIENCY,
-     lambda v: setattr(steptime, "ATTENTION_EFFICIENCY", v), 0.1, 1.0),
-    ("OVERLAP", lambda: steptime.OVERLAP, lambda v: setattr(steptime, "OVERLAP", v), 0.0, 1.0),
+    _dict_param("GEMM_EFFICIENCY", steptime.GEMM_EFFICIENCY, "a100", 0.3, 0.95),
+    _dict_param("GEMM_EFFICIENCY", steptime.GEMM_EFFICIENCY, "h100", 0.3, 0.95),
+    _attr_param("GEMM_HALF_WIDTH", 0.0, 2000.0),
+    _attr_param("TOKENS_HALF", 1.0, 4096.0),
+    _attr_param("ATTENTION_EFFICIENCY", 0.1, 1.0),
+    _dict_param("FLASH_RELATIVE", steptime.FLASH_RELATIVE, "a100", 0.1, 1.5),
+    _dict_param("FLASH_RELATIVE", steptime.FLASH_RELATIVE, "h100", 0.1, 1.5),
+    _attr_param("OVERLAP", 0.0, 1.0),
 ]
 
 
+def fitting_cases():
+    """The fit split, on hardware the catalog describes, priced by the model."""
+    return [c for c in load_cases() if c.split == "fit" and c.catalog_match and priced(c)]
+
+
 def loss(cases) -> float:
+    """Squared log error of predicted vs published tokens/s per GPU, summed over the cases."""
     out = 0.0
     for c in cases:
         pred = predict(c).tokens_per_s / c.world_size
@@ -40,7 +54,8 @@ def loss(cases) -> float:
 
 
 def fit(rounds: int = 40) -> None:
-    cases = [c for c in load_cases() if c.split == "fit"]
+    """Coordinate search from the current values, steps of 20%, 5% and 1%, until none helps."""
+    cases = fitting_cases()
     best = loss(cases)
     for _ in range(rounds):
         improved = False
@@ -57,7 +72,8 @@ def fit(rounds: int = 40) -> None:
                         put(x)
         if not improved:
             break
-    print("fitted constants (workbench/steptime.py):")
+    steptime.GEMM_EFFICIENCY_DEFAULT = sum(steptime.GEMM_EFFICIENCY.values()) / len(steptime.GEMM_EFFICIENCY)
+    print(f"fitted constants (workbench/steptime.py) on {len(cases)} fit cases:")
     for name, get, *_ in PARAMS:
         print(f"  {name} = {get():.3g}")
 

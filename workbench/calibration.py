@@ -27,9 +27,17 @@ class Case:
     layout: dict
     global_batch: int
     micro_batch: int
-    tflops_per_gpu: float
+    published: dict  # as printed: tflops_per_gpu, tokens_per_s_per_gpu and/or mfu
     attention: str  # "unfused" | "flash": the attention kernel the run used
     assumed: str = ""
+    engine: str = "megatron-lm-2021"
+    overlap: dict | None = None  # what the engine overlapped: grad_reduce, param_gather, tp_comm
+    tie_embeddings: bool = False
+    catalog_match: bool = True  # False: the run's GPU differs from the catalog device named (held out)
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.published["tflops_per_gpu"]
 
     @property
     def world_size(self) -> int:
@@ -39,33 +47,51 @@ class Case:
         from workbench.shapes import resolve_shape
         from workbench.spec import ModelSpec
 
-        return resolve_shape(ModelSpec(**self.model, tie_embeddings=False))
+        return resolve_shape(ModelSpec(**self.model, tie_embeddings=self.tie_embeddings))
 
     def published_tokens_per_s_per_gpu(self) -> float:
-        """The published TFLOP/s per GPU over the publication's own FLOPs per token."""
+        """Tokens/s per GPU as printed, else the published TFLOP/s per GPU (or MFU x peak) over
+        the publication's own FLOPs per token."""
+        from workbench.catalog import get_device
         from workbench.steptime import flops_per_token
 
+        if "tokens_per_s_per_gpu" in self.published:
+            return float(self.published["tokens_per_s_per_gpu"])
         sh = self.shape()
+        if "tflops_per_gpu" not in self.published:  # an MFU of the model's 6N + 12 L h s FLOPs
+            peak = get_device(self.gpu).compute_flops[self.dtype]
+            return self.published["mfu"] * peak / flops_per_token(sh)[0]
         if self.flops == "megatron":  # Narayanan et al. 2021, eq. 3, per token (includes recompute)
             layers, h, s, v = sh.layers, sh.hidden, sh.seq_len, sh.vocab
             per_token = 96 * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
         else:
             per_token = flops_per_token(sh)[0]
-        return self.tflops_per_gpu * 1e12 / per_token
+        return self.published["tflops_per_gpu"] * 1e12 / per_token
+
+    def engine_overlap(self):
+        """The Engine the run used, from its `engine` and `overlap` (workbench.steptime.Engine)."""
+        from workbench.steptime import Engine
+
+        o = self.overlap or {}
+        return Engine(self.engine, grad_reduce=o.get("grad_reduce", True), prefetch=o.get("prefetch", True),
+                      param_gather=o.get("param_gather", False), tp_comm=o.get("tp_comm", False),
+                      per_tensor=o.get("per_tensor", False), distributed_optimizer=self.engine == "megatron-core")
 
 
 @lru_cache(maxsize=1)
 def load_cases() -> tuple[Case, ...]:
     import yaml
 
-    raw = yaml.safe_load(CALIBRATION_YAML.read_text())
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    raw = yaml.load(CALIBRATION_YAML.read_text(), Loader=loader)  # noqa: S506 - a safe loader
     out = []
     for c in raw["cases"]:
         out.append(Case(name=c["name"], split=c["split"], source=c["source"], where=c["where"], gpu=c["gpu"],
                         gpus_per_node=c["gpus_per_node"], dtype=c["dtype"], flops=c["flops"], model=c["model"],
                         layout=c["layout"], global_batch=c["global_batch"], micro_batch=c["micro_batch"],
-                        tflops_per_gpu=c["published"]["tflops_per_gpu"], attention=c["attention"],
-                        assumed=c.get("assumed", "")))
+                        published=c["published"], attention=c["attention"], assumed=c.get("assumed", ""),
+                        engine=c.get("engine", "megatron-lm-2021"), overlap=c.get("overlap"),
+                        tie_embeddings=c.get("tie_embeddings", False), catalog_match=c.get("catalog_match", True)))
     return tuple(out)
 
 
@@ -82,13 +108,18 @@ def predict(case: Case):
                  dtype=case.dtype, device="cuda")
     p, shard = _stage_params(sh, lay.tp, lay.pp, 0, lay.chunks, lay.dp)
     return step_time(sh, lay, get_device(case.gpu), case.global_batch, case.gpus_per_node, p, shard,
-                     attention=case.attention)
+                     attention=case.attention, engine=case.engine_overlap())
+
+
+def priced(case: Case) -> bool:
+    """Cases the model prices: not fp8 (neither our runtime nor the catalog has an fp8 path)."""
+    return case.dtype in ("fp32", "fp16", "bf16")
 
 
 def errors() -> list[tuple[Case, float, float]]:
-    """[(case, predicted tokens/s per GPU, published tokens/s per GPU)]."""
+    """[(case, predicted tokens/s per GPU, published tokens/s per GPU)] of every priced case."""
     out = []
-    for c in load_cases():
+    for c in filter(priced, load_cases()):
         st = predict(c)
         out.append((c, st.tokens_per_s / c.world_size, c.published_tokens_per_s_per_gpu()))
     return out

@@ -11,14 +11,11 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from workbench.memory import Layout, estimate_stage
-from workbench.memory.estimate import _stage_params
+from workbench.memory.estimate import _stage_params, device_used
 from workbench.prices import PRICES_DATE, load_prices
-from workbench.steptime import step_time
+from workbench.steptime import Hardware, step_time
 from workbench.validate import zero_bubble_refused
 
-# Headroom for the CUDA context, NCCL buffers and allocator fragmentation: a layout whose
-# predicted peak is above this share of the device's memory is not offered.
-USABLE_FRACTION = 0.92
 # With offload=cpu, the offloaded states of the node's ranks share its RAM with the processes
 # and pinned staging buffers.
 HOST_USABLE_FRACTION = 0.8
@@ -36,7 +33,7 @@ class Candidate:
     peak_bytes: int
     step_time_s: float
     tokens_per_s: float
-    mfu: float
+    mfu: float | None  # None on CPU: no tensor-core peak to be a share of
     usd_per_hour: float = 0.0
     usd_per_hour_spot: float = 0.0
     cloud: str | None = None
@@ -59,6 +56,7 @@ class PlanResult:
     notes: list[str] = field(default_factory=list)
     given: Candidate | None = None  # the spec's own layout, scored like a candidate
     given_error: str | None = None  # why the spec's layout could not be scored (it breaks a rule)
+    source: str = "catalog defaults"  # where the step-time figures come from (a calibrated profile or the catalog)
 
     def to_dict(self, top: int | None = None) -> dict:
         cands = self.candidates[:top] if top else self.candidates
@@ -66,10 +64,11 @@ class PlanResult:
         return {"given": given, **({"given_error": self.given_error} if self.given_error else {}),
                 "candidates": [asdict(c) for c in cands], "world_size": self.world_size, "device": self.device,
                 "searched": self.searched, "fitting": sum(c.fits for c in self.candidates),
-                "prices_date": PRICES_DATE, "elapsed_s": round(self.elapsed_s, 4), "notes": self.notes}
+                "prices_date": PRICES_DATE, "elapsed_s": round(self.elapsed_s, 4), "notes": self.notes,
+                "source": self.source}
 
     def table(self, top: int = 10) -> str:
-        head = (f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'zero':>4} {'offload':>7} {'ckpt':>9} "
+        head = (f"{'#':>3} {'dp':>4} {'tp':>5} {'pp':>3} {'zero':>4} {'offload':>7} {'ckpt':>9} "
                 f"{'schedule':>19} {'mb':>3} {'peak GiB':>9} {'step s':>8} {'tok/s':>10} {'MFU':>5} {'$/h':>8} {'$/h spot':>9} {'$/B tok':>8}")
         lines = [head, "-" * len(head)]
         if self.given:
@@ -80,7 +79,10 @@ class PlanResult:
         fitting = sum(c.fits for c in self.candidates)
         lines.append(f"{fitting} layouts fit on {self.world_size} x {self.device} ({self.searched} searched in "
                      f"{self.elapsed_s:.2f} s); prices {PRICES_DATE}, cheapest cloud; $/B tok = USD per billion "
-                     "tokens on spot.")
+                     "tokens on spot; +sp = sequence parallel, vN = virtual stages per rank.")
+        lines.append(f"step times: {self.source}")
+        if self.device == "cpu":
+            lines.append("MFU: not given on CPU (a share of an accelerator's tensor-core peak)")
         if any(c.runnable is False for c in self.candidates[:top]):
             lines.append("* not runnable by this release's runtime yet (planned for the hardware; "
                          "`workbench validate` + run says why)")
@@ -97,9 +99,11 @@ def _row(label: str, c: Candidate) -> str:
     sched = lay["pp_schedule"] if lay["pp"] > 1 else "-"
     if lay.get("virtual_stages", 1) > 1:
         sched += f" v{lay['virtual_stages']}"
-    return (f"{label:>3} {lay['dp']:>4} {lay['tp']:>3} {lay['pp']:>3} {lay['zero']:>4} {lay['offload']:>7} "
+    tp = f"{lay['tp']}{'+sp' if lay.get('sequence_parallel') else ''}"
+    mfu = "-" if c.mfu is None else f"{c.mfu:.0%}"
+    return (f"{label:>3} {lay['dp']:>4} {tp:>5} {lay['pp']:>3} {lay['zero']:>4} {lay['offload']:>7} "
             f"{lay['activation_checkpointing']:>9} {sched:>19} {c.micro_batch:>3} {c.peak_bytes / 2**30:>9.1f} "
-            f"{c.step_time_s:>8.2f} {c.tokens_per_s:>10,.0f} {c.mfu:>5.0%} {c.usd_per_hour:>8.2f} "
+            f"{c.step_time_s:>8.2f} {c.tokens_per_s:>10,.0f} {mfu:>5} {c.usd_per_hour:>8.2f} "
             f"{c.usd_per_hour_spot:>9.2f} {c.usd_per_billion_tokens_spot:>8.0f}" + ("" if c.fits else "  DOES NOT FIT")
             + ("  *" if c.runnable is False else ""))
 
@@ -163,7 +167,7 @@ def _layouts(spec, shape, world: int, gpn: int):
 
 
 def _peak(shape, lay: Layout) -> tuple[int, int]:
-    """(device peak, host/disk bytes) over the stages that can be largest.
+    """(allocated peak, host/disk bytes) over the stages that can be largest.
 
     Stage 0 holds the most micro-batches in flight (and the extra blocks of an uneven split);
     the last stage holds the head and the logits. Middle stages are never above both.
@@ -172,13 +176,15 @@ def _peak(shape, lay: Layout) -> tuple[int, int]:
     return max(s.total for s in stages), max(s.offloaded for s in stages)
 
 
-def plan(spec, prices=None, top: int | None = None) -> PlanResult:
+def plan(spec, prices=None, top: int | None = None, profile=None) -> PlanResult:
     """Rank the layouts that fit the spec's resources by predicted tokens/s.
 
     Args:
         spec: a JobSpec, or anything `workbench.load_spec` accepts.
         prices: price override (YAML path or dict, see workbench.prices.load_prices).
         top: keep only the best `top` candidates.
+        profile: a HardwareProfile (workbench.hwprofile), a path to one, or None: the profile
+            `workbench calibrate` saved for the spec's GPU type if there is one, else the catalog.
     Returns:
         PlanResult, best first.
     Raises:
@@ -197,7 +203,8 @@ def plan(spec, prices=None, top: int | None = None) -> PlanResult:
     shape = spec.model.shape()
     dev = get_device(spec.resources.gpu)
     world, gpn = spec.resources.num_gpus, spec.resources.gpus_per_node
-    usable = dev.memory_bytes * USABLE_FRACTION
+    hw = hardware(dev, gpn, profile)
+    usable = dev.memory_bytes
     host_usable = dev.host_memory_bytes * HOST_USABLE_FRACTION
     dev_prices = load_prices(prices).get(dev.name, {})
     fitting, misses, searched = [], [], 0
@@ -210,13 +217,13 @@ def plan(spec, prices=None, top: int | None = None) -> PlanResult:
             searched += 1
             peak, offloaded = _peak(shape, lay)
             host_ok = lay.offload_to != "host memory" or not dev.host_memory_bytes or offloaded <= host_usable
-            if peak <= usable and host_ok:
-                fitting.append(_candidate(shape, lay, dev, spec, gpn, peak, True, dev_prices))
+            if device_used(peak, lay) <= usable and host_ok:
+                fitting.append(_candidate(shape, lay, hw, spec, peak, True, dev_prices))
                 break
             misses.append((peak, lay))
     fitting.sort(key=lambda c: (-c.tokens_per_s, c.peak_bytes))
-    notes = [f"fits = predicted peak <= {USABLE_FRACTION:.0%} of {dev.memory_bytes / 2**30:.1f} GiB "
-             "(CUDA context, NCCL and fragmentation headroom)"]
+    notes = [f"fits = the allocated peak + the allocator's reserve, CUDA context and NCCL buffers <= "
+             f"{dev.memory_bytes / 2**30:.1f} GiB (workbench/memory/estimate.py: device_used)"]
     if dev.host_memory_bytes:
         notes.append(f"offload=cpu fits when the offloaded states <= {HOST_USABLE_FRACTION:.0%} of "
                      f"{dev.host_memory_bytes / 2**30:.0f} GiB host memory per GPU")
@@ -226,18 +233,36 @@ def plan(spec, prices=None, top: int | None = None) -> PlanResult:
                      "divisors search everything")
     if not fitting:
         misses.sort(key=lambda x: x[0])
-        fitting = [_candidate(shape, lay, dev, spec, gpn, peak, False, dev_prices) for peak, lay in misses[:10]]
+        fitting = [_candidate(shape, lay, hw, spec, peak, False, dev_prices) for peak, lay in misses[:10]]
         notes.append("nothing fits: these are the smallest peaks; add GPUs, lower micro_batch or seq_len")
     if not dev_prices:
         notes.append(f"no price known for {dev.name}: pass prices= or set WORKBENCH_PRICES")
     result = fitting[:top] if top else fitting
     for c in result[:max(top or 0, 20)]:
         _check_runnable(spec, c)
-    given, given_error = _given(spec, shape, dev, gpn, usable, host_usable, dev_prices)
-    return PlanResult(result, world, dev.name, searched, time.perf_counter() - t0, notes, given, given_error)
+    given, given_error = _given(spec, shape, hw, usable, host_usable, dev_prices)
+    return PlanResult(result, world, dev.name, searched, time.perf_counter() - t0, notes, given, given_error,
+                      source=hw.source)
 
 
-def _given(spec, shape, dev, gpn: int, usable: float, host_usable: float, dev_prices: dict):
+def hardware(dev, gpus_per_node: int, profile=None) -> Hardware:
+    """The Hardware the step-time model asks: `profile` (a HardwareProfile or its path), else the
+    profile `workbench calibrate` saved for this device type, else the catalog's figures."""
+    from workbench.errors import ConfigError
+    from workbench.hwprofile import find_profile, load_profile
+
+    if isinstance(profile, (str, bytes)) or hasattr(profile, "__fspath__"):
+        profile = load_profile(profile)
+    elif profile is None:
+        profile = find_profile(dev.name)
+    if profile is not None and profile.device != dev.name:
+        raise ConfigError(f"the hardware profile was measured on {profile.device!r} but the spec asks for "
+                          f"{dev.name!r} (resources.gpu): calibrate on {dev.name} (`workbench calibrate SPEC`) or "
+                          "plan without that profile")
+    return Hardware(dev, gpus_per_node, profile)
+
+
+def _given(spec, shape, hw, usable: float, host_usable: float, dev_prices: dict):
     """(the spec's own layout scored like a candidate, None) or (None, why it breaks a rule)."""
     from workbench.errors import ConfigError
     from workbench.memory import layout_from_spec
@@ -249,8 +274,8 @@ def _given(spec, shape, dev, gpn: int, usable: float, host_usable: float, dev_pr
         return None, str(e)
     lay = layout_from_spec(spec)
     peak, offloaded = _peak(shape, lay)
-    host_ok = lay.offload_to != "host memory" or not dev.host_memory_bytes or offloaded <= host_usable
-    c = _candidate(shape, lay, dev, spec, gpn, peak, peak <= usable and host_ok, dev_prices)
+    host_ok = lay.offload_to != "host memory" or not hw.dev.host_memory_bytes or offloaded <= host_usable
+    c = _candidate(shape, lay, hw, spec, peak, device_used(peak, lay) <= usable and host_ok, dev_prices)
     _check_runnable(spec, c)
     return c, None
 
@@ -271,9 +296,9 @@ def _check_runnable(spec, c: Candidate) -> None:
         c.runnable, c.not_runnable = False, str(e).splitlines()[0]
 
 
-def _candidate(shape, lay: Layout, dev, spec, gpn: int, peak: int, fits: bool, dev_prices: dict) -> Candidate:
+def _candidate(shape, lay: Layout, hw: Hardware, spec, peak: int, fits: bool, dev_prices: dict) -> Candidate:
     p, shard = _stage_params(shape, lay.tp, lay.pp, 0, lay.chunks, lay.dp)
-    st = step_time(shape, lay, dev, spec.train.global_batch, gpn, p, shard)
+    st = step_time(shape, lay, hw.dev, spec.train.global_batch, hw.gpus_per_node, p, shard, hw=hw)
     layout = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero, "offload": lay.offload,
               "activation_checkpointing": lay.activation_checkpointing, "pp_schedule": lay.pp_schedule,
               "sequence_parallel": lay.sequence_parallel}

@@ -1,63 +1,239 @@
-"""Step-time model: compute from GEMM shapes, each collective as latency + bytes / link bandwidth,
-overlap only where the runtime overlaps, the pipeline bubble per schedule, recompute per mode.
+"""Step-time model from the work each rank does: GEMMs, memory-bound ops, collectives, host dispatch.
 
-FLOPs per token (fwd + bwd) = 6 N + 12 L h s (Kaplan et al. 2020's 6N plus attention's
-score and value matmuls, PaLM appendix B convention); N counts the matmul weights (the input
-embedding lookup is not a matmul; a tied head is). MFU counts model FLOPs only (no recompute).
-The constants marked "fitted" come from bench/calibrate.py over the fit half of
-workbench/calibration.yaml; docs/planning.md shows fit and held-out errors side by side.
+One optimizer step on the busiest pipeline rank is built from what a micro-batch runs:
+- every GEMM of the forward and backward with its (m, n, k), timed at a shape-dependent
+  achievable rate (`Hardware.gemm_s`);
+- the attention core, fused (flash) or unfused (scores in memory);
+- the memory-bound work (norms, activations, rotary, residual adds, the loss's softmax, casts,
+  gradient accumulation, the optimizer step) as bytes moved at the device's memory bandwidth;
+- each collective by its algorithm (ring, or tree across nodes for small all-reduces) at the bus
+  bandwidth of the link it crosses, with a node's NICs shared by the group's ranks on that node;
+- overlap only where the engine overlaps (our runtime: DDP buckets with backward, FSDP prefetch;
+  Megatron-Core's flags for the published runs), bounded by what is left to overlap with;
+- the pipeline bubble per schedule and the recompute of each checkpointing mode;
+- the host's dispatch of every kernel: a GPU step takes max(device, host) (the host runs ahead
+  asynchronously); a CPU step takes their sum (one thread does both).
+
+`Hardware` answers from the catalog's data sheets (workbench/catalog.py) or, once the user ran
+`workbench calibrate`, from the profile measured on their cluster (workbench/hwprofile.py).
+
+FLOPs per token (fwd + bwd) = 6 N + 12 L h s (Kaplan et al. 2020's 6N plus attention's score and
+value matmuls, PaLM appendix B convention); N counts the matmul weights (the input embedding
+lookup is not a matmul; a tied head is). MFU counts model FLOPs only (no recompute) and is only
+given for accelerators (None on CPU: a CPU has no tensor-core peak to be a share of).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
-# -- fitted (bench/calibrate.py; docs/planning.md) -----------------------------------------
-# Share of the device's dense peak that large GEMMs reach end to end (kernels, launch gaps,
-# memory-bound elementwise work folded in), per device generation.
-GEMM_EFFICIENCY = {"a100": 0.69, "h100": 0.74}
-GEMM_EFFICIENCY_DEFAULT = 0.72  # devices with no published run in the calibration set: their mean
+if TYPE_CHECKING:
+    from workbench.catalog import Device
+    from workbench.hwprofile import HardwareProfile
+
+# -- fitted (bench/calibrate.py over the `fit` third of workbench/calibration.yaml) -----------
+# Share of the dense peak that large GEMMs sustain through a training run, per device generation:
+# cuBLAS's best shape (~80-87% in microbenchmarks, see MAMF below) times the clocks a GPU holds
+# under sustained load. Fitted on several runs of each generation, never one.
+GEMM_EFFICIENCY = {"a100": 0.699, "h100": 0.585}
+GEMM_EFFICIENCY_DEFAULT = 0.642  # devices with no published run: the fitted generations' mean
 # Devices that share a fitted generation's compute die (the rest of the catalog uses the default).
 GENERATION = {"h100-80gb": "h100", "h100-pcie": "h100", "h100-nvl": "h100", "h200": "h100",
               "a100-40gb": "a100", "a100-80gb": "a100"}
-# A GEMM whose narrowest dimension is w (hidden/tp columns per rank; tp shrinks it) reaches
-# w / (w + GEMM_HALF_WIDTH) of that share: narrow GEMMs fill the tensor cores less.
-GEMM_HALF_WIDTH = 34.2
+# A GEMM reaches x / (x + half) of that share in each of its dimensions: the narrow side of a
+# tp-sharded GEMM and few tokens per micro-batch fill the tensor cores less (tile quantisation).
+GEMM_HALF_WIDTH = 190.0
+TOKENS_HALF = 25.2
 # The attention core unfused (QK^T and AV as head_dim-wide batched matmuls around a softmax that
 # writes the s x s scores to memory, as in Megatron-LM 2021, BLOOM, OPT, MT-NLG) runs at this
 # fraction of the dense GEMM efficiency.
-ATTENTION_EFFICIENCY = 0.288
-# Share of the compute a collective can hide behind when the runtime overlaps it (DDP buckets
-# with backward, FSDP prefetch with the next block): the two contend for SMs and HBM.
-OVERLAP = 0.52
+ATTENTION_EFFICIENCY = 0.374
+# Share of the compute a collective can hide behind when the engine overlaps it (DDP buckets with
+# backward, FSDP prefetch with the next block, Megatron-Core's overlap flags): the two contend for
+# SMs and memory bandwidth.
+OVERLAP = 1.0
 
-# -- stated, not fitted --------------------------------------------------------------------
-# Fused (flash) attention, what our runtime runs (F.scaled_dot_product_attention): FlashAttention-2
-# reaches 50-73% of A100 peak forward + backward (Dao 2023, fig. 4), about what large GEMMs reach,
-# and causal masking skips part of the work we count; taken as the dense GEMM efficiency.
-FLASH_ATTENTION_EFFICIENCY = 1.0
+# -- stated, not fitted ----------------------------------------------------------------------
+# Fused attention relative to the dense GEMM rate: FlashAttention-2 reaches 50-73% of A100 peak
+# forward + backward (Dao 2023, fig. 4), about what large GEMMs reach; on H100 it reaches about
+# 35% of peak (Shah et al. 2024, FlashAttention-3, sec. 1) where cuBLAS reaches ~70%: half.
+FLASH_RELATIVE = {"a100": 0.528, "h100": 0.326}
+FLASH_RELATIVE_DEFAULT = 0.75
+# Elementwise kernels reach this share of the HBM data-sheet bandwidth (STREAM-like copy/triad
+# kernels on A100/H100 reach 80-90%); `workbench calibrate` measures the real one.
+HBM_EFFICIENCY = 0.8
+# Host time to dispatch one kernel from eager PyTorch (CUDA launch ~3-5 us plus the dispatcher;
+# PyTorch's performance tuning guide): the floor of a step made of many small kernels.
+LAUNCH_S = 5e-6
 # Bus bandwidth a ring collective reaches as a share of the link's rate (nccl-tests busbw on
-# DGX A100/H100: ~230 of 300 GB/s NVLink, ~22 of 25 GB/s HDR InfiniBand per GPU).
+# DGX A100/H100: ~230 of 300 GB/s NVLink, ~22 of 25 GB/s HDR InfiniBand per NIC).
 LINK_EFFICIENCY = 0.8
-# Per-step latency of a ring collective (NCCL's tuning model: ~1 us per NVLink hop, several us
-# per network hop); a ring over n ranks takes n-1 steps per all-gather / reduce-scatter.
+# Per-step latency of a collective (NCCL's tuning model: ~1 us per NVLink hop, several us per
+# network hop).
 HOP_LATENCY_S = {"intra": 1e-6, "inter": 5e-6}
-TOKENS_HALF = 128  # GEMM rows (tokens per micro-batch) at which efficiency halves
 PCIE_BW = 25e9  # bytes/s host <-> device per GPU (PCIe Gen4 x16, practical)
 CPU_ADAM_PARAMS_PER_S = 0.25e9  # fp32 Adam updates per second per GPU's share of host cores
 NVME_BW = 3e9  # bytes/s per GPU to local NVMe (read or write)
+# Kernels per block (forward; backward runs about twice as many): the ops of workbench/models.py
+# (norms, the four attention projections, the attention core, the MLP's matmuls and activation,
+# the residual adds; rotary's slices, multiplies and concatenations for llama).
+OPS_PER_BLOCK = {"gpt": 14, "llama": 24}
+# Kernels of a torch.optim step per parameter tensor without foreach (the CPU default):
+# AdamW's decay, two moment updates, the bias corrections, sqrt, the division and the update.
+OPTIMIZER_OPS_PER_TENSOR = 12
 
 
 @dataclass(frozen=True)
 class StepTime:
     step_time_s: float
     tokens_per_s: float
-    mfu: float
+    mfu: float | None  # None on CPU
     compute_s: float
     bubble: float
     exposed_comm_s: float
     optimizer_s: float
     detail: dict
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What the training engine overlaps. Our runtime: DDP's buckets with backward and FSDP's
+    prefetch (`WORKBENCH`); published runs say theirs (workbench/calibration.yaml)."""
+
+    name: str = "workbench"
+    grad_reduce: bool = True  # gradient reduction overlapped with backward (DDP buckets / FSDP)
+    prefetch: bool = True  # ZeRO-3/FSDP's parameter all-gathers overlapped with the previous block
+    per_tensor: bool = False  # ZeRO-3 collectives per parameter tensor (DeepSpeed 2021), not per block (FSDP2)
+    distributed_optimizer: bool = False  # ZeRO-1 as reduce-scatter + all-gather (Megatron-Core), not all-reduce + all-gather (ours)
+    param_gather: bool = False  # ZeRO-1's parameter all-gather overlapped with the next forward
+    tp_comm: bool = False  # tensor-parallel collectives overlapped with the GEMMs
+
+
+WORKBENCH = Engine()
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The device as the step-time model asks about it: from the catalog, or a measured profile.
+
+    Args:
+        dev: catalog Device.
+        gpus_per_node: devices per node (which groups stay on NVLink, how many share the NICs).
+        profile: a HardwareProfile from `workbench calibrate` for this device, or None.
+    """
+
+    dev: Device
+    gpus_per_node: int
+    profile: HardwareProfile | None = None
+    _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    @property
+    def cpu(self) -> bool:
+        return self.dev.name == "cpu"
+
+    @property
+    def source(self) -> str:
+        if self.profile is not None:
+            return self.profile.label()
+        if self.cpu:
+            return "catalog defaults (cpu: nominal figures; run `workbench calibrate` for this host's)"
+        return f"catalog defaults ({self.dev.name})"
+
+    def gemm_s(self, m: float, n: float, k: float, dtype: str) -> float:
+        """Seconds of one (m x k) @ (k x n)."""
+        if self.profile is not None:
+            return self.profile.gemm_s(int(m), int(n), int(k), dtype)
+        return 2 * m * n * k / (self.dev.compute_flops[dtype] * gemm_efficiency(self.dev, min(n, k), m))
+
+    def attention_s(self, flops: float, dtype: str, tokens: int, width: float, fused: bool, seq: int,
+                    head_dim: int) -> float:
+        """Seconds of the attention core's matmuls executing `flops` over `tokens` rows of `width`
+        (heads x head_dim on this rank), fused (flash) or not."""
+        if self.profile is not None:  # measured: as many (tokens x seq) @ (seq x head_dim) GEMMs
+            one = 2 * tokens * seq * head_dim
+            return flops / one * self.profile.gemm_s(tokens, head_dim, seq, dtype)
+        gen = GENERATION.get(self.dev.name, "")
+        rel = FLASH_RELATIVE.get(gen, FLASH_RELATIVE_DEFAULT) if fused else ATTENTION_EFFICIENCY
+        return flops / (self.dev.compute_flops[dtype] * gemm_efficiency(self.dev, width, tokens) * rel)
+
+    def memory_s(self, nbytes: float) -> float:
+        """Seconds of memory-bound work moving `nbytes` (reads + writes)."""
+        bw = self.profile.memory_bw if self.profile is not None else self.dev.hbm_bw * HBM_EFFICIENCY
+        return nbytes / bw
+
+    @property
+    def launch_s(self) -> float:
+        return self.profile.op_overhead_s if self.profile is not None else LAUNCH_S
+
+    @property
+    def overlap(self) -> float:
+        """Share of compute a collective hides behind; none on CPU (gloo and the math share the cores)."""
+        return 0.0 if self.cpu else OVERLAP
+
+    def collective_s(self, kind: str, size: int, nbytes: float, stride: int) -> float:
+        """Seconds of one collective over `size` ranks `stride` apart (mesh order pp, dp, tp)."""
+        if size <= 1 and kind != "p2p":
+            return 0.0
+        key = (kind, size, nbytes, stride)
+        if key not in self._cache:
+            self._cache[key] = self._collective(kind, size, nbytes, stride)
+        return self._cache[key]
+
+    def _collective(self, kind: str, size: int, nbytes: float, stride: int) -> float:
+        link = link_of(size, stride, self.gpus_per_node)
+        if self.profile is not None:
+            measured = self.profile.collective_s(kind, size, nbytes, link)
+            if measured is not None:
+                return measured
+        local = group_ranks_per_node(size, stride, self.gpus_per_node)
+        return collective_s(kind, size, nbytes, link, self.dev, local, self.gpus_per_node)
+
+
+def link_of(size: int, stride: int, gpus_per_node: int) -> str:
+    """'intra' when one node holds the `size` ranks `stride` apart, else 'inter'."""
+    return "intra" if size * stride <= gpus_per_node else "inter"
+
+
+def group_ranks_per_node(size: int, stride: int, gpus_per_node: int) -> int:
+    """How many of a group's ranks share a node (each node's NICs serve that many of its rings)."""
+    return max(1, min(size, gpus_per_node // max(1, stride)))
+
+
+def bus_bandwidth(link: str, dev, local: int = 1, gpus_per_node: int = 8) -> float:
+    """Bytes/s of a collective's bus bandwidth per rank on `link`.
+
+    Inside a node: NVLink/NVSwitch (or PCIe) per device. Across nodes NCCL runs one ring per
+    NIC (rail-aligned): a group with `local` ranks on each node drives `local` of the node's
+    NICs at once, so its bus bandwidth is `local` x one GPU's share of the node's network,
+    capped by the node's internal links (Jeaugey, NCCL 2.x talks; nccl-tests busbw).
+    """
+    if link == "intra":
+        return dev.intra_node_bw * LINK_EFFICIENCY
+    share = dev.inter_node_bw * min(local, gpus_per_node)
+    return min(share, dev.intra_node_bw) * LINK_EFFICIENCY
+
+
+def collective_s(kind: str, size: int, nbytes: float, link: str, dev, local: int = 1, gpus_per_node: int = 8) -> float:
+    """Seconds of one collective over `size` ranks moving `nbytes` (the full tensor) on `link`.
+
+    kind: "all_reduce" (ring: 2 (n-1)/n of the bytes in 2 (n-1) steps; across nodes NCCL's tree
+    when its log-depth latency wins), "all_gather" / "reduce_scatter" ((n-1)/n, n-1 steps) or
+    "p2p" (the bytes, one step).
+    """
+    if size <= 1 and kind != "p2p":
+        return 0.0
+    bw = bus_bandwidth(link, dev, local, gpus_per_node)
+    hop = HOP_LATENCY_S[link]
+    if kind == "p2p":
+        return hop + nbytes / bw
+    steps = 2 * (size - 1) if kind == "all_reduce" else size - 1
+    ring = steps * hop + steps / size * nbytes / bw
+    if kind == "all_reduce" and link == "inter":
+        tree = 2 * math.ceil(math.log2(size)) * hop + 2 * nbytes / bw  # double binary tree: full bytes both ways
+        return min(ring, tree)
+    return ring
 
 
 @lru_cache(maxsize=256)
@@ -76,8 +252,8 @@ def _forward_flops(shape) -> tuple[float, float, float]:
     return 2 * matmul, 4 * shape.hidden * shape.seq_len, 2 * shape.vocab * shape.hidden
 
 
-def gemm_efficiency(dev, width: float, tokens: int) -> float:
-    """Share of peak for a GEMM `width` columns wide over `tokens` rows on `dev`."""
+def gemm_efficiency(dev, width: float, tokens: float) -> float:
+    """Share of peak for a GEMM `width` wide (its narrow weight side) over `tokens` rows on `dev`."""
     if dev.name == "cpu":
         return 1.0
     top = GEMM_EFFICIENCY.get(GENERATION.get(dev.name, ""), GEMM_EFFICIENCY_DEFAULT)
@@ -95,30 +271,9 @@ def recomputed_forward(mode: str, blocks: int, every: int) -> tuple[int, int]:
     return n, n
 
 
-def _link(size: int, stride: int, gpus_per_node: int) -> str:
-    """'intra' when one node holds the `size` ranks `stride` apart, else 'inter'."""
-    return "intra" if size * stride <= gpus_per_node else "inter"
-
-
-def collective_s(kind: str, size: int, nbytes: float, link: str, dev) -> float:
-    """Seconds of one ring collective over `size` ranks moving `nbytes` (the full tensor) on `link`.
-
-    kind: "all_reduce" (2 (n-1)/n of the bytes, 2 (n-1) steps), "all_gather" / "reduce_scatter"
-    ((n-1)/n, n-1 steps) or "p2p" (the bytes, one step).
-    """
-    if size <= 1 and kind != "p2p":
-        return 0.0
-    bw = (dev.intra_node_bw if link == "intra" else dev.inter_node_bw) * LINK_EFFICIENCY
-    hop = HOP_LATENCY_S[link]
-    if kind == "p2p":
-        return hop + nbytes / bw
-    steps = 2 * (size - 1) if kind == "all_reduce" else size - 1
-    return steps * hop + steps / size * nbytes / bw
-
-
 @lru_cache(maxsize=4096)
-def _rank_work(shape, pp: int, chunks: int) -> tuple[int, bool]:
-    """(blocks on the busiest pipeline rank, does that rank hold the head): the slowest stage sets the pace."""
+def _rank_work(shape, pp: int, chunks: int) -> tuple[int, bool, bool]:
+    """(blocks on the busiest pipeline rank, does it hold the head, does it hold the embedding)."""
     from workbench.memory.params import stage_blocks
     from workbench.parallelism import looped_stages
 
@@ -128,11 +283,81 @@ def _rank_work(shape, pp: int, chunks: int) -> tuple[int, bool]:
     dense, attn, head = _forward_flops(shape)
     cost = [b * (dense + attn) + (head if k == pp - 1 else 0) for k, b in enumerate(per_rank)]
     k = max(range(pp), key=cost.__getitem__)
-    return per_rank[k], k == pp - 1
+    return per_rank[k], k == pp - 1, k == 0
+
+
+@lru_cache(maxsize=4096)
+def _tensors(shape, tp: int, pp: int, chunks: int) -> int:
+    """Parameter tensors on the first pipeline rank (the optimizer's per-tensor kernels)."""
+    from workbench.memory.params import rank_counts
+
+    return rank_counts(shape, tp, pp, 0, chunks)[2]
+
+
+@lru_cache(maxsize=256)
+def _block_tensor_count(shape) -> int:
+    from workbench.memory.params import block_tensors
+
+    return len(block_tensors(shape, 1))
+
+
+@dataclass(frozen=True)
+class _Work:
+    """Device seconds and host kernel count of one piece of a micro-batch."""
+
+    device_s: float = 0.0
+    ops: float = 0.0
+
+    def __add__(self, o: _Work) -> _Work:
+        return _Work(self.device_s + o.device_s, self.ops + o.ops)
+
+    def __mul__(self, k: float) -> _Work:
+        return _Work(self.device_s * k, self.ops * k)
+
+
+def _block_gemms(shape, t: int, tp: int) -> list[tuple[int, int, int]]:
+    """(m, n, k) of one block's forward GEMMs on one tp rank: q, k, v, o, the MLP's."""
+    h, kv, f = shape.hidden, shape.kv_dim, shape.ffn_hidden
+    out = [(t, h // tp, h), (t, kv // tp, h), (t, kv // tp, h), (t, h, h // tp), (t, f // tp, h), (t, h, f // tp)]
+    if shape.family == "llama":
+        out.append((t, f // tp, h))  # SwiGLU's gate
+    return out
+
+
+def _gemm_work(hw: Hardware, gemms, dtype: str, backward: bool) -> _Work:
+    """Forward: each GEMM once; backward: its input gradient (m x n @ n x k) and weight gradient
+    (k x m @ m x n): twice the FLOPs at their own shapes."""
+    s = 0.0
+    for m, n, k in gemms:
+        s += hw.gemm_s(m, k, n, dtype) + hw.gemm_s(k, n, m, dtype) if backward else hw.gemm_s(m, n, k, dtype)
+    return _Work(s, len(gemms) * (2 if backward else 1))
+
+
+def _block_bytes(shape, tokens: int, tp: int, sp: bool, w: int) -> tuple[float, float]:
+    """Bytes the memory-bound ops of one block move per micro-batch (forward, backward).
+
+    Per token, in elements: each norm reads and writes h (backward: reads x and dy, writes dx);
+    each residual add reads 2h and writes h; gpt's GELU reads and writes f (backward 3f); llama's
+    SwiGLU reads 2f and writes f, with silu's own pass 2f (backward 8f) and rotary reads and
+    writes q and k three times (sin and cos products, the sum). Norms and residuals are split by
+    tp only with sequence parallelism; what is inside the column/row-parallel regions always is.
+    """
+    h, kv, f = shape.hidden, shape.kv_dim, shape.ffn_hidden
+    outer = 1 / tp if sp else 1.0
+    fwd = (2 * 2 * h + 2 * 3 * h) * outer
+    bwd = (2 * 3 * h + 2 * 3 * h) * outer
+    if shape.family == "llama":
+        fwd += (5 * f + 6 * (h + kv)) / tp
+        bwd += (8 * f + 6 * (h + kv)) / tp
+    else:
+        fwd += 2 * f / tp
+        bwd += 3 * f / tp
+    return fwd * tokens * w, bwd * tokens * w
 
 
 def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per_rank: float,
-              shard_per_rank: float, attention: str = "flash") -> StepTime:
+              shard_per_rank: float, attention: str = "flash", hw: Hardware | None = None,
+              engine: Engine = WORKBENCH) -> StepTime:
     """Predicted seconds per optimizer step for a Layout (see workbench.memory.Layout).
 
     Args:
@@ -140,95 +365,141 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
         lay: Layout (degrees, zero, offload, checkpointing, micro_batch, num_micro, dtype).
         dev: catalog Device.
         global_batch: sequences per step.
-        gpus_per_node: for deciding which collectives stay on NVLink.
+        gpus_per_node: for deciding which collectives stay on NVLink and how many share a NIC.
         params_per_rank, shard_per_rank: parameters held before / after ZeRO sharding.
         attention: "flash" (our runtime's fused kernel) or "unfused" (published runs before it).
+        hw: the Hardware to ask (default: the catalog's figures for `dev`).
+        engine: what the engine overlaps (default: our runtime).
     Returns:
         StepTime with the parts that make it up.
     """
     from workbench.memory.activations import DTYPE_BYTES
 
+    hw = hw or Hardware(dev, gpus_per_node)
     w = DTYPE_BYTES[lay.dtype]
-    s, m = shape.seq_len, lay.num_micro
+    s, m, tp = shape.seq_len, lay.num_micro, lay.tp
     tokens = lay.micro_batch * s
     model_fpt, _ = flops_per_token(shape)
-    blocks, has_head = _rank_work(shape, lay.pp, lay.chunks)
+    blocks, has_head, has_embedding = _rank_work(shape, lay.pp, lay.chunks)
+    fused = attention == "flash" or hw.cpu
 
-    # Compute of one micro-batch on the busiest rank: dense GEMMs at a shape-dependent efficiency,
-    # the attention core slower, recompute adding forwards per checkpointing mode.
-    dense, attn, head = _forward_flops(shape)
-    peak = dev.compute_flops[lay.dtype]
-    eff = gemm_efficiency(dev, shape.hidden / lay.tp, tokens)
-    fused = attention == "flash" or dev.name == "cpu"
-    eff_attn = eff * (FLASH_ATTENTION_EFFICIENCY if fused else ATTENTION_EFFICIENCY)
+    # One block's forward and backward on this rank: GEMMs, the attention core (flash runs the
+    # causal half of the 4 h s FLOPs per token and recomputes the scores in backward: 2.5x the
+    # forward; unfused computes the whole s x s and its backward twice), the memory-bound ops.
+    gemms = _block_gemms(shape, tokens, tp)
+    attn_flops = 4 * shape.hidden / tp * s * tokens
+    executed = (0.5, 1.25) if fused else (1.0, 2.0)
+    attn = [_Work(hw.attention_s(attn_flops * x, lay.dtype, tokens, shape.hidden / tp, fused, s, shape.head_dim),
+                  1 + 2 * i) for i, x in enumerate(executed)]
+    fwd_bytes, bwd_bytes = _block_bytes(shape, tokens, tp, lay.sequence_parallel, w)
+    mem_ops = OPS_PER_BLOCK.get(shape.family, 16) - len(gemms) - 1
+    mem_f, mem_b = _Work(hw.memory_s(fwd_bytes), mem_ops), _Work(hw.memory_s(bwd_bytes), 2 * mem_ops)
+    fwd_block = _gemm_work(hw, gemms, lay.dtype, False) + attn[0] + mem_f
+    bwd_block = _gemm_work(hw, gemms, lay.dtype, True) + attn[1] + mem_b
     re_dense, re_attn = recomputed_forward(lay.activation_checkpointing, blocks, lay.checkpoint_every)
-    dense_f = (3 * blocks + re_dense) * dense + (3 * head if has_head else 0.0)
-    attn_f = (3 * blocks + re_attn) * attn
-    per_micro = tokens * (dense_f / eff + attn_f / eff_attn) / (peak * lay.tp)
-    backward_micro = per_micro * 2 / 3
+    recompute = fwd_block * re_dense if lay.activation_checkpointing == "full" else attn[0] * re_attn
+
+    # The head and the loss on the last stage: its GEMM (vocab sharded over tp), the fp32 cast
+    # and softmax of the logits forward and back ((2 w + 24) bytes per logit); the embedding's
+    # lookup and gradient on the first.
+    head = _Work()
+    if has_head:
+        hg = [(tokens, shape.vocab // tp, shape.hidden)]
+        head = _gemm_work(hw, hg, lay.dtype, False) + _gemm_work(hw, hg, lay.dtype, True)
+        head += _Work(hw.memory_s(tokens * shape.vocab / tp * (2 * w + 24)), 8)
+    if has_embedding:
+        head += _Work(hw.memory_s(tokens * shape.hidden * (w + 3 * 4)), 3)
+
+    fwd_all, bwd_all = fwd_block * blocks, bwd_block * blocks
+    compute = fwd_all + bwd_all + recompute + head
+    # Gradient accumulation: every micro-batch after the first adds into the gradients.
+    accumulate = _Work(hw.memory_s(params_per_rank * 3 * (4 if lay.fsdp else w)), 1) if m > 1 else _Work()
 
     # Tensor parallel: per block 2 all-reduces forward, 2 backward, 2 more per recomputed block,
     # of the micro-batch's activations (with sequence parallelism the same bytes as all-gather +
     # reduce-scatter, and backward gathers the saved sequence shard again for each column-parallel
-    # linear: wq, wk, wv, w1 (+ w3), parallel/sequence_parallel.py); not overlapped by the runtime.
-    tp_link = _link(lay.tp, 1, gpus_per_node)
+    # linear: wq, wk, wv, w1 (+ w3), parallel/sequence_parallel.py).
     act_bytes = tokens * shape.hidden * w
-    if lay.sequence_parallel and lay.tp > 1:
-        gather = collective_s("all_gather", lay.tp, act_bytes, tp_link, dev)
-        one = gather + collective_s("reduce_scatter", lay.tp, act_bytes, tp_link, dev)
-        regather = (4 + (shape.family == "llama")) * gather
-    else:
-        one, regather = collective_s("all_reduce", lay.tp, act_bytes, tp_link, dev), 0.0
-    tp_micro = (4 * blocks + 2 * re_dense) * one + blocks * regather
+    tp_one = regather = 0.0
+    if tp > 1:
+        if lay.sequence_parallel:
+            gather = hw.collective_s("all_gather", tp, act_bytes, 1)
+            tp_one = gather + hw.collective_s("reduce_scatter", tp, act_bytes, 1)
+            regather = (4 + (shape.family == "llama")) * gather
+        else:
+            tp_one = hw.collective_s("all_reduce", tp, act_bytes, 1)
+    tp_micro = (4 * blocks + 2 * re_dense) * tp_one + blocks * regather
+    if engine.tp_comm:  # overlapped with the GEMMs around them (Megatron-Core --tp-comm-overlap)
+        gemm_time = (fwd_all + bwd_all).device_s
+        tp_micro = max(0.0, tp_micro - hw.overlap * gemm_time)
+    tp_ops = (4 * blocks + 2 * re_dense) * (1 + lay.sequence_parallel) if tp > 1 else 0
 
-    # ZeRO-2/3 (FSDP2): each block's parameters are all-gathered in forward (and, zero 3, again in
-    # backward) and its gradients reduce-scattered, every micro-batch; the runtime prefetches one
-    # block ahead, so a block's collectives hide behind at most one block's compute.
-    dp_link = _link(lay.dp, lay.tp, gpus_per_node)
+    # ZeRO-2/3 (FSDP): each block's parameters are all-gathered in forward (and, zero 3, again in
+    # backward) and its gradients reduce-scattered, every micro-batch; prefetch hides a block's
+    # collectives behind at most one block's compute.
+    dp_stride = tp
     block_params = params_per_rank / max(1, blocks)
     fsdp_micro = 0.0
     if lay.grad_sync == "fsdp":
-        gather = collective_s("all_gather", lay.dp, block_params * w, dp_link, dev)
-        scatter = collective_s("reduce_scatter", lay.dp, block_params * w, dp_link, dev)
-        fwd_block, bwd_block = per_micro / 3 / max(1, blocks), per_micro * 2 / 3 / max(1, blocks)
+        k = _block_tensor_count(shape) if engine.per_tensor else 1
+        gather = k * hw.collective_s("all_gather", lay.dp, block_params * w / k, dp_stride)
+        scatter = k * hw.collective_s("reduce_scatter", lay.dp, block_params * 4 / k, dp_stride)
         backward = scatter + (gather if lay.reshard_after_forward else 0.0)
-        per_block = max(0.0, gather - OVERLAP * fwd_block) + max(0.0, backward - OVERLAP * bwd_block)
+        hide_f = hw.overlap * fwd_block.device_s if engine.prefetch else 0.0
+        hide_b = hw.overlap * bwd_block.device_s if engine.prefetch and engine.grad_reduce else 0.0
+        per_block = max(0.0, gather - hide_f) + max(0.0, backward - hide_b)
         fsdp_micro = blocks * per_block + gather  # the first block's gather has nothing to hide behind
 
-    # Pipeline: the bubble per schedule, and one activation send per stage boundary per micro-batch
-    # and direction (virtual stages add boundaries); the runtime does not overlap these.
+    # Pipeline: the bubble per schedule, one activation send per stage boundary per micro-batch and
+    # direction (virtual stages add boundaries); not overlapped.
     p, v = lay.pp, lay.chunks
     p2p_micro = tied_s = 0.0
     if p > 1:
-        pp_link = _link(p, lay.dp * lay.tp, gpus_per_node)
-        p2p_micro = 2 * v * collective_s("p2p", 2, act_bytes / lay.tp if lay.sequence_parallel else act_bytes,
-                                          pp_link, dev)
+        pp_stride = lay.dp * tp
+        p2p_micro = 2 * v * hw.collective_s("p2p", p, act_bytes / tp if lay.sequence_parallel else act_bytes,
+                                            pp_stride)
         if shape.tie_embeddings:  # the tied embedding's gradient, summed by the first and last stage (parallel/tied.py)
-            tied_s = collective_s("all_reduce", 2, shape.vocab * shape.hidden / lay.tp * w, pp_link, dev)
+            tied_s = hw.collective_s("all_reduce", 2, shape.vocab * shape.hidden / tp * w, pp_stride * (p - 1))
     bubble = _bubble(lay.pp_schedule, p, m, v)
-    micro = per_micro + tp_micro + fsdp_micro + p2p_micro
+
+    # Host dispatch: a GPU runs ahead of the host, a CPU rank's one thread does both.
+    def timed(work: _Work, comm: float, comm_ops: float = 0) -> float:
+        host = (work.ops + comm_ops) * hw.launch_s
+        return work.device_s + host + comm if hw.cpu else max(work.device_s + comm, host)
+
+    micro = timed(compute + accumulate, tp_micro + fsdp_micro + p2p_micro, tp_ops)
+    per_micro = (compute + accumulate).device_s
     pipelined = m * micro / (1 - bubble)
 
-    # Data parallel with ZeRO 0/1: one all-reduce of the gradients (ZeRO-1: reduce-scatter +
-    # all-gather, the same bytes) after the last micro-batch; DDP overlaps its buckets with that
-    # micro-batch's backward. With tp or pp the buckets are fp32 (parallel/grad_sync.py).
+    # Data parallel with ZeRO 0/1: one all-reduce of the gradients after the last micro-batch
+    # (fp32 buckets with tp or pp, parallel/grad_sync.py); DDP hides its buckets behind that
+    # micro-batch's backward, the last bucket never. ZeRO-1 then all-gathers the updated weights.
     exposed_dp = dp_comm = 0.0
     if lay.grad_sync in ("ddp", "all-reduce"):
         grad_bytes = params_per_rank * (4 if lay.grad_sync == "all-reduce" else w)
-        dp_comm = collective_s("all_reduce", lay.dp, grad_bytes, dp_link, dev)
-        last_bucket = collective_s("all_reduce", lay.dp, min(grad_bytes, lay.bucket_mb * 2**20), dp_link, dev)
-        exposed_dp = max(0.0, dp_comm - OVERLAP * backward_micro) + last_bucket
+        reduce = "reduce_scatter" if engine.distributed_optimizer and lay.zero == 1 else "all_reduce"
+        dp_comm = hw.collective_s(reduce, lay.dp, grad_bytes, dp_stride)
+        last_bucket = hw.collective_s(reduce, lay.dp, min(grad_bytes, lay.bucket_mb * 2**20), dp_stride)
+        hidden = hw.overlap * bwd_all.device_s if engine.grad_reduce else 0.0
+        exposed_dp = max(0.0, dp_comm - hidden) + last_bucket
+        if lay.zero == 1 and lay.dp > 1:
+            gather = hw.collective_s("all_gather", lay.dp, params_per_rank * w, dp_stride)
+            exposed_dp += max(0.0, gather - hw.overlap * fwd_all.device_s) if engine.param_gather else gather
 
-    optimizer = _optimizer_time(lay, dev, shard_per_rank, params_per_rank, w)
+    n_tensors = _tensors(shape, tp, lay.pp, lay.chunks)
+    optimizer = _optimizer_time(lay, hw, shard_per_rank, params_per_rank, w, n_tensors)
     total = pipelined + tied_s + exposed_dp + optimizer
     tokens_per_s = global_batch * s / total
-    mfu = tokens_per_s * model_fpt / (lay.world_size * peak)
-    compute = m * per_micro
+    peak = dev.compute_flops[lay.dtype]
+    mfu = None if hw.cpu else tokens_per_s * model_fpt / (lay.world_size * peak)
     exposed = m * (tp_micro + fsdp_micro + p2p_micro) + tied_s + exposed_dp
-    detail = {"flops_per_token": model_fpt, "efficiency": eff, "attention_efficiency": eff_attn,
-              "tp_comm_s": m * tp_micro, "fsdp_exposed_s": m * fsdp_micro, "dp_exposed_s": exposed_dp, "dp_comm_s": dp_comm,
-              "p2p_s": m * p2p_micro + tied_s, "bubble_s": pipelined - m * micro}
-    return StepTime(total, tokens_per_s, mfu, compute, bubble, exposed, optimizer, detail)
+    detail = {"flops_per_token": model_fpt, "efficiency": gemm_efficiency(dev, shape.hidden / tp, tokens),
+              "gemm_s": m * (fwd_all + bwd_all).device_s, "memory_bound_s": m * (mem_f + mem_b).device_s * blocks,
+              "host_s": m * (compute.ops + tp_ops) * hw.launch_s,
+              "tp_comm_s": m * tp_micro, "fsdp_exposed_s": m * fsdp_micro, "dp_exposed_s": exposed_dp,
+              "dp_comm_s": dp_comm, "p2p_s": m * p2p_micro + tied_s, "bubble_s": pipelined - m * micro,
+              "source": hw.source}
+    return StepTime(total, tokens_per_s, mfu, m * per_micro, bubble, exposed, optimizer, detail)
 
 
 def _bubble(schedule: str, p: int, m: int, v: int) -> float:
@@ -244,11 +515,14 @@ def _bubble(schedule: str, p: int, m: int, v: int) -> float:
     return (p - 1) / (m + p - 1)
 
 
-def _optimizer_time(lay, dev, shard: float, params: float, w: int) -> float:
-    """The optimizer step: memory-bound on the device, PCIe + host Adam with offload=cpu,
-    and a read + write of master weights and moments with offload=nvme."""
+def _optimizer_time(lay, hw: Hardware, shard: float, params: float, w: int, n_tensors: int) -> float:
+    """The optimizer step: memory-bound on the device (read and write weights, gradients, master
+    and two moments: 36 bytes per updated parameter), with a kernel per op and tensor on CPU;
+    PCIe + host Adam with offload=cpu, and a read + write of master weights and moments with nvme."""
     updated = shard if lay.shards_optimizer_state else params
-    device_step = updated * 36 / dev.hbm_bw  # read/write weights, grads, master, 2 moments
+    device_step = hw.memory_s(updated * 36)
+    if hw.cpu:
+        device_step += n_tensors * OPTIMIZER_OPS_PER_TENSOR * hw.launch_s
     if lay.offload == "none":
         return device_step
     transfer = updated * (4 + w) / PCIE_BW  # gradients down, updated weights up

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from workbench.memory.estimate import CONVENTION, Layout, StageMemory, estimate_stage
+from workbench.memory.estimate import CONVENTION, Layout, StageMemory, device_used, estimate_stage
 from workbench.parallelism import Parallelism
 
 __all__ = ["estimate_memory", "MemoryEstimate", "RankMemory", "Layout", "layout_from_spec", "estimate_stage"]
@@ -42,20 +42,28 @@ class MemoryEstimate:
     offload: str = "none"
     notes: list[str] = field(default_factory=list)
     host_memory: int = 0  # host RAM per device (offload=cpu); 0 = unknown
+    layout: Layout | None = None
 
     @property
     def peak_bytes(self) -> int:
+        """The largest allocated peak of a rank (torch.cuda.max_memory_allocated's convention)."""
         return max(r.stage.total for r in self.per_rank)
 
     @property
+    def device_used_bytes(self) -> int:
+        """`peak_bytes` plus the allocator's reserve, the CUDA context and NCCL's buffers (CUDA)."""
+        return int(device_used(self.peak_bytes, self.layout)) if self.layout else self.peak_bytes
+
+    @property
     def fits(self) -> bool:
-        """Device peak within the device's memory (and, with offload=cpu, the host's share)."""
+        """Device use within the device's memory (and, with offload=cpu, the host's share)."""
         host_ok = self.offload != "cpu" or not self.host_memory or \
             max(r.stage.offloaded for r in self.per_rank) <= self.host_memory
-        return self.peak_bytes <= self.device_memory and host_ok
+        return self.device_used_bytes <= self.device_memory and host_ok
 
     def to_dict(self) -> dict:
         out = {"world_size": self.world_size, "device_memory": self.device_memory, "fits": self.fits,
+               "device_used": self.device_used_bytes,
                "per_rank": [r.to_dict() for r in self.per_rank], "device": self.device,
                "convention": self.convention, "notes": list(self.notes)}
         if self.offload != "none":
@@ -82,8 +90,11 @@ class MemoryEstimate:
             vals = [getattr(r.stage, c) for c in COMPONENTS] + [r.stage.total]
             lines.append(f"pp{r.coords['pp']:<4}{n:>7}" + "".join(f"{_gib(v):>12}" for v in vals))
         verdict = "fits" if self.fits else "DOES NOT FIT"
-        lines.append(f"peak {_gib(self.peak_bytes)} of {_gib(self.device_memory)} per {self.device}: {verdict} "
-                     f"({self.world_size} ranks)")
+        used = ""
+        if self.device_used_bytes != self.peak_bytes:
+            used = f", {_gib(self.device_used_bytes)} with the allocator's reserve, CUDA context and NCCL buffers"
+        lines.append(f"peak {_gib(self.peak_bytes)} allocated{used}, of {_gib(self.device_memory)} per {self.device}: "
+                     f"{verdict} ({self.world_size} ranks)")
         off = sum(r.stage.offloaded for r in self._stages())
         if off:
             lines.append(f"offloaded per rank (stage max): {_gib(max(r.stage.offloaded for r in self._stages()))} "
@@ -184,4 +195,4 @@ def estimate_memory(spec, convention: str | None = None) -> MemoryEstimate:
     notes = sorted({n for s in stages for n in s.notes})
     return MemoryEstimate(lay.world_size, dev.name, dev.memory_bytes, per_rank,
                           convention=CONVENTION + f" [{convention}]", offload=lay.offload, notes=notes,
-                          host_memory=dev.host_memory_bytes)
+                          host_memory=dev.host_memory_bytes, layout=lay)

@@ -14,6 +14,17 @@ from workbench.memory.states import model_states, offload
 from workbench.parallelism import Parallelism
 from workbench.timeline import max_in_flight
 
+# What a CUDA device holds beyond the tensors (the convention: `total` is the allocated peak,
+# torch.cuda.max_memory_allocated; `device_used` adds the rest, what nvidia-smi shows):
+# the CUDA context with lazy module loading and the cuBLAS workspace (~0.5 GiB on H100 under
+# CUDA 12, as nvidia-smi shows before the first tensor), NCCL's buffers per communicator
+# (NCCL_BUFFSIZE 4 MiB per channel and peer, up to 32 channels on NVSwitch systems: 256 MiB),
+# and the caching allocator's reserve over what is allocated at the peak (fragmentation; the
+# reserved/allocated ratio PyTorch's memory snapshots show in training is 1.05-1.2).
+CUDA_CONTEXT_BYTES = 512 * 2**20
+NCCL_BYTES_PER_GROUP = 256 * 2**20
+ALLOCATOR_RESERVE = 0.1
+
 CONVENTION = ("bytes/param: ZeRO paper 2+2+12 in mixed precision (fp16/bf16 weights 2, grads 2, fp32 master 4 "
               "+ Adam moments 8; SGD momentum 4), fp32: 4+4+8 with no master copy")
 
@@ -107,6 +118,15 @@ def _activations_cached(shape, tp, pp, chunks, sp, micro_batch, num_micro, sched
     return total
 
 
+def device_used(total: float, lay: Layout) -> float:
+    """Device bytes a rank whose allocated peak is `total` uses (CUDA: + the allocator's reserve,
+    the context and NCCL's buffers per process group it talks in; CPU: `total`)."""
+    if lay.device != "cuda":
+        return total
+    groups = sum(1 for n in (lay.dp, lay.tp, lay.pp) if n > 1) + (lay.world_size > 1)
+    return total * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT_BYTES + groups * NCCL_BYTES_PER_GROUP
+
+
 def _chunk_numel(range_numel: float) -> int:
     """Elements per chunk of the master-weight step and the nvme staging (docs/strategies.md)."""
     return min(4 * 2**20, max(4096, -(-int(range_numel) // 8)))
@@ -118,8 +138,9 @@ def _buffers(shape, lay: Layout, pp_index: int, p: int, w: int) -> tuple[float, 
     tokens = lay.micro_batch * shape.seq_len
     out = 0.0
     if pp_index == lay.pp - 1:
-        # The head's logits of one micro-batch and, when they are not fp32, the loss's fp32 copy.
-        out += tokens * shape.vocab * (w + (4 if w != 4 else 0))
+        # The head's logits of one micro-batch and, when they are not fp32, the loss's fp32 copy;
+        # sharded over the vocabulary with tp (the loss runs under loss_parallel).
+        out += tokens * shape.vocab / lay.tp * (w + (4 if w != 4 else 0))
     if lay.pp > 1 and pp_index < lay.pp - 1:
         # The schedule keeps each in-flight micro-batch's stage output until its backward (not
         # a tensor autograd saves, so not counted as activations by the runtime's meter).
