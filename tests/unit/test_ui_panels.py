@@ -118,6 +118,12 @@ def test_dispatch_errors_reach_the_panel():
     d.forms["sagemaker"]["bucket"].value = "my-bucket"
     d.show_request()
     assert "wb-request-summary" in d.summary.value and "instance" in d.summary.value
+    from workbench.prices import PRICES_DATE
+    from workbench.ui.dispatch_panel import _price
+
+    assert "not in the price table" in d.summary.value  # CPUs have no price
+    a100 = load_spec({**wb.state.raw, "resources": {"gpu": "a100-80gb", "gpus_per_node": 2}})
+    assert _price(a100, "sagemaker").endswith(f"(on demand, list price of {PRICES_DATE})")  # says where it is from
     assert "wb-copy" in d.request.value and "nothing was sent" in d.note.value
 
 

@@ -258,10 +258,11 @@ def _instance(spec, backend: str) -> str:
 
 
 def _price(spec, backend: str) -> str:
-    from workbench.prices import load_prices
+    from workbench.prices import PRICES_DATE, load_prices
 
     price = load_prices().get(spec.resources.gpu, {}).get(CLOUDS[backend])
     if price is None:
         return "not in the price table"
     per_gpu = price.spot if spec.backend.spot else price.on_demand
-    return f"${per_gpu * spec.resources.num_gpus:,.2f} ({'spot' if spec.backend.spot else 'on demand'}, list price)"
+    kind = "spot" if spec.backend.spot else "on demand"
+    return f"${per_gpu * spec.resources.num_gpus:,.2f} ({kind}, list price of {PRICES_DATE})"
