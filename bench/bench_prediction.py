@@ -1,0 +1,232 @@
+"""Predicted vs measured step time on this machine (#28 item 3): calibrate once (CPU, gloo, 2 ranks),
+then for each layout of gpt-mini / gpt-tiny take the planner's prediction for the spec's own layout
+(`plan(spec, profile=profile).given.step_time_s`) and run it for real through `workbench.run` (local
+Ray, as `workbench run`), the median step_time_s of the metrics after warm-up. Prints per layout
+predicted, measured and their ratio, and how well the predicted order matches the measured one
+(Spearman's rho, pairs out of order).
+
+    python bench/bench_prediction.py                   # calibrate (full), run every layout
+    python bench/bench_prediction.py --quick           # calibrate --quick, fewer steps
+    python bench/bench_prediction.py --reuse-measured  # keep the last run's measurements and profile;
+                                                       # only predict again (after a step-time change)
+
+Writes bench/results/prediction.json and prediction.md, and the table to /tmp/bench_prediction_latest.txt.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from bench.common import RESULTS, machine  # noqa: E402
+
+PROFILE = RESULTS / "prediction_profile.yaml"
+LATEST = Path("/tmp/bench_prediction_latest.txt")
+GOAL = 0.25  # every layout within +-25%
+
+
+def _spec(name: str, model: str = "gpt-mini", ranks: int = 2, global_batch: int = 8, micro_batch: int = 4,
+          dtype: str = "fp32", **layout) -> dict:
+    layout = {"dp": ranks // (layout.get("tp", 1) * layout.get("pp", 1)), **layout}
+    return {"name": f"pred-{name}", "model": {"preset": model}, "data": {"source": "synthetic", "seed": 0},
+            "train": {"steps": 10, "global_batch": global_batch, "micro_batch": micro_batch, "optimizer": "adamw",
+                      "lr": 3e-4, "seed": 0},
+            "layout": layout, "precision": {"dtype": dtype},
+            "resources": {"gpu": "cpu", "gpus_per_node": ranks, "nodes": 1}, "backend": {"name": "local"}}
+
+
+# name -> spec: gpt-mini (4 sequences of 128 tokens per micro-batch) on 2 ranks, with 1-rank baselines
+LAYOUTS = {
+    "dp2": _spec("dp2"),
+    "zero1": _spec("zero1", zero=1),
+    "zero2": _spec("zero2", zero=2),
+    "zero3": _spec("zero3", zero=3),
+    "tp2": _spec("tp2", tp=2),
+    "pp2-1f1b": _spec("pp2-1f1b", pp=2, pp_schedule="1f1b"),
+    "pp2-gpipe": _spec("pp2-gpipe", pp=2, pp_schedule="gpipe"),
+    "pp2-interleaved": _spec("pp2-interleaved", pp=2, pp_schedule="interleaved-1f1b", virtual_stages=3),
+    "dp2-ac-full": _spec("dp2-ac-full", activation_checkpointing="full"),
+    "dp2-ac-selective": _spec("dp2-ac-selective", activation_checkpointing="selective"),
+    "dp2-accum4": _spec("dp2-accum4", global_batch=32),
+    "dp2-bf16": _spec("dp2-bf16", dtype="bf16"),
+    "1rank": _spec("1rank", ranks=1),
+    "1rank-accum2": _spec("1rank-accum2", ranks=1, global_batch=16),
+    "tiny-dp2": _spec("tiny-dp2", model="gpt-tiny", global_batch=16),
+    "tiny-1rank": _spec("tiny-1rank", model="gpt-tiny", ranks=1, global_batch=8),
+}
+
+
+def calibrate_once(quick: bool):
+    from workbench.calibrate import calibrate, summary
+
+    spec = _spec("calibrate")
+    t0 = time.perf_counter()
+    profile, path = calibrate(spec, out=PROFILE, quick=quick)
+    print(summary(profile))
+    print(f"calibrated in {time.perf_counter() - t0:.0f} s; profile {path}\n", flush=True)
+    return profile
+
+
+def predict(spec: dict, profile) -> tuple[float | None, str]:
+    """(predicted step seconds of the spec's own layout, the planner's source label or its refusal)."""
+    from workbench.planner import plan
+
+    try:
+        result = plan(spec, profile=profile)
+    except TypeError:  # a planner without profile= (before the step-time model reads profiles)
+        result = plan(spec)
+    if result.given is None:
+        return None, (result.given_error or "not scored").splitlines()[0]
+    return result.given.step_time_s, getattr(result, "source", "catalog defaults")
+
+
+def measure(spec: dict, steps: int, warmup: int) -> dict:
+    """Run the spec through workbench.run; the median step_time_s after `warmup` steps."""
+    from workbench.launch import run
+
+    spec = {**spec, "train": {**spec["train"], "steps": steps}}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "metrics.jsonl")
+        t0 = time.perf_counter()
+        run(spec, metrics_out=out, progress=False)
+        wall = time.perf_counter() - t0
+        with open(out) as f:
+            events = [json.loads(line) for line in f]
+    times = [e["step_time_s"] for e in events if e["event"] == "step"][warmup:]
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "steps": len(times),
+            "wall_s": round(wall, 1)}
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(xs):
+        order = sorted(range(len(xs)), key=xs.__getitem__)
+        r = [0.0] * len(xs)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def discordant(names: list[str], pred: list[float], meas: list[float]) -> list[str]:
+    """Pairs the prediction orders the other way round from the measurement."""
+    out = []
+    for i in range(len(names)):
+        for j in range(i + 1, len(names)):
+            if (pred[i] - pred[j]) * (meas[i] - meas[j]) < 0:
+                out.append(f"{names[i]} vs {names[j]}")
+    return out
+
+
+def table(rows: list[dict], source: str) -> str:
+    lines = [f"predicted vs measured step time (CPU, gloo; prediction source: {source})", "",
+             "| layout | ranks | predicted s | measured s (median) | ratio pred/meas | within ±25% |",
+             "|---|---:|---:|---:|---:|:---:|"]
+    for r in rows:
+        pred = f"{r['predicted_s']:.4f}" if r["predicted_s"] is not None else f"n/a ({r['note']})"
+        ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
+        ok = "yes" if r["ratio"] is not None and abs(r["ratio"] - 1) <= GOAL else "no"
+        lines.append(f"| {r['layout']} | {r['ranks']} | {pred} | {r['measured']['median_s']:.4f} | {ratio} | {ok} |")
+    scored = [r for r in rows if r["ratio"] is not None]
+    if len(scored) >= 2:
+        names = [r["layout"] for r in scored]
+        pred, meas = [r["predicted_s"] for r in scored], [r["measured"]["median_s"] for r in scored]
+        bad = discordant(names, pred, meas)
+        within = sum(abs(r["ratio"] - 1) <= GOAL for r in scored)
+        lines += ["", f"within ±25%: {within} of {len(scored)}; Spearman rho {spearman(pred, meas):.3f}; "
+                  f"order preserved: {'yes' if not bad else 'no'} ({len(bad)} of {len(names) * (len(names) - 1) // 2} "
+                  "pairs out of order" + (": " + ", ".join(bad[:12]) + (" ..." if len(bad) > 12 else "") if bad else "")
+                  + ")"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="calibrate --quick and 8 steps per layout")
+    p.add_argument("--steps", type=int, default=None, help="steps per layout (default 12; --quick 8)")
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
+    p.add_argument("--only", help="comma-separated layout names")
+    p.add_argument("--reuse-measured", action="store_true",
+                   help="predict again against the measurements and profile of the last run (no runs)")
+    p.add_argument("--profile", help="use this profile instead of calibrating")
+    args = p.parse_args(argv)
+    from workbench.hwprofile import load_profile
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out_json = RESULTS / "prediction.json"
+    previous = json.loads(out_json.read_text()) if args.reuse_measured and out_json.exists() else None
+    if args.reuse_measured and previous is None:
+        print("no previous bench/results/prediction.json to reuse: run without --reuse-measured first", file=sys.stderr)
+        return 2
+    if args.profile or args.reuse_measured:
+        profile = load_profile(args.profile or PROFILE)
+    else:
+        profile = calibrate_once(args.quick)
+    names = args.only.split(",") if args.only else list(LAYOUTS)
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        print(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}", file=sys.stderr)
+        return 2
+    steps = args.steps or (8 if args.quick else 12)
+    measured_before = {r["layout"]: r["measured"] for r in previous["rows"]} if previous else {}
+    rows, source = [], "catalog defaults"
+    for name in names:
+        spec = LAYOUTS[name]
+        predicted, note = predict(spec, profile)
+        if predicted is not None:
+            source = note
+        if name in measured_before:
+            measured = measured_before[name]
+        elif args.reuse_measured:
+            continue
+        else:
+            measured = measure(spec, steps, args.warmup)
+        ratio = predicted / measured["median_s"] if predicted else None
+        ranks = spec["resources"]["gpus_per_node"]
+        rows.append({"layout": name, "ranks": ranks, "model": spec["model"]["preset"], "layout_spec": spec["layout"],
+                     "global_batch": spec["train"]["global_batch"], "micro_batch": spec["train"]["micro_batch"],
+                     "dtype": spec["precision"]["dtype"], "predicted_s": predicted, "measured": measured,
+                     "ratio": ratio, "note": "" if predicted is not None else note})
+        shown = f"{predicted:.4f}" if predicted is not None else "n/a"
+        print(f"{name:>18}: predicted {shown} s, measured {measured['median_s']:.4f} s "
+              f"(min {measured['min_s']:.4f}, max {measured['max_s']:.4f})"
+              + (f", ratio {ratio:.2f}" if ratio else f" ({note})"), flush=True)
+    text = table(rows, source)
+    print("\n" + text)
+    scored = [r for r in rows if r["ratio"] is not None]
+    result = {"profile": {"path": str(PROFILE if not args.profile else args.profile), "label": profile.label(),
+                          "gemm_fp32_flops": profile.gemm_flops("fp32"), "memory_bw": profile.memory_bw,
+                          "op_overhead_s": profile.op_overhead_s},
+              "source": source, "warmup": args.warmup, "rows": rows,
+              "spearman": spearman([r["predicted_s"] for r in scored], [r["measured"]["median_s"] for r in scored])
+              if len(scored) >= 2 else None,
+              "discordant": discordant([r["layout"] for r in scored], [r["predicted_s"] for r in scored],
+                                       [r["measured"]["median_s"] for r in scored]),
+              "machine": machine(), "load_average": os.getloadavg()}
+    out_json.write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / "prediction.md").write_text(text + "\n")
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    LATEST.write_text(f"bench/bench_prediction.py at {stamp}, load average {os.getloadavg()[0]:.1f}\n{text}\n")
+    print(f"\nwrote {out_json}, {RESULTS / 'prediction.md'}, {LATEST}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
