@@ -157,6 +157,31 @@ def table(rows: list[dict], source: str) -> str:
     return "\n".join(lines)
 
 
+def section(result: dict, profile=None) -> str:
+    """The docs/benchmarks.md section for a prediction.json (bench/report.py can include it)."""
+    from workbench.calibrate import summary
+
+    rows = result["rows"]
+    out = ["## i) Predicted against measured step time (`workbench calibrate`)",
+           "`python bench/bench_prediction.py` calibrates this machine once (`workbench calibrate`: 2 CPU ranks "
+           "through local Ray, gloo), then for each layout takes the planner's prediction for the spec's own layout "
+           "(`plan(spec, profile=profile).given.step_time_s`) and runs the layout through `workbench.run` (what "
+           "`workbench run` calls), taking the median `step_time_s` of the metrics after "
+           f"{result['warmup']} warm-up steps. gpt-mini (6 x 256, 128 tokens) with 4 sequences per micro-batch "
+           "unless the name says otherwise; 2 ranks, and 1-rank baselines. Goal (#28): every layout within "
+           "±25%, the order preserved. `--reuse-measured` predicts again against the stored measurements (after a "
+           "change to the step-time model) in seconds."]
+    if profile is not None:
+        out.append("The profile it predicted from (`bench/results/prediction_profile.yaml`):\n\n```\n"
+                   + summary(profile) + "\n```")
+    out.append(table(rows, result["source"]).split("\n", 2)[2])
+    load = result.get("load_average")
+    if load:
+        out.append(f"_Measured {result.get('when', '')}, 1-minute load average {load[0]:.1f} at its end on 2 cores "
+                   "(other jobs shared the host; calibration and runs were disturbed alike only roughly)._")
+    return "\n\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="calibrate --quick and 8 steps per layout")
@@ -219,7 +244,7 @@ def main(argv=None) -> int:
               if len(scored) >= 2 else None,
               "discordant": discordant([r["layout"] for r in scored], [r["predicted_s"] for r in scored],
                                        [r["measured"]["median_s"] for r in scored]),
-              "machine": machine(), "load_average": os.getloadavg()}
+              "machine": machine(), "load_average": os.getloadavg(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     out_json.write_text(json.dumps(result, indent=2) + "\n")
     (RESULTS / "prediction.md").write_text(text + "\n")
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
