@@ -249,13 +249,11 @@ def hardware(dev, gpus_per_node: int, profile=None) -> Hardware:
     """The Hardware the step-time model asks: `profile` (a HardwareProfile or its path), else the
     profile `workbench calibrate` saved for this device type, else the catalog's figures."""
     from workbench.errors import ConfigError
-    from workbench.hwprofile import find_profile, load_profile
+    from workbench.hwprofile import find_profile
 
-    if isinstance(profile, (str, bytes)) or hasattr(profile, "__fspath__"):
-        profile = load_profile(profile)
-    elif profile is None:
-        profile = find_profile(dev.name)
-    if profile is not None and profile.device != dev.name:
+    if profile is None or isinstance(profile, str) or hasattr(profile, "__fspath__"):
+        profile = find_profile(dev.name, None if profile is None else str(profile))
+    elif profile.device != dev.name:
         raise ConfigError(f"the hardware profile was measured on {profile.device!r} but the spec asks for "
                           f"{dev.name!r} (resources.gpu): calibrate on {dev.name} (`workbench calibrate SPEC`) or "
                           "plan without that profile")

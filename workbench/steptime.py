@@ -355,6 +355,48 @@ def _block_bytes(shape, tokens: int, tp: int, sp: bool, w: int) -> tuple[float, 
     return fwd * tokens * w, bwd * tokens * w
 
 
+@lru_cache(maxsize=4096)
+def _block_work(hw: Hardware, shape, tokens: int, tp: int, sp: bool, dtype: str, fused: bool):
+    """(forward, backward, attention-core forward, memory-bound seconds) of one block and micro-batch.
+
+    GEMMs at their shapes; the attention core (flash runs the causal half of the 4 h s FLOPs per
+    token and recomputes the scores in backward: 2.5x the forward; unfused computes the whole
+    s x s and its backward twice); the memory-bound ops.
+    """
+    from workbench.memory.activations import DTYPE_BYTES
+
+    s = shape.seq_len
+    gemms = _block_gemms(shape, tokens, tp)
+    attn_flops = 4 * shape.hidden / tp * s * tokens
+    executed = (0.5, 1.25) if fused else (1.0, 2.0)
+    attn = [_Work(hw.attention_s(attn_flops * x, dtype, tokens, shape.hidden / tp, fused, s, shape.head_dim),
+                  1 + 2 * i) for i, x in enumerate(executed)]
+    fwd_bytes, bwd_bytes = _block_bytes(shape, tokens, tp, sp, DTYPE_BYTES[dtype])
+    mem_ops = OPS_PER_BLOCK.get(shape.family, 16) - len(gemms) - 1
+    mem_f, mem_b = _Work(hw.memory_s(fwd_bytes), mem_ops), _Work(hw.memory_s(bwd_bytes), 2 * mem_ops)
+    fwd = _gemm_work(hw, gemms, dtype, False) + attn[0] + mem_f
+    bwd = _gemm_work(hw, gemms, dtype, True) + attn[1] + mem_b
+    return fwd, bwd, attn[0], mem_f.device_s + mem_b.device_s
+
+
+@lru_cache(maxsize=4096)
+def _edge_work(hw: Hardware, shape, tokens: int, tp: int, dtype: str, has_head: bool, has_embedding: bool) -> _Work:
+    """The head and the loss on the last stage: its GEMM (vocab sharded over tp), the fp32 cast
+    and softmax of the logits forward and back ((2 w + 24) bytes per logit); the embedding's
+    lookup and gradient on the first."""
+    from workbench.memory.activations import DTYPE_BYTES
+
+    w = DTYPE_BYTES[dtype]
+    out = _Work()
+    if has_head:
+        hg = [(tokens, shape.vocab // tp, shape.hidden)]
+        out = _gemm_work(hw, hg, dtype, False) + _gemm_work(hw, hg, dtype, True)
+        out += _Work(hw.memory_s(tokens * shape.vocab / tp * (2 * w + 24)), 8)
+    if has_embedding:
+        out += _Work(hw.memory_s(tokens * shape.hidden * (w + 3 * 4)), 3)
+    return out
+
+
 def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per_rank: float,
               shard_per_rank: float, attention: str = "flash", hw: Hardware | None = None,
               engine: Engine = WORKBENCH) -> StepTime:
@@ -383,32 +425,10 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
     blocks, has_head, has_embedding = _rank_work(shape, lay.pp, lay.chunks)
     fused = attention == "flash" or hw.cpu
 
-    # One block's forward and backward on this rank: GEMMs, the attention core (flash runs the
-    # causal half of the 4 h s FLOPs per token and recomputes the scores in backward: 2.5x the
-    # forward; unfused computes the whole s x s and its backward twice), the memory-bound ops.
-    gemms = _block_gemms(shape, tokens, tp)
-    attn_flops = 4 * shape.hidden / tp * s * tokens
-    executed = (0.5, 1.25) if fused else (1.0, 2.0)
-    attn = [_Work(hw.attention_s(attn_flops * x, lay.dtype, tokens, shape.hidden / tp, fused, s, shape.head_dim),
-                  1 + 2 * i) for i, x in enumerate(executed)]
-    fwd_bytes, bwd_bytes = _block_bytes(shape, tokens, tp, lay.sequence_parallel, w)
-    mem_ops = OPS_PER_BLOCK.get(shape.family, 16) - len(gemms) - 1
-    mem_f, mem_b = _Work(hw.memory_s(fwd_bytes), mem_ops), _Work(hw.memory_s(bwd_bytes), 2 * mem_ops)
-    fwd_block = _gemm_work(hw, gemms, lay.dtype, False) + attn[0] + mem_f
-    bwd_block = _gemm_work(hw, gemms, lay.dtype, True) + attn[1] + mem_b
+    fwd_block, bwd_block, attn_fwd, mem = _block_work(hw, shape, tokens, tp, lay.sequence_parallel, lay.dtype, fused)
     re_dense, re_attn = recomputed_forward(lay.activation_checkpointing, blocks, lay.checkpoint_every)
-    recompute = fwd_block * re_dense if lay.activation_checkpointing == "full" else attn[0] * re_attn
-
-    # The head and the loss on the last stage: its GEMM (vocab sharded over tp), the fp32 cast
-    # and softmax of the logits forward and back ((2 w + 24) bytes per logit); the embedding's
-    # lookup and gradient on the first.
-    head = _Work()
-    if has_head:
-        hg = [(tokens, shape.vocab // tp, shape.hidden)]
-        head = _gemm_work(hw, hg, lay.dtype, False) + _gemm_work(hw, hg, lay.dtype, True)
-        head += _Work(hw.memory_s(tokens * shape.vocab / tp * (2 * w + 24)), 8)
-    if has_embedding:
-        head += _Work(hw.memory_s(tokens * shape.hidden * (w + 3 * 4)), 3)
+    recompute = fwd_block * re_dense if lay.activation_checkpointing == "full" else attn_fwd * re_attn
+    head = _edge_work(hw, shape, tokens, tp, lay.dtype, has_head, has_embedding)
 
     fwd_all, bwd_all = fwd_block * blocks, bwd_block * blocks
     compute = fwd_all + bwd_all + recompute + head
@@ -494,7 +514,7 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
     mfu = None if hw.cpu else tokens_per_s * model_fpt / (lay.world_size * peak)
     exposed = m * (tp_micro + fsdp_micro + p2p_micro) + tied_s + exposed_dp
     detail = {"flops_per_token": model_fpt, "efficiency": gemm_efficiency(dev, shape.hidden / tp, tokens),
-              "gemm_s": m * (fwd_all + bwd_all).device_s, "memory_bound_s": m * (mem_f + mem_b).device_s * blocks,
+              "gemm_s": m * (fwd_all + bwd_all).device_s, "memory_bound_s": m * mem * blocks,
               "host_s": m * (compute.ops + tp_ops) * hw.launch_s,
               "tp_comm_s": m * tp_micro, "fsdp_exposed_s": m * fsdp_micro, "dp_exposed_s": exposed_dp,
               "dp_comm_s": dp_comm, "p2p_s": m * p2p_micro + tied_s, "bubble_s": pipelined - m * micro,

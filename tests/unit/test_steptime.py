@@ -124,3 +124,47 @@ def test_tied_pipeline_sums_the_embedding_gradient_and_tp_dp_reduces_in_fp32():
             for tp in (1, 2) for dtype in ("bf16", "fp32")}
     assert comm[2, "bf16"] == comm[2, "fp32"] > 0
     assert comm[1, "bf16"] < comm[1, "fp32"]
+
+
+def _h100_profile(rate: float):
+    """A profile of a made-up H100 cluster: GEMMs at `rate`, 2 TB/s, 8-rank NVLink collectives."""
+    from workbench.hwprofile import HardwareProfile
+
+    gemm = tuple(("bf16", m, n, k, 5e-6 + 2 * m * n * k / rate)
+                 for m, n, k in [(256, 256, 256), (1024, 1024, 1024), (4096, 4096, 4096), (8192, 1024, 8192),
+                                 (512, 8192, 1024), (2048, 512, 128)])
+    colls = tuple((kind, "intra", 8, nbytes, 14 * 2e-6 + 1.75 * nbytes / 200e9)
+                  for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p") for nbytes in (1 << 16, 1 << 24, 1 << 30))
+    return HardwareProfile(device="h100-80gb", created="2026-12-02T10:00:00+00:00", host="node0", backend="ray",
+                           nodes=1, ranks_per_node=8, threads_per_rank=1, gemm=gemm, memory_bw=2e12,
+                           op_overhead_s=6e-6, collectives=colls)
+
+
+def test_plan_uses_a_calibrated_profile_and_says_so(tmp_path, monkeypatch):
+    from workbench.hwprofile import default_profile_path, save_profile
+    from workbench.planner import plan
+
+    spec = {"model": {"preset": "gpt2-124m"}, "train": {"global_batch": 64, "micro_batch": 8}, "layout": {"dp": 8},
+            "precision": {"dtype": "bf16"}, "resources": {"gpu": "h100-80gb", "gpus_per_node": 8, "nodes": 1}}
+    catalog = plan(spec)
+    assert catalog.source == "catalog defaults (h100-80gb)" and "step times: catalog defaults" in catalog.table()
+    slow, fast = tmp_path / "slow.yaml", tmp_path / "fast.yaml"
+    save_profile(_h100_profile(200e12), slow)
+    save_profile(_h100_profile(600e12), fast)
+    a, b = plan(spec, profile=str(slow)), plan(spec, profile=fast)
+    assert a.source.startswith("calibrated on this cluster, 2026-12-02") and a.source in a.table()
+    assert a.to_dict()["source"] == a.source
+    # the same layout predicts faster on the faster profile, and the profile is used, not the catalog
+    assert b.given.step_time_s < a.given.step_time_s != catalog.given.step_time_s
+    save_profile(_h100_profile(600e12), default_profile_path("h100-80gb"))  # what `workbench calibrate` writes
+    assert plan(spec).given.step_time_s == b.given.step_time_s
+    assert plan({**spec, "resources": {"gpu": "a100-80gb"}}).source == "catalog defaults (a100-80gb)"
+
+
+def test_no_mfu_on_cpu():
+    from workbench.planner import plan
+
+    r = plan({"model": {"preset": "gpt-tiny"}, "train": {"global_batch": 8, "micro_batch": 2},
+              "layout": {"dp": 2}, "resources": {"gpu": "cpu", "gpus_per_node": 2}})
+    assert r.given.mfu is None and all(c.mfu is None for c in r.candidates)
+    assert "MFU: not given on CPU" in r.table() and "run `workbench calibrate`" in r.source

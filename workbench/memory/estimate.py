@@ -68,6 +68,11 @@ def _stage_params(shape, tp: int, pp: int, pp_index: int, chunks: int, dp: int) 
 
 
 @lru_cache(maxsize=65536)
+def _tensor_count(shape, tp: int, pp: int, pp_index: int, chunks: int) -> int:
+    return prm.rank_counts(shape, tp, pp, pp_index, chunks)[2]
+
+
+@lru_cache(maxsize=65536)
 def _chunk_activation_bytes(shape, lay: Layout, stage: int, num_stages: int, blocks: range) -> float:
     """Bytes one micro-batch leaves in one (virtual) stage until its backward."""
     tokens = lay.micro_batch * shape.seq_len
@@ -179,7 +184,7 @@ def _runtime_details(shape, lay: Layout, pp_index: int, states, notes: list[str]
     if lay.optimizer in ("adam", "adamw") and not lay.needs_master:
         # torch.optim.Adam keeps a 4-byte `step` tensor per parameter tensor; our master-weight
         # optimizer (mixed precision, zero=1, nvme) counts steps in Python.
-        n_tensors = prm.rank_counts(shape, lay.tp, lay.pp, pp_index, lay.chunks)[2]
+        n_tensors = _tensor_count(shape, lay.tp, lay.pp, pp_index, lay.chunks)
         states = replace(states, optimizer=states.optimizer + 4 * n_tensors)
     if lay.dtype == "fp16":
         notes.append("fp16: the loss scale is a host float and the overflow check all-reduces one scalar "
