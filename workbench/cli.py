@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
         c.add_argument("--trust-factory", action="store_true",
                        help="let planning import and call model.factory (it is code); same as model.trust_factory: true")
     plan.add_argument("--top", type=int, default=10, help="how many candidates to show (default 10)")
+    plan.add_argument("--profile", help="a hardware profile from `workbench calibrate` (default: $WORKBENCH_PROFILE, "
+                      "else the one saved for the spec's GPU type, else the catalog's figures)")
     dispatch = command("dispatch", "Submit the job to a backend, or print the request with --dry-run.")
     dispatch.add_argument("--backend", help="local | ray | sagemaker | vertex | azureml (default: the spec's)")
     dispatch.add_argument("--dry-run", action="store_true", help="print the exact request; needs no credentials or network")
@@ -151,7 +153,7 @@ def _memory(args) -> int:
 def _plan(args) -> int:
     from workbench.planner import plan
 
-    result = plan(_load(args, layout=False))  # plan searches layouts
+    result = plan(_load(args, layout=False), profile=args.profile)  # plan searches layouts
     print(json.dumps(result.to_dict(top=args.top), indent=2) if args.json else result.table(top=args.top))
     return 0
 
@@ -161,7 +163,7 @@ def _calibrate(args) -> int:
 
     profile, path = calibrate(_load(args, layout=False), out=args.output, quick=args.quick)
     print(summary(profile))
-    print(f"wrote {path}; `workbench plan` and `workbench memory` now use it")
+    print(f"wrote {path}; `workbench plan` and the notebook's planner now use it for {profile.device} step times")
     return 0
 
 
