@@ -182,6 +182,27 @@ def section(result: dict, profile=None) -> str:
     return "\n\n".join(out)
 
 
+def _write(rows: list, source: str, profile, args, partial: bool) -> str:
+    """Write prediction.json / .md and /tmp/bench_prediction_latest.txt (after each layout too, so the
+    table so far is there while the rest run); return the table."""
+    text = table(rows, source)
+    scored = [r for r in rows if r["ratio"] is not None]
+    pred, meas = [r["predicted_s"] for r in scored], [r["measured"]["median_s"] for r in scored]
+    result = {"profile": {"path": str(args.profile or PROFILE), "label": profile.label(),
+                          "gemm_fp32_flops": profile.gemm_flops("fp32"), "memory_bw": profile.memory_bw,
+                          "op_overhead_s": profile.op_overhead_s},
+              "source": source, "warmup": args.warmup, "partial": partial, "rows": rows,
+              "spearman": spearman(pred, meas) if len(scored) >= 2 else None,
+              "discordant": discordant([r["layout"] for r in scored], pred, meas),
+              "machine": machine(), "load_average": os.getloadavg(),
+              "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    (RESULTS / "prediction.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / "prediction.md").write_text(text + "\n")
+    head = f"bench/bench_prediction.py at {result['when']}, load average {os.getloadavg()[0]:.1f} on 2 cores"
+    LATEST.write_text(head + (" (partial: still running)" if partial else "") + f"\n{text}\n")
+    return text
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="calibrate --quick and 8 steps per layout")
@@ -229,27 +250,13 @@ def main(argv=None) -> int:
                      "global_batch": spec["train"]["global_batch"], "micro_batch": spec["train"]["micro_batch"],
                      "dtype": spec["precision"]["dtype"], "predicted_s": predicted, "measured": measured,
                      "ratio": ratio, "note": "" if predicted is not None else note})
+        _write(rows, source, profile, args, partial=True)
         shown = f"{predicted:.4f}" if predicted is not None else "n/a"
         print(f"{name:>18}: predicted {shown} s, measured {measured['median_s']:.4f} s "
               f"(min {measured['min_s']:.4f}, max {measured['max_s']:.4f})"
               + (f", ratio {ratio:.2f}" if ratio else f" ({note})"), flush=True)
-    text = table(rows, source)
-    print("\n" + text)
-    scored = [r for r in rows if r["ratio"] is not None]
-    result = {"profile": {"path": str(PROFILE if not args.profile else args.profile), "label": profile.label(),
-                          "gemm_fp32_flops": profile.gemm_flops("fp32"), "memory_bw": profile.memory_bw,
-                          "op_overhead_s": profile.op_overhead_s},
-              "source": source, "warmup": args.warmup, "rows": rows,
-              "spearman": spearman([r["predicted_s"] for r in scored], [r["measured"]["median_s"] for r in scored])
-              if len(scored) >= 2 else None,
-              "discordant": discordant([r["layout"] for r in scored], [r["predicted_s"] for r in scored],
-                                       [r["measured"]["median_s"] for r in scored]),
-              "machine": machine(), "load_average": os.getloadavg(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    out_json.write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / "prediction.md").write_text(text + "\n")
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    LATEST.write_text(f"bench/bench_prediction.py at {stamp}, load average {os.getloadavg()[0]:.1f}\n{text}\n")
-    print(f"\nwrote {out_json}, {RESULTS / 'prediction.md'}, {LATEST}")
+    text = _write(rows, source, profile, args, partial=False)
+    print("\n" + text + f"\n\nwrote {RESULTS / 'prediction.json'}, {RESULTS / 'prediction.md'}, {LATEST}")
     return 0
 
 
