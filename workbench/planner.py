@@ -152,8 +152,9 @@ def _layouts(spec, shape, world: int, gpn: int):
                     for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
                         if zero_bubble_refused(pp, zero, sched):  # the runtime refuses it: not a candidate
                             continue
-                        # CPU offload is FSDP2's CPUOffloadPolicy: zero 2/3 only (docs/strategies.md).
-                        for off in (("none", "cpu") if zero >= 2 else ("none",)):
+                        # CPU offload is FSDP2's CPUOffloadPolicy: zero 2/3 only (docs/strategies.md);
+                        # a CPU device has nothing to offload to.
+                        for off in (("none", "cpu") if zero >= 2 and device == "cuda" else ("none",)):
                             # Checkpointing modes from fastest to leanest: the planner keeps
                             # the first that fits (the others are slower and add nothing).
                             yield [Layout(dp=dp, tp=tp, pp=pp, zero=zero, offload=off, activation_checkpointing=ckpt,
