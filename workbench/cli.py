@@ -76,7 +76,12 @@ def _training_commands(sub) -> None:
                                "token shards + index.json for data.source: tokens.")
     prep.add_argument("inputs", nargs="+", help="files or directories (.txt/.md, .jsonl, .parquet, .arrow)")
     prep.add_argument("--out", required=True, help="output directory or fsspec URI (e.g. s3://bucket/tokens)")
-    prep.add_argument("--tokenizer", default="bpe", help="bpe (trained here on the inputs), bytes, or a tokenizer.json path")
+    prep.add_argument("--tokenizer", default="bpe", help="bpe (trained here on the inputs), bytes, a tokenizer.json path, "
+                      "or a Hugging Face model folder (its tokenizer and chat template)")
+    prep.add_argument("--format", default="auto", choices=["auto", "text", "chat", "instruct"],
+                      help="text: documents; chat: {messages: [{role, content}]} records; instruct: {prompt, completion} "
+                      "records (chat and instruct write a loss mask: only the assistant/completion tokens train); "
+                      "auto (default): what the records' fields say")
     prep.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
     prep.add_argument("--text-field", default="text", help="text column of jsonl/parquet/Arrow inputs (default: text)")
     prep.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file")
@@ -215,8 +220,13 @@ def _data(args) -> int:
     from workbench.shards import prepare
 
     index = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                    text_field=args.text_field, shard_tokens=args.shard_tokens, progress=not args.no_progress)
-    print(f"wrote {index['num_tokens']:,} tokens ({index['num_documents']:,} documents, {len(index['shards'])} shards, "
+                    text_field=args.text_field, shard_tokens=args.shard_tokens, progress=not args.no_progress,
+                    format=args.format)
+    what = f"{index['num_documents']:,} documents"
+    if "examples" in index:  # fine-tuning data: say how much trains and how long the examples are (for seq_len)
+        what = (f"{index['num_documents']:,} {index['data_format']} examples, {index['loss_tokens']:,} of the tokens train; "
+                f"median {index['examples']['median_tokens']:,} tokens, longest {index['examples']['max_tokens']:,}")
+    print(f"wrote {index['num_tokens']:,} tokens ({what}, {len(index['shards'])} shards, "
           f"{index['tokenizer']} tokenizer of {index['vocab_size']:,}) to {args.out}")
     return 0
 

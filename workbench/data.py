@@ -4,6 +4,11 @@ Every rank computes the same global batch and keeps its dp slice, so any dp x tp
 trains on exactly the data the single-process run sees, and a resumed run picks up at any step
 with no state to restore beyond the step number. Token shards (`data.source: tokens`, see
 shards.py) are read row by row, so a rank reads only its own slice of the global batch.
+
+Fine-tuning shards carry a loss mask: a batch is then (tokens, mask), and `targets` turns the
+masked-out positions into IGNORE, which the loss skips. By default each row holds one example
+(truncated to seq_len + 1 tokens, padded, the padding masked out); `data.packing` cuts windows from
+the stream of examples instead, as for text.
 """
 from __future__ import annotations
 
@@ -12,11 +17,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from workbench.errors import ConfigError
 
 DEFAULT_TEXT = Path(__file__).parent / "assets" / "public_domain.txt"
 _FOLLOW_PROB = 0.9  # synthetic stream: chance that the next token follows the hidden rule
+IGNORE = -100  # the target id of a token that does not train (cross_entropy's ignore_index)
 
 
 def _generator(seed: int, step: int, salt: int = 0) -> torch.Generator:
@@ -34,15 +41,20 @@ class TokenSource:
         path: text file for source="text" (default: a small public-domain text); the token
             shards' directory or URI for source="tokens".
         val_fraction: the last fraction of the text / token stream held out for evaluation
-            (synthetic data draws held-out batches from its own stream).
+            (synthetic data draws held-out batches from its own stream); of the examples, for
+            fine-tuning shards.
+        packing: fine-tuning shards only: windows of the stream of examples (examples attend to the
+            ones before them in a window) instead of one example per row.
     """
 
     def __init__(self, source: str, vocab: int, seq_len: int, seed: int, path: str | None = None,
-                 val_fraction: float = 0.0):
+                 val_fraction: float = 0.0, packing: bool = False):
         self.source, self.vocab, self.seq_len, self.seed = source, vocab, seq_len, seed
         self.val_fraction = val_fraction
         self.path = Path(path) if path else DEFAULT_TEXT
         self.shards = None
+        self.masked = self.by_example = False
+        self._perms: dict[int, torch.Tensor] = {}
         if source == "text":
             if vocab < 256:
                 raise ConfigError(f"data.source=text uses a byte-level tokenizer (256 tokens) but model.vocab={vocab}. Use vocab >= 256.")
@@ -59,7 +71,14 @@ class TokenSource:
             if self.shards.vocab_size > vocab:
                 raise ConfigError(f"data.path {path}: the shards' tokenizer has {self.shards.vocab_size} tokens but "
                                   f"model.vocab={vocab}. Set model.vocab >= {self.shards.vocab_size}.")
-            self._check_regions(len(self.shards), "tokens", path)
+            self.masked = self.shards.masked
+            self.by_example = self.masked and not packing
+            if self.by_example:
+                self._check_examples(path)
+            else:
+                self._check_regions(len(self.shards), "tokens", path)
+            eos = self.shards.index.get("eos_id")
+            self.pad_id = eos if eos is not None else 0
 
     def _check_regions(self, total: int, unit: str, where: str) -> None:
         n = self.seq_len + 2
@@ -69,6 +88,15 @@ class TokenSource:
                 f"data.path: {where} has {total} {unit}: {total - val} for training and {val} held out "
                 f"(val_fraction={self.val_fraction}), but each part needs at least seq_len+2 = {n}. "
                 "Use more data, a shorter seq_len or another val_fraction.")
+
+    def _check_examples(self, where: str) -> None:
+        total = self.shards.num_examples
+        val = int(total * self.val_fraction)
+        if total - val < 1 or (self.val_fraction > 0 and val < 1):
+            raise ConfigError(
+                f"data.path: {where} has {total} examples: {total - val} for training and {val} held out "
+                f"(val_fraction={self.val_fraction}); each part needs at least one. Use more examples or another "
+                "val_fraction.")
 
     @cached_property
     def tokens(self) -> torch.Tensor:
@@ -80,8 +108,11 @@ class TokenSource:
         return torch.randperm(self.vocab, generator=_generator(self.seed, -1, salt=1))
 
     def _regions(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        """[start, end) of the training and the held-out part of the stream."""
-        total = len(self.shards) if self.shards is not None else len(self.tokens)
+        """[start, end) of the training and the held-out part of the stream (of the examples, by_example)."""
+        if self.by_example:
+            total = self.shards.num_examples
+        else:
+            total = len(self.shards) if self.shards is not None else len(self.tokens)
         split = total - int(total * self.val_fraction)
         return (0, split), (split, total)
 
@@ -91,26 +122,76 @@ class TokenSource:
 
     def rank_batch(self, step: int, global_batch: int, dp_rank: int, dp: int) -> torch.Tensor:
         """dp rank's contiguous slice of global batch `step`; token shards read only that slice."""
+        return self.rank_examples(step, global_batch, dp_rank, dp)[0]
+
+    def rank_examples(self, step: int, global_batch: int, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(tokens, loss mask) of dp rank's slice of global batch `step`: the mask (bool, the
+        tokens' shape, True = trains) for fine-tuning shards, None where every token trains."""
+        if self.by_example:
+            return self._examples(self._epoch_order(step, global_batch, dp_rank, dp))
         return self._batch(_generator(self.seed, step), self._regions()[0], global_batch, dp_rank, dp)
 
     def val_batch(self, index: int, global_batch: int, dp_rank: int = 0, dp: int = 1) -> torch.Tensor:
         """Held-out batch `index` (0-based; the same at every evaluation), dp rank's slice."""
+        return self.val_examples(index, global_batch, dp_rank, dp)[0]
+
+    def val_examples(self, index: int, global_batch: int, dp_rank: int = 0,
+                     dp: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(tokens, loss mask) of held-out batch `index`, dp rank's slice; by example: the held-out
+        examples in order, batch after batch (wrapping around)."""
         if self.source != "synthetic" and self.val_fraction <= 0:
             raise ConfigError("evaluation needs held-out data: set data.val_fraction > 0 (e.g. 0.05).")
+        if self.by_example:
+            lo, hi = self._regions()[1]
+            per_rank = global_batch // dp
+            first = index * global_batch + dp_rank * per_rank
+            return self._examples([lo + (first + j) % (hi - lo) for j in range(per_rank)])
         return self._batch(_generator(self.seed, index, salt=2), self._regions()[1], global_batch, dp_rank, dp)
 
     def _batch(self, gen: torch.Generator, region: tuple[int, int], global_batch: int, dp_rank: int,
-               dp: int) -> torch.Tensor:
+               dp: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = self.seq_len + 1
         per_rank = global_batch // dp
         rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         if self.source == "synthetic":
-            return self._synthetic(gen, global_batch)[rows]
+            return self._synthetic(gen, global_batch)[rows], None
         lo, hi = region
         starts = (lo + torch.randint(0, hi - lo - n, (global_batch,), generator=gen))[rows].tolist()
-        if self.shards is not None:
-            return torch.from_numpy(np.stack([self.shards.read(s, n) for s in starts]).astype(np.int64))
-        return torch.stack([self.tokens[s : s + n] for s in starts])
+        if self.shards is None:
+            return torch.stack([self.tokens[s : s + n] for s in starts]), None
+        tokens = torch.from_numpy(np.stack([self.shards.read(s, n) for s in starts]).astype(np.int64))
+        if not self.masked:
+            return tokens, None
+        return tokens, torch.from_numpy(np.stack([self.shards.read_mask(s, n) for s in starts]) != 0)
+
+    def _epoch_order(self, step: int, global_batch: int, dp_rank: int, dp: int) -> list[int]:
+        """The training examples of dp rank's rows of step `step`: sample i = (step - 1) *
+        global_batch + row is position i % n of epoch i // n's permutation of the n examples, a
+        pure function of (seed, step, global_batch) that shows every example once an epoch."""
+        n = self._regions()[0][1]
+        per_rank = global_batch // dp
+        first = (step - 1) * global_batch + dp_rank * per_rank
+        order = []
+        for i in range(first, first + per_rank):
+            epoch = i // n
+            if epoch not in self._perms:
+                self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
+                self._perms[epoch] = torch.randperm(n, generator=_generator(self.seed, epoch, salt=3))
+            order.append(int(self._perms[epoch][i % n]))
+        return order
+
+    def _examples(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One example per row: its first seq_len + 1 tokens, padded with EOS (or 0); the padding
+        and whatever the example's own mask leaves out do not train."""
+        n = self.seq_len + 1
+        tokens = torch.full((len(indices), n), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(indices), n), dtype=torch.bool)
+        for row, i in enumerate(indices):
+            start, end = self.shards.example(i)
+            k = min(end - start, n)
+            tokens[row, :k] = torch.from_numpy(self.shards.read(start, k).astype(np.int64))
+            mask[row, :k] = torch.from_numpy(self.shards.read_mask(start, k) != 0)
+        return tokens, mask
 
     def _synthetic(self, gen: torch.Generator, global_batch: int) -> torch.Tensor:
         # Each token follows the hidden rule with p=0.9, else is uniform noise. A model can
@@ -123,6 +204,20 @@ class TokenSource:
         for t in range(1, n):
             out[:, t] = torch.where(follow[:, t], self.rule[out[:, t - 1]], noise[:, t])
         return out
+
+
+def targets(tokens: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The next-token targets of (B, T + 1) tokens: (B, T), IGNORE where the mask says the token
+    does not train (the first token is never a target)."""
+    y = tokens[:, 1:]
+    return y if mask is None else y.masked_fill(~mask[:, 1:], IGNORE)
+
+
+def token_loss_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over the target tokens of (B, T, vocab) logits (IGNORE targets skipped).
+    A sum, not a mean: the caller divides by the global batch's count of target tokens, so the
+    loss does not depend on how the batch is cut into ranks and micro-batches."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 def rank_micro_batches(batch: torch.Tensor, dp_rank: int, dp: int, micro_batch: int) -> list[torch.Tensor]:
@@ -140,4 +235,4 @@ def build_token_source(spec) -> TokenSource:
         shape = m.shape()
         vocab, seq_len = shape.vocab, shape.seq_len
     d = spec.data
-    return TokenSource(d.source, vocab, seq_len, d.seed, d.path, d.val_fraction)
+    return TokenSource(d.source, vocab, seq_len, d.seed, d.path, d.val_fraction, packing=d.packing)

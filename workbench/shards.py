@@ -6,18 +6,24 @@ arrays, one file per shard, plus `index.json` (dtype, token counts, tokenizer) a
 tokenizer itself (`tokenizer.json`; none for byte-level). The shards are one token stream;
 documents end with the tokenizer's EOS token. Reading maps the files (np.memmap) or, on an
 object store, fetches byte ranges, so a rank touches only the windows it trains on.
+
+Fine-tuning data (chat / instruct records, chat_data.py) adds a loss mask beside each token shard
+(mask-NNNNN.bin, one uint8 per token, 1 = trains) and examples.bin (uint64 boundaries: example i
+is tokens [b[i], b[i + 1]) of the stream), both listed in the index with checked sizes.
 """
 from __future__ import annotations
 
 import bisect
 import itertools
 import json
+from array import array
 from collections.abc import Iterator
 from os import PathLike
 from pathlib import Path
 
 import numpy as np
 
+from workbench.chat_data import FORMATS, ExampleEncoder, record_format
 from workbench.errors import ConfigError
 
 INDEX = "index.json"
@@ -147,9 +153,9 @@ def _field(row, text_field: str, where: str) -> str:
     return row[text_field]
 
 
-def _arrow_batches(path: Path, text_field: str):
+def _arrow_batches(path: Path, text_field: str | list[str]):
     try:
-        yield from _arrow_batches_unchecked(path, text_field)
+        yield from _arrow_batches_unchecked(path, [text_field] if isinstance(text_field, str) else text_field)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - pyarrow's errors (ArrowInvalid, OSError, ...) on a file that is not one
@@ -157,51 +163,78 @@ def _arrow_batches(path: Path, text_field: str):
                           f"{str(e)[:300]}). Is it really a {path.suffix[1:]} file?") from None
 
 
-def _arrow_batches_unchecked(path: Path, text_field: str):
+def _arrow_batches_unchecked(path: Path, columns: list[str]):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    def check(names) -> None:
+        missing = [c for c in columns if c not in names]
+        if missing:
+            raise ConfigError(f"data prepare: {path} has no column {missing[0]!r} (columns: {names}). Name the text "
+                              "column with --text-field, or the format with --format.")
+
     if path.suffix == ".parquet":
         pf = pq.ParquetFile(path)
-        if text_field not in pf.schema_arrow.names:
-            raise ConfigError(f"data prepare: {path} has no column {text_field!r} (columns: {pf.schema_arrow.names}). "
-                              "Name it with --text-field.")
-        yield from pf.iter_batches(columns=[text_field])
+        check(pf.schema_arrow.names)
+        yield from pf.iter_batches(columns=columns)
         return
     with pa.memory_map(str(path)) as source:  # datasets' save_to_disk writes the Arrow stream format
         reader = pa.ipc.open_stream(source)
-        if text_field not in reader.schema.names:
-            raise ConfigError(f"data prepare: {path} has no column {text_field!r} (columns: {reader.schema.names}). "
-                              "Name it with --text-field.")
+        check(reader.schema.names)
         for batch in reader:
-            yield batch.select([text_field])
+            yield batch.select(columns)
+
+
+def arrow_columns(path: Path) -> list[str]:
+    """The column names of a parquet or Arrow file (its schema only)."""
+    def names() -> list[str]:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if path.suffix == ".parquet":
+            return list(pq.ParquetFile(path).schema_arrow.names)
+        with pa.memory_map(str(path)) as source:
+            return list(pa.ipc.open_stream(source).schema.names)
+
+    try:
+        return names()
+    except Exception as e:  # noqa: BLE001 - as in _arrow_batches
+        raise ConfigError(f"data prepare: cannot read {path} as {path.suffix[1:]} ({type(e).__name__}: "
+                          f"{str(e)[:300]}). Is it really a {path.suffix[1:]} file?") from None
 
 
 # -- writing shards ------------------------------------------------------------------------
 
 def prepare(inputs: list[str], out: str, *, tokenizer: str = "bpe", vocab_size: int = 4096,
-            text_field: str = "text", shard_tokens: int = DEFAULT_SHARD_TOKENS, progress: bool = True) -> dict:
+            text_field: str = "text", shard_tokens: int = DEFAULT_SHARD_TOKENS, progress: bool = True,
+            format: str = "auto") -> dict:
     """Tokenize local files into token shards + index under `out` (a path or fsspec URI).
 
     Args:
         inputs: text/.md, .jsonl, .parquet, .arrow files or directories of them.
         out: destination directory (local or e.g. s3://bucket/prefix).
-        tokenizer: "bpe" (trained here on the inputs), "bytes", or a local tokenizer.json.
+        tokenizer: "bpe" (trained here on the inputs), "bytes", a local tokenizer.json, or a
+            Hugging Face model folder (its tokenizer.json, special tokens and chat template).
         vocab_size: the BPE's vocabulary size (tokenizer="bpe" only).
         text_field: the text column of jsonl / parquet / Arrow inputs.
         shard_tokens: tokens per shard file.
         progress: a progress bar with MB/s on stderr.
+        format: "text" (documents), "chat" (records with messages) or "instruct" (prompt +
+            completion), or "auto": the one the records' fields name. chat and instruct write a
+            loss mask beside the tokens (workbench/chat_data.py).
     Returns:
         The index (also written to `out`/index.json).
     Raises:
-        ConfigError: missing or unreadable inputs, a bad tokenizer.
+        ConfigError: missing or unreadable inputs, a bad tokenizer, records of no known format.
     """
     from workbench.tokenizer import build_tokenizer
 
     _check_prepare_args(inputs, out, tokenizer, vocab_size, text_field, shard_tokens)
     inputs, out, tokenizer = [str(i) for i in inputs], str(out), str(tokenizer)
     files = _input_files(inputs)
-    tok = build_tokenizer(tokenizer, _training_texts(iter_pieces(files, text_field)), vocab_size)
+    fmt = data_format(files, format, text_field)
+    texts = iter_pieces(files, text_field) if fmt == "text" else ((t, True) for t in training_texts(files, fmt))
+    tok = build_tokenizer(tokenizer, _training_texts(texts), vocab_size)
     if tok.eos_id is None and tok.kind != "bytes":  # bytes join documents by design (docs/training.md)
         import sys
 
@@ -211,7 +244,11 @@ def prepare(inputs: list[str], out: str, *, tokenizer: str = "bpe", vocab_size: 
               "are joined without a separator, so the model sees them as one text.", file=sys.stderr)
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
     try:
+        if fmt != "text":
+            return write_examples(files, fmt, tok, out, dtype, shard_tokens, progress)
         return _write(files, tok, out, dtype, text_field, shard_tokens, progress)
+    except ConfigError:
+        raise
     except (OSError, ValueError, ImportError) as e:  # not writable, a file where the folder goes, no such protocol
         raise ConfigError(f"data prepare: cannot write the shards to --out {out[:300]!r} ({type(e).__name__}: "
                           f"{str(e)[:300]}). Give a writable directory or fsspec URI.") from None
@@ -237,8 +274,7 @@ def _write(files, tok, out: str, dtype, text_field: str, shard_tokens: int, prog
     fs, root = fsspec.core.url_to_fs(out)
     fs.makedirs(root, exist_ok=True)
     writer = _ShardWriter(fs, root, dtype, shard_tokens)
-    total = sum(f.stat().st_size for f in files)
-    bar = _bar(total, progress)
+    bar = _bar(sum(f.stat().st_size for f in files), progress)
     docs, source_bytes, batch, batch_chars = 0, 0, [], 0
     for text, ends in iter_pieces(files, text_field):
         batch.append((text, ends))
@@ -251,10 +287,14 @@ def _write(files, tok, out: str, dtype, text_field: str, shard_tokens: int, prog
     writer.close()
     if bar is not None:
         bar.close()
-    index = {"format": FORMAT, "dtype": np.dtype(dtype).name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+    return write_index(fs, root, tok, writer, {"num_documents": docs, "source_bytes": source_bytes})
+
+
+def write_index(fs, root: str, tok, writer: _ShardWriter, extra: dict) -> dict:
+    """index.json (and the tokenizer beside it) of the shards `writer` wrote."""
+    index = {"format": FORMAT, "dtype": np.dtype(writer.dtype).name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
              "tokenizer": tok.kind, "tokenizer_file": TOKENIZER if tok.kind != "bytes" else None,
-             "num_tokens": writer.total, "num_documents": docs, "source_bytes": source_bytes,
-             "shards": writer.shards}
+             "num_tokens": writer.total, **extra, "shards": writer.shards}
     if tok.kind != "bytes":
         with fs.open(f"{root}/{TOKENIZER}", "w") as f:
             f.write(tok.to_str())
@@ -292,20 +332,24 @@ def _encode_into(tok, batch: list[tuple[str, bool]], writer: _ShardWriter, bar) 
 
 
 class _ShardWriter:
-    """Appends tokens to shard-00000.bin, shard-00001.bin, ... of at most `shard_tokens` each."""
+    """Appends tokens to shard-00000.bin, shard-00001.bin, ... of at most `shard_tokens` each, and
+    with `masked` their loss masks to mask-00000.bin, ... (one uint8 per token, cut alike)."""
 
-    def __init__(self, fs, root: str, dtype, shard_tokens: int):
-        self.fs, self.root, self.dtype, self.shard_tokens = fs, root, dtype, shard_tokens
+    def __init__(self, fs, root: str, dtype, shard_tokens: int, masked: bool = False):
+        self.fs, self.root, self.dtype, self.shard_tokens, self.masked = fs, root, dtype, shard_tokens, masked
         self.shards: list[dict] = []
         self.total = 0
-        self._file, self._count = None, 0
+        self._file, self._mask_file, self._count = None, None, 0
 
-    def write(self, tokens: np.ndarray) -> None:
+    def write(self, tokens: np.ndarray, mask: np.ndarray | None = None) -> None:
         while len(tokens):
             if self._file is None or self._count == self.shard_tokens:
                 self._open_next()
             take = tokens[: self.shard_tokens - self._count]
             self._file.write(take.astype("<" + np.dtype(self.dtype).str[1:], copy=False).tobytes())
+            if self._mask_file is not None and mask is not None:
+                self._mask_file.write(mask[: len(take)].astype(np.uint8, copy=False).tobytes())
+                mask = mask[len(take):]
             self._count += len(take)
             self.total += len(take)
             self.shards[-1]["tokens"] = self._count
@@ -313,14 +357,136 @@ class _ShardWriter:
 
     def _open_next(self) -> None:
         self.close()
-        name = f"shard-{len(self.shards):05d}.bin"
-        self._file, self._count = self.fs.open(f"{self.root}/{name}", "wb"), 0
-        self.shards.append({"file": name, "tokens": 0})
+        n = len(self.shards)
+        self._file, self._count = self.fs.open(f"{self.root}/shard-{n:05d}.bin", "wb"), 0
+        self.shards.append({"file": f"shard-{n:05d}.bin", "tokens": 0})
+        if self.masked:
+            self._mask_file = self.fs.open(f"{self.root}/mask-{n:05d}.bin", "wb")
+            self.shards[-1]["mask"] = f"mask-{n:05d}.bin"
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        for f in (self._file, self._mask_file):
+            if f is not None:
+                f.close()
+        self._file = self._mask_file = None
+
+
+# -- fine-tuning records: chat / instruct jsonl, parquet, Arrow ---------------------------------
+
+_RECORDS_PER_BATCH = 512  # records encoded in one tokenizer batch
+
+
+def data_format(files: list[Path], fmt: str, text_field: str) -> str:
+    """The inputs' format: `fmt`, or (fmt="auto") the one every file's first record names.
+
+    Raises:
+        ConfigError: an unknown format, files of different formats, chat/instruct from .txt files.
+    """
+    if fmt not in FORMATS:
+        raise ConfigError(f"data prepare: --format {str(fmt)[:40]!r} is not one of {', '.join(FORMATS)}.")
+    found = {}
+    for path in files:
+        kind = _kind(path)
+        if kind == "text":
+            found[path] = "text"
+        elif fmt != "auto":
+            found[path] = fmt
+        elif kind == "jsonl":
+            found[path] = next((record_format(row, where, text_field) for row, where in _jsonl_records(path)), "text")
+        else:
+            found[path] = record_format(dict.fromkeys(arrow_columns(path)), str(path), text_field)
+    kinds = sorted(set(found.values()))
+    if len(kinds) > 1 or (fmt not in ("auto", "text") and kinds != [fmt]):
+        text = [str(p) for p, k in found.items() if k == "text"][:3]
+        raise ConfigError(f"data prepare: the inputs mix formats ({', '.join(f'{p}: {k}' for p, k in list(found.items())[:4])}"
+                          f"). Prepare text ({text or 'none'}) and {'/'.join(k for k in kinds if k != 'text') or fmt} "
+                          "records into separate shards; chat and instruct records come from .jsonl, .parquet or .arrow files.")
+    return kinds[0]
+
+
+def _jsonl_records(path: Path):
+    for n, line in _jsonl_lines(path):
+        yield _json_line(line, f"{path}:{n}"), f"{path}:{n}"
+
+
+def iter_records(files: list[Path], fmt: str):
+    """(record, where, source characters) of every input, streamed."""
+    columns = ["messages"] if fmt == "chat" else ["prompt", "completion"]
+    for path in files:
+        if path.name.lower().endswith(".jsonl"):
+            for row, where in _jsonl_records(path):
+                yield row, where, len(str(row))
+            continue
+        n = 0
+        for batch in _arrow_batches(path, columns):
+            for row in batch.to_pylist():
+                n += 1
+                yield row, f"{path}: row {n}", len(str(row))
+
+
+def training_texts(files: list[Path], fmt: str):
+    """The records as plain text: what a BPE trained here on fine-tuning data learns from."""
+    enc = ExampleEncoder(_NoTokenizer())
+    for row, where, _ in iter_records(files, fmt):
+        yield enc.text(fmt, row, where)
+
+
+class _NoTokenizer:
+    eos_id = None
+
+
+def write_examples(files: list[Path], fmt: str, tok, out: str, dtype, shard_tokens: int, progress: bool) -> dict:
+    """Token shards + a loss mask shard per token shard + examples.bin (uint64 boundaries: example
+    i is tokens [b[i], b[i + 1])) + index.json under `out`."""
+    import fsspec
+
+    enc = ExampleEncoder(tok, getattr(tok, "hf", None))
+    fs, root = fsspec.core.url_to_fs(out)
+    fs.makedirs(root, exist_ok=True)
+    writer = _ShardWriter(fs, root, dtype, shard_tokens, masked=True)
+    bar = _bar(sum(f.stat().st_size for f in files), progress)
+    lengths, source_chars = array("q"), 0  # tokens, then loss tokens, of each example
+    with fs.open(f"{root}/{EXAMPLES}", "wb") as bounds:
+        bounds.write(np.zeros(1, "<u8").tobytes())
+        batch: list = []
+        for record in iter_records(files, fmt):
+            batch.append(record)
+            if len(batch) == _RECORDS_PER_BATCH:
+                source_chars += _encode_records(enc, fmt, batch, writer, bounds, lengths, bar)
+                batch = []
+        source_chars += _encode_records(enc, fmt, batch, writer, bounds, lengths, bar)
+    writer.close()
+    if bar is not None:
+        bar.close()
+    if not lengths:
+        raise ConfigError(f"data prepare: the inputs hold no {fmt} records.")
+    sizes, loss = np.frombuffer(lengths, dtype=np.int64)[0::2], np.frombuffer(lengths, dtype=np.int64)[1::2]
+    extra = {"num_documents": len(sizes), "source_chars": source_chars, "data_format": fmt,
+             "chat_template": enc.template_name if fmt == "chat" else None, "loss_tokens": int(loss.sum()),
+             "examples": {"file": EXAMPLES, "count": len(sizes), "max_tokens": int(sizes.max()),
+                          "median_tokens": int(np.median(sizes))}}
+    if fmt == "chat" and enc.template:
+        with fs.open(f"{root}/{CHAT_TEMPLATE}", "w") as f:
+            f.write(enc.template)
+        extra["chat_template_file"] = CHAT_TEMPLATE
+    return write_index(fs, root, tok, writer, extra)
+
+
+EXAMPLES = "examples.bin"
+CHAT_TEMPLATE = "chat_template.jinja"
+
+
+def _encode_records(enc: ExampleEncoder, fmt: str, batch: list, writer, bounds, lengths: list, bar) -> int:
+    if not batch:
+        return 0
+    for ids, mask in enc.encode(fmt, [r for r, _, _ in batch], [w for _, w, _ in batch]):
+        writer.write(np.asarray(ids, dtype=writer.dtype), np.asarray(mask, dtype=np.uint8))
+        bounds.write(np.array([writer.total], "<u8").tobytes())
+        lengths.extend((len(ids), sum(mask)))
+    chars = sum(n for _, _, n in batch)
+    if bar is not None:
+        bar.update(chars)
+    return chars
 
 
 # -- reading shards ------------------------------------------------------------------------
@@ -334,7 +500,8 @@ def _check_index(index, uri: str) -> None:
     def count(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 48
 
-    shards = index.get("shards")
+    shards, examples = index.get("shards"), index.get("examples")
+    masked = examples is not None
     problems = [
         f"dtype {str(index.get('dtype'))[:40]!r} (uint16 or uint32)" * (index.get("dtype") not in ("uint16", "uint32")),
         f"vocab_size {str(index.get('vocab_size'))[:40]!r}" * (not count(index.get("vocab_size"))),
@@ -342,6 +509,10 @@ def _check_index(index, uri: str) -> None:
         "shards (a list of {file, tokens})" * (not isinstance(shards, list) or not all(
             isinstance(x, dict) and plain(x.get("file")) and count(x.get("tokens")) for x in shards)),
         "tokenizer_file" * (index.get("tokenizer_file") is not None and not plain(index.get("tokenizer_file"))),
+        "examples ({file, count})" * (masked and not (isinstance(examples, dict) and plain(examples.get("file"))
+                                                      and count(examples.get("count")))),
+        "shards' masks (every shard names its mask file, or none does)" * (isinstance(shards, list) and any(
+            isinstance(x, dict) and (("mask" in x) != masked or masked and not plain(x.get("mask"))) for x in shards)),
     ]
     problems = [p for p in problems if p]
     if problems:
@@ -376,38 +547,69 @@ class TokenShards:
         self.dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
         self.vocab_size = int(self.index["vocab_size"])
         self.local = isinstance(self.fs, LocalFileSystem)
+        self.masked = "examples" in self.index  # fine-tuning shards: a loss mask and example boundaries
         self.offsets = [0]
         for shard in self.index["shards"]:
-            size = self.fs.size(f"{self.root}/{shard['file']}")
-            if shard["tokens"] * self.dtype.itemsize > (size or 0):
-                raise ConfigError(f"data.path: {uri}/{INDEX} says {shard['file']} holds {shard['tokens']:,} tokens, but "
-                                  f"the file has {size:,} bytes ({self.dtype.itemsize} a token). Make the shards again.")
+            self._check_size(shard["file"], shard["tokens"], self.dtype.itemsize)
+            if self.masked:
+                self._check_size(shard["mask"], shard["tokens"], 1)
             self.offsets.append(self.offsets[-1] + shard["tokens"])
-        self._maps: dict[int, np.ndarray] = {}
+        self._maps: dict[tuple[str, int], np.ndarray] = {}
+        self.num_examples = 0
+        if self.masked:
+            self.num_examples = self.index["examples"]["count"]
+            self._check_size(self.index["examples"]["file"], self.num_examples + 1, 8, "example bounds")
+            ends = (self._bounds(0), self._bounds(self.num_examples))
+            if ends != (0, len(self)):
+                raise ConfigError(f"data.path: {uri}/{self.index['examples']['file']} bounds the examples by {ends}, "
+                                  f"not (0, {len(self)}) tokens. Make the shards again.")
+
+    def _check_size(self, name: str, n: int, itemsize: int, unit: str = "tokens") -> None:
+        size = self.fs.size(f"{self.root}/{name}")
+        if n * itemsize > (size or 0):
+            raise ConfigError(f"data.path: {self.uri}/{INDEX} says {name} holds {n:,} {unit}, but the file has "
+                              f"{size or 0:,} bytes ({itemsize} a value). Make the shards again.")
 
     def __len__(self) -> int:
         return self.offsets[-1]
 
-    def read(self, start: int, n: int) -> np.ndarray:
-        """Tokens [start, start + n) of the stream (across shard boundaries)."""
+    def read(self, start: int, n: int, what: str = "file") -> np.ndarray:
+        """Tokens [start, start + n) of the stream (across shard boundaries); what="mask": their
+        loss mask (uint8, 1 = trains) from the mask shards of fine-tuning data."""
         out, pos, end = [], start, start + n
         if start < 0 or end > len(self):
             raise IndexError(f"tokens [{start}, {end}) are outside the stream of {len(self)} tokens")
+        dtype = self.dtype if what == "file" else np.dtype(np.uint8)
         while pos < end:
             i = bisect.bisect_right(self.offsets, pos) - 1
             lo, hi = pos - self.offsets[i], min(end, self.offsets[i + 1]) - self.offsets[i]
-            out.append(self._shard_slice(i, lo, hi))
+            out.append(self._slice(self.index["shards"][i][what], dtype, lo, hi))
             pos = self.offsets[i] + hi
         return out[0] if len(out) == 1 else np.concatenate(out)
 
-    def _shard_slice(self, i: int, lo: int, hi: int) -> np.ndarray:
-        path = f"{self.root}/{self.index['shards'][i]['file']}"
+    def read_mask(self, start: int, n: int) -> np.ndarray:
+        return self.read(start, n, "mask")
+
+    def example(self, i: int) -> tuple[int, int]:
+        """[start, end) of fine-tuning example i in the token stream."""
+        start, end = self._bounds(i), self._bounds(i + 1)
+        if not 0 <= start <= end <= len(self):
+            raise ConfigError(f"data.path: {self.uri}/{self.index['examples']['file']} bounds example {i} by "
+                              f"[{start}, {end}), outside the stream of {len(self):,} tokens. Make the shards again.")
+        return start, end
+
+    def _bounds(self, i: int) -> int:
+        return int(self._slice(self.index["examples"]["file"], np.dtype("<u8"), i, i + 1)[0])
+
+    def _slice(self, name: str, dtype: np.dtype, lo: int, hi: int) -> np.ndarray:
+        path = f"{self.root}/{name}"
         if self.local:
-            if i not in self._maps:
-                self._maps[i] = np.memmap(path, dtype=self.dtype, mode="r")
-            return self._maps[i][lo:hi]
-        size = self.dtype.itemsize
-        return np.frombuffer(self.fs.cat_file(path, start=lo * size, end=hi * size), dtype=self.dtype)
+            key = (name, dtype.itemsize)
+            if key not in self._maps:
+                self._maps[key] = np.memmap(path, dtype=dtype, mode="r")
+            return self._maps[key][lo:hi]
+        size = dtype.itemsize
+        return np.frombuffer(self.fs.cat_file(path, start=lo * size, end=hi * size), dtype=dtype)
 
     def tokenizer(self):
         """The tokenizer the shards were made with."""

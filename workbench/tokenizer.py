@@ -32,13 +32,17 @@ EOS_ALIASES = ("<|end_of_text|>", "</s>", "<eos>")  # a tokenizer.json's end of 
 
 
 class HFTokenizer:
-    """A `tokenizers.Tokenizer` (a trained BPE or any local tokenizer.json)."""
+    """A `tokenizers.Tokenizer` (a trained BPE or any local tokenizer.json).
 
-    def __init__(self, tok, kind: str):
-        self.tok, self.kind = tok, kind
+    `hf`: transformers' tokenizer when it came from a model folder (special tokens, chat template)."""
+
+    def __init__(self, tok, kind: str, hf=None):
+        self.tok, self.kind, self.hf = tok, kind, hf
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         # the end-of-document token under its usual names (GPT-2, Llama 3, Llama 2 / Mistral, Gemma)
         self.eos_id = next((i for name in (EOS, *EOS_ALIASES) if (i := tok.token_to_id(name)) is not None), None)
+        if self.eos_id is None and hf is not None:
+            self.eos_id = hf.eos_token_id
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         # encode_batch_fast skips the character offsets, which shards do not keep.
@@ -107,9 +111,44 @@ def load_tokenizer_file(path: str) -> HFTokenizer:
 
 
 def build_tokenizer(name: str, texts: Iterator[str] | None = None, vocab_size: int = 4096):
-    """Tokenizer `name`: "bytes", "bpe" (trained on `texts`) or a tokenizer.json path."""
+    """Tokenizer `name`: "bytes", "bpe" (trained on `texts`), a tokenizer.json path, or a local
+    Hugging Face model folder (its tokenizer.json with its special tokens and chat template)."""
     if name == "bytes":
         return ByteTokenizer()
     if name == "bpe":
         return train_bpe(texts or iter(()), vocab_size)
+    from pathlib import Path
+
+    if "://" not in name and Path(name).is_dir():
+        hf = load_hf_tokenizer(name)
+        return HFTokenizer(hf.backend_tokenizer, "json", hf=hf)
     return load_tokenizer_file(name)
+
+
+MAX_CONFIG_BYTES = 16 << 20  # tokenizer_config.json / chat_template.jinja: released ones are < 1 MiB
+MAX_TOKENIZER_BYTES = 256 << 20  # a tokenizer.json's bytes (Llama 3's: 9 MiB)
+
+def load_hf_tokenizer(folder: str):
+    """transformers' PreTrainedTokenizerFast from a local model folder (tokenizer.json +
+    tokenizer_config.json, and chat_template.jinja where newer transformers put the template).
+    Its own class, never the folder's code; every file bounded before transformers reads it."""
+    from pathlib import Path
+
+    root = Path(folder)
+    if not (root / "tokenizer.json").is_file():
+        raise ConfigError(f"tokenizer {folder!r} is a folder without tokenizer.json. Give a Hugging Face model folder "
+                          "with a fast tokenizer (tokenizer.json), or the path of a tokenizer.json.")
+    for name, bound in (("tokenizer.json", MAX_TOKENIZER_BYTES), ("tokenizer_config.json", MAX_CONFIG_BYTES),
+                        ("chat_template.jinja", MAX_CONFIG_BYTES), ("special_tokens_map.json", MAX_CONFIG_BYTES)):
+        f = root / name
+        if f.exists() and (not f.is_file() or f.stat().st_size > bound):
+            raise ConfigError(f"tokenizer {folder!r}: {name} is not a file of at most {bound >> 20} MiB; released ones "
+                              "are far smaller. Is this a Hugging Face model folder?")
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        raise ConfigError("a tokenizer folder needs transformers: pip install 'workbench[hf]'.") from None
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(str(root), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises OSError/ValueError/JSONDecodeError on a bad folder
+        raise ConfigError(f"tokenizer {folder!r}: transformers cannot load it ({type(e).__name__}: {str(e)[:300]}).") from None

@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from workbench.data import build_token_source
+from workbench.data import IGNORE, build_token_source, targets, token_loss_sum
 from workbench.models import build_model_meta
 from workbench.parallel.apply import Parallelized, parallelize
 from workbench.parallel.mesh import build_mesh, coords
@@ -72,47 +71,67 @@ def build_train_step(par: Parallelized, spec: JobSpec, device: torch.device, mes
                      copies=par.tied_copies)
 
 
-def micro_batch_loss(model, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the micro-batch's tokens. tokens: (B, T + 1)."""
-    x, y = tokens[:, :-1], tokens[:, 1:]
+def micro_batch_loss(model, tokens: torch.Tensor, y: torch.Tensor | None = None,
+                     scale: float | None = None) -> torch.Tensor:
+    """Cross-entropy of a micro-batch. tokens: (B, T + 1); y: its (B, T) targets, IGNORE where a
+    token does not train (default: every next token). Returns the sum over the target tokens
+    times `scale`, or with no scale their mean."""
+    x, y = tokens[:, :-1], tokens[:, 1:] if y is None else y
     logits = model(x)  # (B, T, vocab)
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+    total = token_loss_sum(logits, y)
+    return total * scale if scale is not None else total / max(int((y != IGNORE).sum()), 1)
 
 
-def forward_backward(par: Parallelized, micro_batches: list[torch.Tensor], meter: MemoryMeter,
-                     step: TrainStep, dtype: str = "fp32") -> torch.Tensor:
-    """Gradient accumulation: one backward per micro-batch, gradient sync only on the last."""
+def forward_backward(par: Parallelized, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], meter: MemoryMeter,
+                     step: TrainStep, dtype: str = "fp32", scale: float = 1.0) -> torch.Tensor:
+    """Gradient accumulation: one backward per micro-batch, gradient sync only on the last. Each
+    micro-batch's summed loss is multiplied by `scale` (dp / the global count of target tokens)
+    before backward. Returns the summed loss of this rank's target tokens."""
     n = len(micro_batches)
-    total = torch.zeros((), device=micro_batches[0].device)
-    for i, tokens in enumerate(micro_batches):
+    total = torch.zeros((), device=micro_batches[0][0].device)
+    for i, (tokens, y) in enumerate(micro_batches):
         with par.no_sync() if i < n - 1 else contextlib.nullcontext(), par.loss_context():
             with meter.saving(), autocast(tokens.device.type, dtype):
-                loss = micro_batch_loss(par.model, tokens) / n
-            step.scale_loss(loss).backward()
+                loss = micro_batch_loss(par.model, tokens, y, scale=1.0)  # summed over its target tokens
+            step.scale_loss(loss * scale).backward()
         meter.released()
         total += _full(loss.detach())
     return total
 
 
+def loss_token_count(y: torch.Tensor, masked: bool, dp: int, dp_group) -> int:
+    """Target tokens of the whole global batch: this rank's, summed over dp (one all-reduce when
+    a loss mask makes the ranks' counts differ; every rank has the same count otherwise)."""
+    n = (y != IGNORE).sum()
+    if not masked:
+        return int(n) * dp
+    if dp_group is not None:
+        dist.all_reduce(n, group=dp_group)
+    return int(n)
+
+
 @torch.no_grad()
 def evaluate(par: Parallelized, source, spec: JobSpec, dp_rank: int, device: torch.device, pipeline=None,
              dp_group=None) -> float:
-    """Mean held-out loss over train.eval_batches global batches (the same batches every time),
-    averaged over the dp ranks: the layout-free number the single-process run computes."""
+    """Mean held-out loss per target token over train.eval_batches global batches (the same
+    batches every time; completion tokens only for fine-tuning data), summed over the dp ranks
+    before dividing: the layout-free number the single-process run computes."""
     t, dp, dtype = spec.train, spec.layout.dp, spec.precision.dtype
-    losses = []
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss summed over target tokens, their count)
     for j in range(t.eval_batches):
-        micro = list(source.val_batch(j, t.global_batch, dp_rank, dp).to(device).split(t.micro_batch))
+        tokens, mask = source.val_examples(j, t.global_batch, dp_rank, dp)
+        tokens = tokens.to(device)
+        y = targets(tokens, None if mask is None else mask.to(device))
+        sums[1] += (y != IGNORE).sum()
         if pipeline is not None:
-            losses.append(pipeline.evaluate(micro))
+            sums[0] += pipeline.evaluate(tokens, y)
             continue
-        for tokens in micro:
-            with par.loss_context(), autocast(tokens.device.type, dtype):
-                losses.append(_full(micro_batch_loss(par.model, tokens).detach()))
-    loss = torch.stack(losses).mean()
+        for tok, target in zip(tokens.split(t.micro_batch), y.split(t.micro_batch)):
+            with par.loss_context(), autocast(tok.device.type, dtype):
+                sums[0] += _full(micro_batch_loss(par.model, tok, target, scale=1.0).detach())
     if dp_group is not None:
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=dp_group)
-    return loss.item()
+        dist.all_reduce(sums, group=dp_group)
+    return (sums[0] / sums[1].clamp(min=1)).item()
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -248,20 +267,28 @@ def _step(run: _Run, step: int, first: int, sink: Sink) -> float:
     t, dp = spec.train, spec.layout.dp
     start, cpu_start = time.perf_counter(), time.process_time()
     step_fn.set_lr(lr_for(t, step))  # a pure function of the step: exact on resume
-    micro = list(run.source.rank_batch(step, t.global_batch, run.where["dp"], dp).to(run.ctx.device)
-                 .split(t.micro_batch))
+    tokens, mask = run.source.rank_examples(step, t.global_batch, run.where["dp"], dp)
+    tokens = tokens.to(run.ctx.device)
+    y = targets(tokens, None if mask is None else mask.to(run.ctx.device))
+    # The loss is the mean over the global batch's target tokens: each rank's summed loss is
+    # divided by the global count (dp / count before backward, as DDP/FSDP average over dp), so
+    # micro-batches and ranks holding more completion tokens weigh more, whatever the layout.
+    count = max(loss_token_count(y, mask is not None, dp, run.dp_group), 1)
     meter.active = step == first  # activations: measured once, see MemoryMeter.active
     meter.reset_peak()
     if run.pipeline is None:
-        loss = forward_backward(par, micro, meter, step_fn, spec.precision.dtype)
+        micro = list(zip(tokens.split(t.micro_batch), y.split(t.micro_batch)))
+        loss = forward_backward(par, micro, meter, step_fn, spec.precision.dtype, scale=dp / count)
     else:
-        loss, timeline = run.pipeline.step(micro, meter, record=step == min(TIMELINE_STEP, t.steps))
+        loss, timeline = run.pipeline.step(tokens, y, meter, scale=dp / count,
+                                           record=step == min(TIMELINE_STEP, t.steps))
         if timeline is not None:
             sink({"event": "timeline", "step": step, "rank": rank, "items": timeline})
     par.finish_grads()
     step_extra = step_fn.step()
+    loss = loss / count  # this rank's part of the global mean
     if run.dp_group is not None:
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=run.dp_group)
+        dist.all_reduce(loss, group=run.dp_group)
     loss_value = loss.item()
     elapsed = time.perf_counter() - start
     if step == 1 or step == t.steps or step % MEMORY_EVERY == 0:

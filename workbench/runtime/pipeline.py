@@ -13,17 +13,12 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from workbench.data import token_loss_sum
 from workbench.parallel.local import local
 from workbench.parallel.pp import build_schedule
 from workbench.parallel.precision import autocast
 from workbench.runtime.meter import MemoryMeter
-
-
-def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of one micro-batch (the same as the pp=1 loop's)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def _local_value(t: torch.Tensor) -> torch.Tensor:
@@ -58,6 +53,7 @@ class PipelineEngine:
         self.device, self.dtype, self._scale_loss = device, dtype, scale_loss
         self._losses: list[torch.Tensor] = []
         self._pending_loss = False
+        self._scale = 1.0
         self.num_microbatches = num_microbatches
         self.schedule, self.stages = build_schedule(
             par.modules, par.stage_indices, par.num_stages, mesh["pp"], schedule=schedule,
@@ -71,44 +67,44 @@ class PipelineEngine:
         for stage in self.stages:
             self._instrument(stage)
 
-    def step(self, micro_batches: list[torch.Tensor], meter: MemoryMeter, *, record: bool = False) -> tuple[torch.Tensor, list[dict] | None]:
+    def step(self, tokens: torch.Tensor, y: torch.Tensor, meter: MemoryMeter, *, scale: float = 1.0,
+             record: bool = False) -> tuple[torch.Tensor, list[dict] | None]:
         """Forward and backward of one step's micro-batches; gradients land in the stages.
 
         Args:
-            micro_batches: this dp rank's micro-batches, each (B, T + 1) tokens.
+            tokens: this dp rank's (B, T + 1) tokens, num_microbatches micro-batches of rows.
+            y: their (B, T) targets, IGNORE where a token does not train.
             meter: receives the activations in flight.
+            scale: each micro-batch's summed loss is multiplied by it before backward (dp / the
+                global batch's count of target tokens).
             record: also return the F/B/W timeline of this step.
         Returns:
-            (loss: mean over the micro-batches, the same on every pipeline rank, timeline items
-            or None).
+            (loss summed over this rank's target tokens, the same on every pipeline rank,
+            timeline items or None).
         """
-        tokens = torch.cat(micro_batches)
-        x, y = tokens[:, :-1], tokens[:, 1:]
         self._meter, self._items, self._t0 = meter, ([] if record else None), time.perf_counter()
-        self._losses = []
+        self._losses, self._scale = [], scale
         with self.loss_context(), autocast(self.device.type, self.dtype):
             # Every rank passes inputs and targets: the schedule feeds them to whichever of this
             # rank's stages is first / last (a rank may hold both in looped placement).
-            self.schedule.step(x, target=y, return_outputs=False)
-        if self.has_last:
-            loss = torch.stack(self._losses).mean()
-        else:
-            loss = torch.zeros((), device=self.device)
-        dist.broadcast(loss, group=self.pp_group, group_src=self.last_pp_rank)
+            self.schedule.step(tokens[:, :-1], target=y, return_outputs=False)
+        loss = self._summed()
         meter.in_flight = 0
         self._saved.clear()
         items, self._items = self._items, None
         return loss, items
 
     @torch.no_grad()
-    def evaluate(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        """Mean loss of `micro_batches` through the schedule's forward only (no gradients),
-        the same on every pipeline rank."""
-        tokens = torch.cat(micro_batches)
-        self._losses, self._items = [], None
+    def evaluate(self, tokens: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss summed over the target tokens `y` of `tokens` through the schedule's forward
+        only (no gradients), the same on every pipeline rank."""
+        self._losses, self._items, self._scale = [], None, 1.0
         with self.loss_context(), autocast(self.device.type, self.dtype):
-            self.schedule.eval(tokens[:, :-1], target=tokens[:, 1:])
-        loss = torch.stack(self._losses).mean() if self.has_last else torch.zeros((), device=self.device)
+            self.schedule.eval(tokens[:, :-1], target=y)
+        return self._summed()
+
+    def _summed(self) -> torch.Tensor:
+        loss = torch.stack(self._losses).sum() if self.has_last else torch.zeros((), device=self.device)
         dist.broadcast(loss, group=self.pp_group, group_src=self.last_pp_rank)
         return loss
 
@@ -118,13 +114,13 @@ class PipelineEngine:
         # Called right after the last stage's forward of a micro-batch: its saved tensors
         # belong to that micro-batch.
         with self._saving(self._current):
-            loss = pipeline_loss(logits, targets)
+            loss = token_loss_sum(logits, targets)  # the same loss as the pp=1 loop's
         if self._pending_loss:  # not the schedule's shape inference on step 1 (made-up inputs)
             self._pending_loss = False
             self._losses.append(_local_value(loss.detach()))
-        # Divided before backward, as in gradient accumulation: low-precision gradients
-        # accumulate the mean, not a num_microbatches times larger sum.
-        return self._scale_loss(loss / self.num_microbatches)
+        # Scaled before backward, as in gradient accumulation: low-precision gradients
+        # accumulate the global mean, not a sum over tokens.
+        return self._scale_loss(loss * self._scale)
 
     def _instrument(self, stage) -> None:
         fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
