@@ -9,6 +9,7 @@ predicted, measured and their ratio, and how well the predicted order matches th
     python bench/bench_prediction.py --quick           # calibrate --quick, fewer steps
     python bench/bench_prediction.py --reuse-measured  # keep the last run's measurements and profile;
                                                        # only predict again (after a step-time change)
+    python bench/bench_prediction.py --profile P --only tp2,zero3   # measure these again, keep the rest
 
 Writes bench/results/prediction.json and prediction.md, and the table to /tmp/bench_prediction_latest.txt.
 """
@@ -217,7 +218,7 @@ def main(argv=None) -> int:
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     out_json = RESULTS / "prediction.json"
-    previous = json.loads(out_json.read_text()) if args.reuse_measured and out_json.exists() else None
+    previous = json.loads(out_json.read_text()) if out_json.exists() else None
     if args.reuse_measured and previous is None:
         print("no previous bench/results/prediction.json to reuse: run without --reuse-measured first", file=sys.stderr)
         return 2
@@ -225,7 +226,7 @@ def main(argv=None) -> int:
         profile = load_profile(args.profile or PROFILE)
     else:
         profile = calibrate_once(args.quick)
-    names = args.only.split(",") if args.only else list(LAYOUTS)
+    names = args.only.split(",") if args.only else list(LAYOUTS)  # measured now; the others keep the last run's
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown:
         print(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}", file=sys.stderr)
@@ -233,17 +234,16 @@ def main(argv=None) -> int:
     steps = args.steps or (8 if args.quick else 12)
     measured_before = {r["layout"]: r["measured"] for r in previous["rows"]} if previous else {}
     rows, source = [], "catalog defaults"
-    for name in names:
-        spec = LAYOUTS[name]
+    for name, spec in LAYOUTS.items():
+        if name in names and not args.reuse_measured:
+            measured = measure(spec, steps, args.warmup)
+        elif name in measured_before:
+            measured = measured_before[name]
+        else:
+            continue
         predicted, note = predict(spec, profile)
         if predicted is not None:
             source = note
-        if name in measured_before:
-            measured = measured_before[name]
-        elif args.reuse_measured:
-            continue
-        else:
-            measured = measure(spec, steps, args.warmup)
         ratio = predicted / measured["median_s"] if predicted else None
         ranks = spec["resources"]["gpus_per_node"]
         rows.append({"layout": name, "ranks": ranks, "model": spec["model"]["preset"], "layout_spec": spec["layout"],
