@@ -130,10 +130,22 @@ def test_plan_figure_splits_candidates_by_fit():
         return {"layout": {"dp": dp, "tp": tp, "pp": 1, "zero": 3}, "micro_batch": 2, "fits": fits,
                 "peak_bytes": int(peak * GiB), "step_time_s": 1.0, "tokens_per_s": 1e4 * dp, "mfu": 0.4,
                 "usd_per_hour": 30.0, "usd_per_hour_spot": 12.0}
-    plan = {"candidates": [cand(8, 1, True, 60), cand(4, 2, True, 40), cand(1, 8, False, 90)]}
+    plan = {"candidates": [cand(8, 1, True, 60), cand(4, 2, True, 40), cand(1, 8, False, 90)],
+            "device": "h100-80gb", "source": "catalog defaults (h100-80gb)"}
     fits, nofit = figures.plan_figure(plan).data
     assert fits.x == pytest.approx((60, 40)) and list(fits.text) == ["dp8 tp1 pp1 zero3 mb=2", "dp4 tp2 pp1 zero3 mb=2"]
     assert nofit.marker.color == figures.COLORS["overflow"] and nofit.y == (1e4,)
+    assert "predicted from catalog defaults (h100-80gb)" in fits.hovertemplate  # every number says its source
+    assert [list(c) for c in fits.customdata] == [["30.00", "40%"], ["30.00", "40%"]]
+    cpu = figures.plan_figure({**plan, "device": "cpu"}).data[0]
+    assert [c[1] for c in cpu.customdata] == ["-", "-"]  # no MFU on CPU devices
+
+
+def test_layout_label_shows_sequence_parallel_and_virtual_stages():
+    lay = {"dp": 2, "tp": 2, "pp": 2, "zero": 1, "pp_schedule": "interleaved-1f1b", "virtual_stages": 4,
+           "sequence_parallel": True}
+    assert figures.layout_label(lay, 1) == "dp2 tp2 pp2 zero1 sp interleaved-1f1b v4 mb=1"
+    assert figures.layout_label({**lay, "pp_schedule": "1f1b", "sequence_parallel": False}) == "dp2 tp2 pp2 zero1 1f1b"
 
 
 def test_layout_label_names_only_what_is_set():

@@ -21,8 +21,6 @@ _PAST = ("#9e9e9e", "#bcbd22", "#17becf", "#e377c2")  # earlier runs' loss, bene
 _FONT = dict(family="DejaVu Sans, Arial, sans-serif", size=12)
 # Above this many ranks, identical (pp, tp) positions are drawn once with a count.
 MAX_BARS = 32
-# Where a prediction's numbers come from, until the planner names it (`PlanResult.source`).
-DEFAULT_SOURCE = "catalog defaults"
 NO_CPU_MFU = ("No MFU for CPU devices: MFU is the share of a GPU's tensor-core peak a run reaches, "
               "and a CPU has no meaningful peak to divide by.")
 
@@ -222,7 +220,7 @@ def run_figure(events: list[dict], height: int = 320, *, history: list[dict] = (
                       row=1, col=1)
     if predicted and predicted.get("step_time_s"):
         ends = [1, max(x[-1] if x else 1, 2)]
-        source = str(predicted.get("source") or DEFAULT_SOURCE).replace("%{", "% {")
+        source = str(predicted["source"]).replace("%{", "% {")
         for col, key, fmt in ((2, "tokens_per_s", ",.0f"), (3, "step_time_s", ".4g")):
             fig.add_trace(go.Scatter(x=ends, y=[predicted[key]] * 2, mode="lines", name="predicted",
                                      showlegend=False, line=dict(color=COLORS[key], width=1.5, dash="dash"),
@@ -322,7 +320,7 @@ def plan_figure(plan: dict, height: int = 320) -> go.Figure:
         A go.Figure; hover shows the layout and the cost per hour.
     """
     fig = go.Figure()
-    source = plan.get("source") or DEFAULT_SOURCE
+    source = plan["source"]  # where the numbers come from: PlanResult.source
     device = plan.get("device")
     for ok, color, name in ((True, COLORS["master"], "fits"), (False, COLORS["overflow"], "does not fit")):
         rows = [c for c in plan["candidates"] if bool(c["fits"]) == ok]

@@ -76,7 +76,7 @@ class LayoutPanel:
         self.follow = w.Checkbox(value=True, description="GPUs = dp × tp × pp", indent=False)
         # A local Hugging Face folder (config.json + safetensors): model.init = "hf", model.path = it;
         # the shape then comes from its config.json (the preset and shape fields show it, read-only).
-        self.model_path = w.Text(placeholder="local HF model folder", continuous_update=False, layout=_FIELD,
+        self.model_path = w.Text(placeholder="/path/to/model", continuous_update=False, layout=_FIELD,
                                  tooltip="A local Hugging Face model folder (config.json + *.safetensors): "
                                          "the run starts from its weights, the shape comes from its config.json")
         self.model_path.add_class("wb-model-path")

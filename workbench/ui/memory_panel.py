@@ -155,7 +155,7 @@ class MemoryPanel:
 
 def source_html(plan: dict) -> str:
     """The line above the planner's numbers that says where they come from (`PlanResult.source`)."""
-    source = plan.get("source") or figures.DEFAULT_SOURCE
+    source = plan["source"]
     text = (f"<div class='wb-plan-source' style='font-size:12px;color:#444;margin:4px 0'>Predicted step time, "
             f"tokens/s, MFU and cost: <b>{html.escape(source)}</b>")
     if figures.is_cpu(plan.get("device")):

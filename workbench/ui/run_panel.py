@@ -324,7 +324,7 @@ def predict_run(spec) -> dict:
         return {"error": str(e).splitlines()[0]}
     except Exception as e:  # noqa: BLE001 - a planner bug must not stop the run; it is shown instead
         return {"error": f"the planner failed: {type(e).__name__}: {e}"}
-    source = str(getattr(result, "source", None) or figures.DEFAULT_SOURCE)
+    source = result.source
     g = result.given
     if g is None:
         return {"error": (result.given_error or "the layout could not be scored").splitlines()[0], "source": source}

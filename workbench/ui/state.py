@@ -114,10 +114,7 @@ class WorkbenchState:
             self.plan = {"note": "The planner (workbench.planner) is not installed in this build yet."}
         else:
             try:
-                result = plan(self.spec)
-                self.plan = result.to_dict(top=top)
-                # where the numbers come from (a calibration profile or the catalog), shown beside them
-                self.plan["source"] = str(getattr(result, "source", None) or "catalog defaults")
+                self.plan = plan(self.spec).to_dict(top=top)  # with its "source": a calibrated profile or the catalog
             except ConfigError as e:
                 self.plan = {"note": str(e)}
         self._plan_key = _plan_key(self.raw)
