@@ -218,3 +218,30 @@ def test_price_overrides_of_the_wrong_shape_are_config_errors(override):
 
     with pytest.raises(ConfigError, match="prices"):
         load_prices(override)
+
+
+@pytest.mark.parametrize("preset, nodes", [("llama3-8b", 1), ("llama3-70b", 8)])
+def test_full_fine_tuning_of_released_llama3_shapes_plans_like_pretraining(preset, nodes, tmp_path):
+    """Fine-tuning from released weights is pretraining's arithmetic (#29): the planner ranks the
+    same layouts, from a preset or from the model folder's config.json alone (no weights read)."""
+    import dataclasses
+
+    from workbench.shapes import resolve_shape
+    from workbench.spec import ModelSpec
+
+    base = {"train": {"global_batch": 64, "micro_batch": 1}, "precision": {"dtype": "bf16"},
+            "resources": {"gpu": "h100-80gb", "gpus_per_node": 8, "nodes": nodes}}
+    r = plan({**base, "model": {"preset": preset, "seq_len": 8192}})
+    fitting = [c for c in r.candidates if c.fits]
+    assert len(fitting) > 10 and 0.25 < fitting[0].mfu < 0.6
+    sh = resolve_shape(ModelSpec(preset=preset))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": sh.hidden,
+        "intermediate_size": sh.ffn_hidden, "num_hidden_layers": sh.layers, "num_attention_heads": sh.heads,
+        "num_key_value_heads": sh.kv_heads, "vocab_size": sh.vocab, "max_position_embeddings": 8192,
+        "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",
+        "torch_dtype": "bfloat16"}))
+    folder = plan({**base, "model": {"init": "hf", "path": str(tmp_path), "seq_len": 8192}})
+    assert dataclasses.asdict(resolve_shape(ModelSpec(init="hf", path=str(tmp_path)))) == \
+        dataclasses.asdict(dataclasses.replace(sh, seq_len=8192))
+    assert [c.step_time_s for c in folder.candidates[:5]] == [c.step_time_s for c in r.candidates[:5]]
