@@ -2,10 +2,12 @@
 
 One notebook page is shared by the tests of this module, in order: the workbench renders; three
 runs back to back (the first exported as an HTML report, the third stopped within one step);
-a run with checkpoints stopped and resumed, its curve continued; random edit sequences whose
-memory chart must equal `workbench memory --json` for the final form; the dispatch form;
-screenshots at 1000, 1400 and 1920 px (docs/screenshots/) with every plot and table inside its
-column; and last, the kernel still alive (same kernel, idle, answering) 90 s after the last run.
+a run with checkpoints stopped and resumed, its curve continued; the step time and tokens/s
+predicted for the running layout beside the measured ones, with the prediction's source, live and
+after the run; random edit sequences whose memory chart must equal `workbench memory --json` for
+the final form; the dispatch form; a Hugging Face model folder as the model; the planner's source
+line and no MFU for CPU rows; screenshots at 1000, 1400 and 1920 px (docs/screenshots/) with every
+plot and table inside its column; and last, the kernel still alive (same kernel, idle, answering) 90 s after the last run.
 """
 import json
 import random
@@ -139,9 +141,12 @@ def shot(page, shots, name):
     tall = page.evaluate("() => document.querySelector('.wb-root').getBoundingClientRect().height")
     page.set_viewport_size({"width": size["width"], "height": int(tall) + 400})
     time.sleep(1.0)  # plotly's resize
-    root = page.locator(".wb-root").first
-    root.scroll_into_view_if_needed()
-    root.screenshot(path=str(shots / f"{name}.png"))
+    # The page's clip of the workbench's box, not the locator's screenshot: that waits for the box to
+    # be still for two frames, which a live run's redraws (every 0.5 s, slower under load) may never allow.
+    box = page.evaluate("""() => { const r = document.querySelector('.wb-root');
+      r.scrollIntoView({block: 'start'}); const b = r.getBoundingClientRect();
+      return {x: b.left, y: b.top, width: b.width, height: b.height}; }""")
+    page.screenshot(path=str(shots / f"{name}.png"), clip=box, timeout=180_000)  # a starved browser is slow
     page.set_viewport_size(size)
 
 
@@ -170,9 +175,11 @@ def test_three_runs_back_to_back_and_stop_within_a_step(lab, shots):
             plot = lab.evaluate(PLOT, "Training")
             return plot and [plot["traces"][0]["n"], len(plot["traces"])]
 
-        wait_until(lab, lambda: curves() == [RUN_STEPS, 3 + run - 1], f"run {run}'s curves", limit_s=30)  # noqa: B023 (waited on here)
+        # 3 curves, earlier runs' loss beneath, the 2 dashed "predicted" lines (tokens/s, step time)
+        wait_until(lab, lambda: curves() == [RUN_STEPS, 3 + run - 1 + 2], f"run {run}'s curves", limit_s=30)  # noqa: B023 (waited on here)
         print(f"\nrun {run}: {time.monotonic() - t0:.0f}s")
         if run == 1:
+            check_predicted_beside_measured(lab, root, f"median of steps 2-{RUN_STEPS}")
             shot(lab, shots, "03-run-done")
             check_the_report(lab, root)
     wait_until(lab, lambda: root.locator(".wb-run-log").count() == 1, "the run's log lines", limit_s=30)
@@ -183,6 +190,7 @@ def test_three_runs_back_to_back_and_stop_within_a_step(lab, shots):
     button(root, "Run").click()
     wait_until(lab, lambda: progress(root).startswith("step ") and int(progress(root).split()[1]) >= 10,
                "run 3 at step 10", limit_s=START_S)
+    check_predicted_beside_measured(lab, root, "median of steps 2-")  # live: the run goes on
     shot(lab, shots, "02-run-live")
     shown, ended, pressed = stop_and_wait(lab, root)
     lab.info["last_run_end"] = time.monotonic()
@@ -194,6 +202,33 @@ def test_three_runs_back_to_back_and_stop_within_a_step(lab, shots):
     assert "cannot be resumed: no checkpoint" in root.locator(".wb-note-info").last.inner_text()
     assert not button(root, "Resume").is_visible()
     set_field(lab, root, "train.steps", RUN_STEPS)
+
+
+# The run panel's predicted-beside-measured table: {cell class: text}, and its source line.
+PREDICTED = """() => { const t = document.querySelector('.wb-root .wb-run-predicted');
+  if (!t) return null; const out = {text: t.innerText};
+  for (const c of t.querySelectorAll('[class^="wb-predicted-"], [class^="wb-measured-"], .wb-prediction-source'))
+    out[c.className] = c.innerText.trim();
+  return out; }"""
+
+
+def check_predicted_beside_measured(lab, root, which: str) -> None:
+    """The step time and tokens/s predicted for the running layout, beside the measured medians
+    (numbers, not "waiting"), and the prediction's source, as the page shows them."""
+    def shown():
+        got = lab.evaluate(PREDICTED)
+        return got if got and which in got.get("wb-prediction-source", "") else None
+
+    wait_until(lab, lambda: shown() is not None, f"predicted beside measured ({which})", limit_s=60)
+    got = shown()
+    assert "this run's layout (dp2 tp1 pp1 mb=4 on cpu)" in got["text"], got
+    assert got["wb-prediction-source"].startswith("predicted from catalog defaults"), got
+    for key in ("wb-predicted-step", "wb-measured-step"):
+        assert re.fullmatch(r"[\d.]+ m?s", got[key]), got
+    for key in ("wb-predicted-tokens", "wb-measured-tokens"):
+        assert re.fullmatch(r"[\d,]+", got[key]), got
+    training = lab.evaluate(PLOT, "Training")
+    assert [t["name"] for t in training["traces"]].count("predicted") == 2, training
 
 
 # Click Stop and return the step the progress line showed at that moment (the same JS task: no
@@ -355,10 +390,55 @@ def test_dispatch_settings_form(lab, shots):
     settle(lab)
 
 
+def test_a_model_folder_sets_the_model(lab, shots, tmp_path):
+    """A local Hugging Face folder typed into the form becomes the model: the memory chart is that
+    model's; a folder without config.json shows one plain error under the field."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    folder = tmp_path / "released-model"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=256, max_position_embeddings=128, bos_token_id=0, eos_token_id=0)).save_pretrained(folder)
+    root = lab.locator(".wb-root").first
+    path = root.locator(".wb-model-path input")
+    for value in (str(tmp_path), str(folder)):
+        path.fill(value)
+        path.press("Enter")
+        settle(lab)
+        if value == str(tmp_path):
+            root.locator(".wb-note-error", has_text="no config.json there").wait_for()
+            assert root.locator(".wb-note-error").count() == 1
+    spec = tmp_path / "folder.yaml"
+    spec.write_text(json.dumps({**SPEC, "model": {"init": "hf", "path": str(folder)}}))
+    cli = subprocess.run([sys.executable, "-m", "workbench.cli", "memory", str(spec), "--json"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert cli.returncode == 0, cli.stderr
+    from workbench.ui import figures
+
+    want = figures.memory_figure(json.loads(cli.stdout)).layout.title.text
+    wait_until(lab, lambda: (lab.evaluate(PLOT, "Memory per rank (") or {}).get("title") == want,
+               f"the folder model's chart ({want})", limit_s=30)
+    assert root.locator(".wb-model-layers input").input_value() == "3"
+    assert root.locator(".wb-note-error").count() == 0
+    shot(lab, shots, "06-model-folder")
+    path.fill("")
+    path.press("Enter")
+    settle(lab)
+    assert root.locator(".wb-model-preset select").input_value() == "gpt-tiny"
+
+
 def test_layout_fits_1000_to_1920_px(lab, shots):
     root = lab.locator(".wb-root").first
     button(root, "Find layouts that fit").click()
     root.locator(".wb-plan-table").wait_for()
+    # where the planner's numbers come from, above them; no MFU for the CPU rows (a tooltip says why)
+    assert root.locator(".wb-plan-source").inner_text().startswith(
+        "Predicted step time, tokens/s, MFU and cost: catalog defaults")
+    cells = root.locator(".wb-plan-table .wb-no-mfu")
+    assert cells.count() >= 1 and set(cells.all_inner_texts()) == {"-"}
+    assert "tensor-core peak" in cells.first.get_attribute("title")
     set_field(lab, root, "train.micro_batch", 3)  # invalid: the error beside the batch fields
     root.locator(".wb-note-error", has_text="must be divisible by dp(2) x micro_batch(3) = 6").wait_for()
     shot(lab, shots, "04-invalid-layout")
