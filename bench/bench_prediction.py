@@ -163,7 +163,7 @@ def section(result: dict, profile=None) -> str:
     from workbench.calibrate import summary
 
     rows = result["rows"]
-    out = ["## i) Predicted against measured step time (`workbench calibrate`)",
+    out = ["## j) Predicted against measured step time (`workbench calibrate`)",
            "`python bench/bench_prediction.py` calibrates this machine once (`workbench calibrate`: 2 CPU ranks "
            "through local Ray, gloo), then for each layout takes the planner's prediction for the spec's own layout "
            "(`plan(spec, profile=profile).given.step_time_s`) and runs the layout through `workbench.run` (what "
