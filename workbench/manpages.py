@@ -136,11 +136,12 @@ def man_pages(section: str = "1", root: Path = MAN_ROOT, skip: tuple[str, ...] =
     return sorted(p for p in folder.iterdir() if not p.name.startswith(skip) and p.is_file())
 
 
-def qa_records(paths: list[Path], limit: int | None = None) -> Iterator[dict]:
-    """Chat records of the pages that have a NAME line and a DESCRIPTION, one per command."""
+def qa_records(paths: list[Path], limit: int | None = None, max_answer_chars: int = 240) -> Iterator[dict]:
+    """Chat records of the pages that have a NAME line and a DESCRIPTION, one per command; an
+    answer is the summary and the description's sentences up to about max_answer_chars."""
     seen, n = set(), 0
     for path in paths:
-        record = qa_record(path)
+        record = qa_record(path, max_answer_chars)
         if record is None:
             continue
         question = record["messages"][0]["content"]
@@ -154,10 +155,11 @@ def qa_records(paths: list[Path], limit: int | None = None) -> Iterator[dict]:
 
 
 def description_text(paths: list[Path]) -> Iterator[str]:
-    """The DESCRIPTION sections of pages as plain text documents (a pretraining corpus)."""
+    """Pages as plain-text documents, their NAME line and DESCRIPTION (a pretraining corpus)."""
     for path in paths:
         roff = read_page(path)
         if roff is not None:
-            text = "\n\n".join(_paragraphs(sections(roff).get("DESCRIPTION", "")))
+            parts = sections(roff)
+            text = "\n\n".join(_paragraphs(parts.get("DESCRIPTION", "")))
             if text:
-                yield text
+                yield f"{' '.join(parts.get('NAME', '').split())}\n\n{text}".strip()
