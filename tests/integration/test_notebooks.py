@@ -98,3 +98,22 @@ def test_train_on_text_notebook(tmp_path):
     assert last < first  # it learned something about the text
     assert outputs(nb.cells[-1]).startswith("Four score and seven")
     assert (tmp_path / "hf-model" / "model.safetensors").is_file() and any((tmp_path / "tensorboard").iterdir())
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_finetune_notebook(tmp_path):
+    """Pretrain, export, fine-tune from the folder on man-page Q/A, generate (#29 item 5)."""
+    from workbench.manpages import man_pages
+
+    if len(man_pages("1")) < 200:
+        pytest.skip(f"/usr/share/man/man1 has {len(man_pages('1'))} pages here; the demo's instruction set needs ~200")
+    nb = execute("finetune.ipynb", tmp_path, timeout=600)
+    text = "".join(outputs(c) for c in nb.cells)
+    assert text.count("status completed") == 2
+    before, after = (float(v) for v in text.split("held-out completion loss: released ")[1].split(" (")[0].split(" -> fine-tuned "))
+    assert after < before - 0.3  # the answers of commands it never saw got more likely
+    last_eval = float(text.split("the run's last eval: ")[1].split(")")[0])
+    assert abs(last_eval - after) < 2e-3  # transformers' loss on the export is the run's own eval
+    assert "fine-tuned: '" in text and (tmp_path / "fine-tuned-model" / "model.safetensors").is_file()
