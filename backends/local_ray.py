@@ -193,10 +193,7 @@ def _rank_main(fd: int) -> None:
 
     from workbench.runtime.loop import train
 
-    if config.get("entry") == "calibrate":  # `workbench calibrate`: microbenchmarks on the ranks a run gets
-        from workbench.calibrate import calibrate_rank
-
-        train = functools.partial(calibrate_rank, options=config["options"])
+    train = config.get("entry") or train  # `workbench calibrate`: its microbenchmarks on the ranks a run gets
     try:
         train(config["spec"], sink, should_stop=should_stop, resume=config["resume"], attempt=config["attempt"])
     except BaseException as e:  # noqa: BLE001 - every failure goes to the relay, then the driver
@@ -369,8 +366,8 @@ class LocalRayJob:
 
     def __init__(self, spec, on_event: Callable[[dict], None] | None = None, resume: bool = False,
                  entry: dict | None = None):
-        """`entry`: {"entry": "calibrate", "options": {...}} runs `workbench calibrate`'s per-rank
-        microbenchmarks (workbench/calibrate.py) instead of the training loop."""
+        """`entry`: {"entry": callable} runs that per-rank function (a module-level function, sent to
+        the ranks by reference; `workbench calibrate`'s microbenchmarks) instead of the training loop."""
         import torch
 
         ensure_ray()

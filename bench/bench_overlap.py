@@ -30,9 +30,9 @@ def _overlap_job(cfg: dict, sink) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from workbench.models import build_model
     from workbench.parallel.ddp import apply_ddp
     from workbench.parallel.mesh import build_mesh
+    from workbench.runtime.materialize import build_model
     from workbench.spec import load_spec
 
     torch.manual_seed(0)

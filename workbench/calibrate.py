@@ -146,7 +146,7 @@ def _run(job_spec: JobSpec, options: dict, backend: str, say: Callable[[str], No
             say(f"{event['event']}: {event['message']}")
 
     timeout = _TIMEOUT_S[options["mode"]]
-    job = LocalRayJob(job_spec, on_event=on_event, entry={"entry": "calibrate", "options": options})
+    job = LocalRayJob(job_spec, on_event=on_event, entry={"entry": partial(calibrate_rank, options=options)})
     status = job.wait(timeout_s=timeout)
     if status.state in (JobState.PENDING, JobState.RUNNING):
         job.cancel()

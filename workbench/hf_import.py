@@ -15,273 +15,20 @@ from __future__ import annotations
 
 import json
 import os
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from workbench.errors import ConfigError
+from workbench.hf_config import ARCHITECTURES, _short, config_fields  # noqa: F401 - re-exported
+
+MAX_INDEX_BYTES = 64 << 20  # model.safetensors.index.json: one line per tensor (405B: ~100 KiB)
+# Tensors some checkpoints carry that are buffers, not parameters (recomputed here).
+_BUFFERS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
 if TYPE_CHECKING:
     import torch
 
     from workbench.shapes import ModelShape
-
-MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KiB
-MAX_INDEX_BYTES = 64 << 20  # model.safetensors.index.json: one line per tensor (405B: ~100 KiB)
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                 "GPT2LMHeadModel": "gpt2"}
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gpt2": "gpt2"}
-# Tensors some checkpoints carry that are buffers, not parameters (recomputed here).
-_BUFFERS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
-
-
-# -- the shape: config.json alone ----------------------------------------------------------------
-
-
-def source_fields(m) -> dict:
-    """The shape fields (ModelSpec names) of model.path: config.json for init hf; the run's own
-    spec for a workbench checkpoint (init checkpoint). Reads no weights."""
-    if m.init == "hf":
-        return dict(config_fields(m.path))
-    return checkpoint_fields(m.path)
-
-
-def config_fields(directory: str) -> dict:
-    """ModelSpec fields from DIR/config.json (cached by the file's identity).
-
-    Raises:
-        ConfigError: no folder or config.json, an architecture other than Llama, Mistral, Qwen2 or
-            GPT-2, or a field we cannot honour (named).
-    """
-    path = Path(directory).expanduser() / "config.json"
-    try:
-        st = path.stat()
-    except OSError:
-        raise ConfigError(f"model.path={directory!r}: no config.json there. init=hf reads a local transformers "
-                          "folder (config.json + model*.safetensors), as save_pretrained writes it.") from None
-    return _config_fields(str(path.resolve()), st.st_mtime_ns, st.st_size)
-
-
-@lru_cache(maxsize=64)
-def _config_fields(path: str, _mtime: int, size: int) -> dict:
-    if size > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{path}: {size:,} bytes, but a config.json is a few KiB (at most {MAX_CONFIG_BYTES:,} "
-                          "read). Point model.path at a transformers folder.")
-    try:
-        with open(path, "rb") as f:
-            raw = json.loads(f.read(MAX_CONFIG_BYTES + 1))
-    except (OSError, ValueError, RecursionError) as e:
-        raise ConfigError(f"{path}: not readable JSON ({type(e).__name__}: {str(e)[:200]}).") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: a config.json is a JSON object, got {type(raw).__name__}.")
-    return _map_config(raw, path)
-
-
-def _map_config(c: dict, where: str) -> dict:
-    archs = c.get("architectures")
-    kind = None
-    if isinstance(archs, list) and archs:
-        if len(archs) != 1 or not isinstance(archs[0], str) or archs[0] not in ARCHITECTURES:
-            raise ConfigError(f"{where}: architectures={_short(archs)} is not one the workbench can load; it loads "
-                              f"{', '.join(ARCHITECTURES)} (model.init=hf).")
-        kind = ARCHITECTURES[archs[0]]
-    elif c.get("model_type") in _MODEL_TYPES:
-        kind = _MODEL_TYPES[c["model_type"]]
-    else:
-        raise ConfigError(f"{where}: no architectures (or model_type) the workbench can load: model_type="
-                          f"{_short(c.get('model_type'))}; it loads {', '.join(ARCHITECTURES)}.")
-    if c.get("quantization_config") is not None:
-        raise ConfigError(f"{where}: quantization_config is set: quantized weights cannot be trained here. Use the "
-                          "model's unquantized release.")
-    if c.get("auto_map") is not None:
-        raise ConfigError(f"{where}: auto_map names remote code (trust_remote_code), which is never run here; the "
-                          "workbench loads the built-in architectures only.")
-    get = _Getter(c, where)
-    out = _gpt2_fields(get) if kind == "gpt2" else _llama_fields(get, kind)
-    _check_bounds(out, where, kind)
-    return out
-
-
-_HF_NAMES = {"gpt2": {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn_hidden": "n_inner",
-                      "max_positions": "n_positions", "seq_len": "n_positions", "norm_eps": "layer_norm_epsilon"},
-             "llama": {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
-                       "kv_heads": "num_key_value_heads", "ffn_hidden": "intermediate_size",
-                       "max_positions": "max_position_embeddings", "seq_len": "max_position_embeddings",
-                       "norm_eps": "rms_norm_eps"}}
-
-
-def _check_bounds(fields: dict, where: str, kind: str) -> None:
-    """The spec's own bounds (workbench.spec_input) on every number, each error naming config.json's field."""
-    from pydantic import ValidationError
-
-    from workbench.spec import ModelSpec
-
-    plain = {k: v for k, v in fields.items() if k != "rope_scaling"}
-    try:
-        ModelSpec(**plain)
-    except ValidationError as e:
-        err = e.errors()[0]
-        ours = str(err["loc"][0]) if err["loc"] else "?"
-        theirs = _HF_NAMES["gpt2" if kind == "gpt2" else "llama"].get(ours, ours)
-        raise ConfigError(f"{where}: {theirs}={_short(fields.get(ours))} is out of bounds ({err['msg']}): not a "
-                          "model this workbench can plan or build.") from None
-
-
-class _Getter:
-    """Typed reads of config.json fields, each error naming the field."""
-
-    def __init__(self, c: dict, where: str):
-        self.c, self.where = c, where
-
-    def int(self, key: str, default: Any = ..., lo: int = 1) -> Any:
-        v = self.c.get(key, default)
-        if v is ...:
-            raise ConfigError(f"{self.where}: {key} is missing.")
-        if v is None and default is None:
-            return None
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-            raise ConfigError(f"{self.where}: {key}={_short(v)} must be an integer >= {lo}.")
-        return v
-
-    def float(self, key: str, default: Any = ...) -> float:
-        v = self.c.get(key, default)
-        if v is ...:
-            raise ConfigError(f"{self.where}: {key} is missing.")
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
-            raise ConfigError(f"{self.where}: {key}={_short(v)} must be a positive number.")
-        return float(v)
-
-    def bool(self, key: str, default: bool) -> bool:
-        v = self.c.get(key, default)
-        if not isinstance(v, bool):
-            raise ConfigError(f"{self.where}: {key}={_short(v)} must be true or false.")
-        return v
-
-    def refuse(self, key: str, why: str) -> None:
-        raise ConfigError(f"{self.where}: {key}={_short(self.c.get(key))}: {why}")
-
-
-def _llama_fields(get: _Getter, kind: str) -> dict:
-    c = get.c
-    hidden, heads = get.int("hidden_size"), get.int("num_attention_heads")
-    out = {"family": "llama", "layers": get.int("num_hidden_layers"), "hidden": hidden, "heads": heads,
-           "kv_heads": get.int("num_key_value_heads", heads), "ffn_hidden": get.int("intermediate_size"),
-           "vocab": get.int("vocab_size"), "max_positions": get.int("max_position_embeddings"),
-           "norm_eps": get.float("rms_norm_eps", 1e-6),
-           "tie_embeddings": get.bool("tie_word_embeddings", False)}
-    out["seq_len"] = out["max_positions"]
-    if c.get("hidden_act", "silu") != "silu":
-        get.refuse("hidden_act", "the llama family's MLP is SwiGLU (silu); other activations are not built here.")
-    head_dim = c.get("head_dim")
-    if head_dim is not None and (heads == 0 or head_dim != hidden // heads or hidden % heads):
-        get.refuse("head_dim", f"heads here have hidden_size / num_attention_heads = {hidden // max(heads, 1)} "
-                               "features; a separate head_dim is not built.")
-    if kind == "qwen2":
-        out.update(qkv_bias=True, out_bias=False, mlp_bias=False)
-        if get.bool("use_sliding_window", False):
-            out["sliding_window"] = get.int("sliding_window")
-    else:
-        bias = get.bool("attention_bias", False)
-        out.update(qkv_bias=bias, out_bias=bias, mlp_bias=get.bool("mlp_bias", False))
-        if kind == "mistral":
-            window = get.int("sliding_window", 4096) if "sliding_window" in c else 4096  # MistralConfig's default
-            if window is not None:
-                out["sliding_window"] = window
-        elif c.get("attention_bias") and kind != "llama":
-            get.refuse("attention_bias", f"{kind} has no attention bias.")
-    if c.get("pretraining_tp", 1) not in (1, None):
-        get.refuse("pretraining_tp", "a sliced-matmul emulation (Llama 2's) that changes the numerics; the "
-                                     "workbench computes the plain product. Set it to 1.")
-    out.update(_rope(get))
-    return out
-
-
-def _rope(get: _Getter) -> dict:
-    """rope_theta and Llama 3.1 scaling from transformers v5's rope_parameters or v4's
-    rope_theta + rope_scaling."""
-    c = get.c
-    params = c.get("rope_parameters")
-    if params is None:
-        scaling = c.get("rope_scaling")
-        params = {**(scaling if isinstance(scaling, dict) else {}), "rope_theta": c.get("rope_theta", 10000.0)}
-        if scaling is not None and not isinstance(scaling, dict):
-            get.refuse("rope_scaling", "must be an object.")
-        field = "rope_scaling"
-    else:
-        field = "rope_parameters"
-    if not isinstance(params, dict):
-        get.refuse(field, "must be an object.")
-    kind = params.get("rope_type", params.get("type", "default"))
-    theta = params.get("rope_theta", 10000.0)
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not 1 < theta < 1e12:
-        raise ConfigError(f"{get.where}: rope_theta={_short(theta)} must be a number above 1.")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ConfigError(f"{get.where}: {field}.partial_rotary_factor={_short(params['partial_rotary_factor'])}: "
-                          "rotary embeddings here rotate the whole head.")
-    out: dict = {"rope_theta": float(theta)}
-    if kind in ("default", None):
-        return out
-    if kind != "llama3":
-        raise ConfigError(f"{get.where}: {field}.rope_type={_short(kind)} is not supported: the workbench builds the "
-                          "default rotary embedding and Llama 3.1's 'llama3' scaling.")
-    from workbench.shapes import RopeScaling
-
-    try:
-        rs = RopeScaling(float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"]),
-                         int(params["original_max_position_embeddings"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"{get.where}: {field} of type llama3 needs factor, low_freq_factor, high_freq_factor and "
-                          f"original_max_position_embeddings ({type(e).__name__}: {e}).") from None
-    if not (rs.factor > 0 and 0 < rs.low_freq_factor < rs.high_freq_factor and rs.original_max_position_embeddings > 0):
-        raise ConfigError(f"{get.where}: {field}={_short(params)}: needs factor > 0 and 0 < low_freq_factor < "
-                          "high_freq_factor.")
-    out["rope_scaling"] = rs
-    return out
-
-
-def _gpt2_fields(get: _Getter) -> dict:
-    c = get.c
-    hidden = get.int("n_embd")
-    out = {"family": "gpt", "layers": get.int("n_layer"), "hidden": hidden, "heads": get.int("n_head"),
-           "vocab": get.int("vocab_size"), "max_positions": get.int("n_positions"),
-           "ffn_hidden": get.int("n_inner", None) or 4 * hidden, "norm_eps": get.float("layer_norm_epsilon", 1e-5),
-           "tie_embeddings": get.bool("tie_word_embeddings", True)}
-    out["seq_len"] = out["max_positions"]
-    if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        get.refuse("activation_function", "the gpt family's MLP uses the tanh GELU (gelu_new).")
-    if not get.bool("scale_attn_weights", True):
-        get.refuse("scale_attn_weights", "attention here is scaled by 1/sqrt(head size).")
-    if get.bool("scale_attn_by_inverse_layer_idx", False):
-        get.refuse("scale_attn_by_inverse_layer_idx", "attention here is scaled by 1/sqrt(head size) alone.")
-    return out
-
-
-def checkpoint_fields(path: str) -> dict:
-    """The shape fields a workbench checkpoint was written with (its manifest's spec)."""
-    from dataclasses import fields
-
-    from workbench.export import checkpoint_dir
-    from workbench.runtime.checkpoint_store import manifest_spec
-    from workbench.shapes import ModelShape
-    from workbench.spec import load_spec
-
-    if not os.path.isdir(path) and "://" not in path:
-        raise ConfigError(f"model.init=checkpoint with a file ({path!r}): give the model's shape too (a preset or "
-                          "layers/hidden/heads/...); a state_dict file does not say it. A workbench checkpoint "
-                          "directory does.")
-    _, manifest = checkpoint_dir(path)
-    spec = load_spec(manifest_spec(manifest, path))
-    if spec.model.factory is not None or spec.model.params is not None:
-        raise ConfigError(f"model.path={path!r} is a checkpoint of a factory model: init=checkpoint loads the "
-                          "built-in GPT/llama family.")
-    shape = spec.model.shape()
-    return {f.name: getattr(shape, f.name) for f in fields(ModelShape)}
-
-
-def _short(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 80 else text[:77] + "..."
-
 
 # -- the weights: each rank its own slices -------------------------------------------------------
 
@@ -421,7 +168,7 @@ def _load_pt(path: Path) -> dict:
         obj = obj["model"]
     if not isinstance(obj, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in obj.items()):
         raise ConfigError(f"{path}: not a state_dict (a mapping of parameter names to tensors).")
-    from workbench.runtime.materialize import canonical_name
+    from workbench.models import canonical_name
 
     return {canonical_name(k): v for k, v in obj.items()}
 

@@ -210,6 +210,17 @@ def build_model_meta(spec: JobSpec) -> nn.Module:
     return model
 
 
+# Wrappers that insert a level into parameter names; stripped to get the canonical name.
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "module.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name in our model, whatever wraps it (activation checkpointing, compile, FSDP, DDP)."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
 def call_factory(path: str, kwargs: dict) -> nn.Module:
     """Call a model factory under the trust rules of workbench/factory.py and check what it returns."""
     import inspect
@@ -230,21 +241,4 @@ def call_factory(path: str, kwargs: dict) -> nn.Module:
     if not any(True for _ in model.parameters()):
         raise ConfigError(f"model.factory {path!r} returned a {type(model).__name__} without parameters: nothing "
                           "would train. Return the model whose forward(tokens) gives logits.")
-    return model
-
-
-def build_model(spec: JobSpec | dict | str) -> nn.Module:
-    """The model materialized on CPU with the spec's deterministic initialization.
-
-    Args:
-        spec: a JobSpec, or anything `load_spec` accepts.
-    Returns:
-        An nn.Module whose forward(tokens) returns logits.
-    """
-    from workbench.runtime.materialize import materialize
-    from workbench.spec import load_spec
-
-    spec = load_spec(spec)
-    model = build_model_meta(spec)
-    materialize(model, torch.device("cpu"), seed=spec.train.seed)
     return model

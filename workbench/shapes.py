@@ -200,10 +200,16 @@ def resolve_shape(m: ModelSpec) -> ModelShape:
     if init == "hf" and m.preset is not None:
         raise ConfigError(f"model: init=hf takes the shape from model.path's config.json; drop preset "
                           f"{m.preset!r} (seq_len and pad_vocab_to may be given).")
-    if init == "hf" or (init == "checkpoint" and m.preset is None and not {"layers", "hidden", "heads"} & set(given)):
-        from workbench.hf_import import source_fields
+    if init == "checkpoint" and m.preset is None and not {"layers", "hidden", "heads"} & set(given):
+        raise ConfigError(f"model: init=checkpoint ({path!r}) needs the model's shape: the preset or fields of the "
+                          "run that wrote it (e.g. {preset: gpt-mini, init: checkpoint, path: ...}). Every weight "
+                          "is checked against that shape when it loads.")
+    if init == "hf":
+        from workbench.hf_config import config_fields
 
-        base = source_fields(m)  # config.json (init: hf) or the checkpoint's own spec (a workbench checkpoint)
+        base = dict(config_fields(str(path)))  # config.json alone: no weights are read
+        if base.get("rope_scaling") is not None:
+            base["rope_scaling"] = RopeScaling(**base["rope_scaling"])
         _check_overrides(base, given, m)
     elif m.preset is not None:
         if m.preset not in PRESETS:

@@ -270,7 +270,9 @@ class JobSpec(_Section):
 
     def __repr__(self) -> str:
         lay = self.layout
-        model = self.model.preset or self.model.factory or (f"{self.model.params:.3g} params" if self.model.params else self.model.family)
+        m = self.model
+        model = m.preset or m.factory or (f"{m.params:.3g} params" if m.params else None) or \
+            (f"{m.init}:{m.path}" if m.init != "random" else m.family)
         return (
             f"JobSpec({self.name!r}: model={model}, dp={lay.dp} tp={lay.tp} pp={lay.pp} zero={lay.zero}, "
             f"{self.precision.dtype}, steps={self.train.steps}, global_batch={self.train.global_batch}, "

@@ -11,8 +11,9 @@ import torch
 from tests.helpers.hf_models import SEQ, hf_loss, hf_spec, make_hf_model
 from workbench.errors import ConfigError
 from workbench.export import hf_state_dict
-from workbench.models import GPT, build_model, rope_frequencies
+from workbench.models import GPT, rope_frequencies
 from workbench.runtime.loop import train
+from workbench.runtime.materialize import build_model
 from workbench.shapes import resolve_shape
 from workbench.spec import ModelSpec, load_spec
 
@@ -137,9 +138,8 @@ def test_init_checkpoint_from_our_checkpoint_and_state_dict_files(folders, tmp_p
 
     trained, _ = load_checkpoint_model(str(uri))
     want = trained.state_dict()
-    # a workbench checkpoint: the shape comes from the run's own spec
-    from_ckpt = build_model({"model": {"init": "checkpoint", "path": str(uri), "seq_len": SEQ}})
-    # plain state_dict files of our model: the spec gives the shape
+    # our checkpoint or plain state_dict files of our model: the spec gives the shape (a shape from a
+    # checkpoint would make resolving a spec read a spec: planning stays a function of the spec)
     fields = load_spec(hf_spec(single)).model.shape()
     explicit = dict(family="llama", layers=fields.layers, hidden=fields.hidden, heads=fields.heads,
                     kv_heads=fields.kv_heads, ffn_hidden=fields.ffn_hidden, vocab=fields.vocab, seq_len=SEQ,
@@ -148,8 +148,8 @@ def test_init_checkpoint_from_our_checkpoint_and_state_dict_files(folders, tmp_p
                                   "original_max_position_embeddings": 16})
     save_file({k: v.contiguous() for k, v in want.items()}, str(tmp_path / "w.safetensors"))
     torch.save(want, tmp_path / "w.pt")
-    for model in (from_ckpt, *(build_model({"model": {"init": "checkpoint", "path": str(tmp_path / f), **explicit}})
-                               for f in ("w.safetensors", "w.pt"))):
+    for path in (str(uri), str(tmp_path / "w.safetensors"), str(tmp_path / "w.pt")):
+        model = build_model({"model": {"init": "checkpoint", "path": path, **explicit}})
         got = model.state_dict()
         assert set(got) == set(want)
         for k in want:
@@ -270,3 +270,8 @@ def test_an_index_may_only_name_files_beside_it_and_pickles_are_never_read(tmp_p
     (b / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(ConfigError, match="pickles"):
         build_model(hf_spec(b))
+
+
+def test_init_checkpoint_without_a_shape_says_to_give_it(tmp_path):
+    with pytest.raises(ConfigError, match="init=checkpoint .* needs the model's shape"):
+        load_spec({"model": {"init": "checkpoint", "path": str(tmp_path)}}).model.shape()

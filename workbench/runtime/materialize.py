@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
-# Wrappers that insert a level into parameter names; stripped to get the canonical name.
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "module.")
+from workbench.models import canonical_name
+
+if TYPE_CHECKING:
+    from workbench.spec import JobSpec
+
 _RESIDUAL_OUT = ("attn.wo.weight", "mlp.w2.weight")
-
-
-def canonical_name(name: str) -> str:
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
 
 
 def param_name(model: nn.Module, name: str) -> str:
@@ -122,3 +120,20 @@ def _count_blocks(model: nn.Module) -> int:
         return shape.layers
     blocks = getattr(model, "blocks", None)
     return len(blocks) if blocks is not None else 1
+
+
+def build_model(spec: JobSpec | dict | str) -> nn.Module:
+    """The model materialized on CPU with the spec's deterministic initialization.
+
+    Args:
+        spec: a JobSpec, or anything `load_spec` accepts.
+    Returns:
+        An nn.Module whose forward(tokens) returns logits.
+    """
+    from workbench.models import build_model_meta
+    from workbench.spec import load_spec
+
+    spec = load_spec(spec)
+    model = build_model_meta(spec)
+    materialize(model, torch.device("cpu"), seed=spec.train.seed)
+    return model
