@@ -1,6 +1,7 @@
 """Hostile specs: every malformed file, encoding and --set value is a short ConfigError (CLI exit 2),
-never a traceback, a hang or a huge message; a hypothesis fuzz over the CLI and `load_spec`."""
-import time
+never a traceback, a hang or a huge message; a hypothesis fuzz over the CLI and `load_spec`.
+Bombs (aliases, nesting) are stopped by counters, which the messages prove fired; a hang is caught
+by the suite's timeout. Wall-clock seconds are not asserted: this host is shared."""
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -51,9 +52,7 @@ def test_file_encodings(tmp_path, capsys, encoding, ok):
 ])
 def test_set_values(capsys, value, needle):
     for key in ("name", "model.kwargs.x", "unknown"):
-        t0 = time.perf_counter()
         code, err = cli(capsys, "validate", QUICKSTART, "--set", f"{key}={value}")
-        assert time.perf_counter() - t0 < 1.0
         assert code == 2 and needle in err, err
 
 
@@ -72,9 +71,7 @@ def test_a_bare_date_is_a_name():
 def test_files(tmp_path, capsys, text, needle):
     path = tmp_path / "s.yaml"
     path.write_text(text)
-    t0 = time.perf_counter()
     code, err = cli(capsys, "memory", str(path))
-    assert time.perf_counter() - t0 < 1.0
     assert code == 2 and needle in err, err
 
 
@@ -118,9 +115,7 @@ _COMMANDS = st.sampled_from(["validate", "memory", "plan", "dispatch"])
 @given(command=_COMMANDS, sets=st.lists(st.tuples(_KEYS, _VALUES), max_size=3))
 def test_fuzz_cli_set_values(capsys, command, sets):
     extra = ["--dry-run", "--backend", "local"] if command == "dispatch" else []
-    t0 = time.perf_counter()
     code, err = cli(capsys, command, QUICKSTART, *extra, *[a for k, v in sets for a in ("--set", f"{k}={v}")])
-    assert time.perf_counter() - t0 < 5.0
     assert code in (0, 2) and len(err) < MAX_MESSAGE_CHARS + 200
     assert code == 0 or err.startswith("error: ")
 
