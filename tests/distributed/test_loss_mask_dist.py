@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tests.helpers.chat import jsonl, many_chats
+from tests.helpers.models import TWO_RANK_LAYOUTS
 from workbench import build_model, load_spec
 from workbench.data import IGNORE, build_token_source, targets
 from workbench.runtime.loop import train
@@ -13,12 +14,7 @@ from workbench.shards import prepare
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 GPT = {"preset": "gpt-tiny", "seq_len": 128}
 LLAMA = {"family": "llama", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 256, "seq_len": 128}
-CASES = {  # name: (model, layout)
-    "gpt-dp2": (GPT, {"dp": 2}),
-    "gpt-dp2-zero3": (GPT, {"dp": 2, "zero": 3}),
-    "llama-tp2": (LLAMA, {"tp": 2}),
-    "llama-pp2": (LLAMA, {"pp": 2, "pp_schedule": "1f1b"}),
-}
+CASES = {name: ({"gpt": GPT, "llama": LLAMA}[family], layout) for name, (family, layout) in TWO_RANK_LAYOUTS.items()}
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from tests.helpers.models import TWO_RANK_LAYOUTS
 from workbench.data import DEFAULT_TEXT
 from workbench.export import export_hf, load_checkpoint_model
 from workbench.runtime.loop import train
@@ -15,12 +16,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 os.environ["HF_HUB_OFFLINE"] = "1"
 LLAMA = {"family": "llama", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 384, "seq_len": 32}
 GPT = {"preset": "gpt-tiny", "vocab": 384}
-CASES = {  # name: (model, layout)
-    "gpt-dp2": (GPT, {"dp": 2}),
-    "gpt-dp2-zero3": (GPT, {"dp": 2, "zero": 3}),
-    "llama-tp2": (LLAMA, {"tp": 2}),
-    "llama-pp2": (LLAMA, {"pp": 2, "pp_schedule": "1f1b"}),
-}
+CASES = {name: ({"gpt": GPT, "llama": LLAMA}[family], layout) for name, (family, layout) in TWO_RANK_LAYOUTS.items()}
 
 
 @pytest.fixture(scope="module")

@@ -28,3 +28,12 @@ def exploding(vocab: int = 256) -> nn.Module:
 
 def not_a_module():
     return torch.zeros(3)
+
+
+# The layout families the training-feature tests run on 2 gloo ranks: name -> (model family, layout).
+TWO_RANK_LAYOUTS = {
+    "gpt-dp2": ("gpt", {"dp": 2}),
+    "gpt-dp2-zero3": ("gpt", {"dp": 2, "zero": 3}),
+    "llama-tp2": ("llama", {"tp": 2}),
+    "llama-pp2": ("llama", {"pp": 2, "pp_schedule": "1f1b"}),
+}
