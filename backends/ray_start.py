@@ -206,7 +206,28 @@ def end_processes(folder: str) -> set[int]:
     for pid in stopped:  # reap our own children (Ray's daemons), so that no zombie is left
         with contextlib.suppress(OSError):
             os.waitpid(pid, 0)
+    _wait_gone(stopped)
     return stopped
+
+
+def _wait_gone(pids: set[int], timeout_s: float = 30.0) -> None:
+    """Wait until every one of `pids` has exited. A SIGKILLed process that is not our child (a
+    worker the raylet forked) still holds its files while the kernel tears it down, which takes a
+    while on a loaded machine; returning before that would leave it referring to the folder."""
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie (a zombie holds no file, port or memory)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def load_text() -> str:
