@@ -160,3 +160,31 @@ def test_resume_without_checkpoint_warns_and_starts_fresh(tmp_path):
         warnings.simplefilter("always")
         assert ck.restore() == 0
     assert any("no complete checkpoint" in str(w.message) for w in caught)
+
+
+def test_each_manifest_names_the_run_that_wrote_it_and_resume_loads_any(tmp_path, monkeypatch):
+    """#34: the run id (WORKBENCH_RUN_ID, as the local backend sets it per job) is in every manifest, so
+    the notebook tells its own checkpoints from another run's; `restore` (the CLI's explicit --resume)
+    still loads another run's, and one written before runs had an id."""
+    from workbench.runtime.checkpoint import manifest_run_id
+
+    monkeypatch.setenv("WORKBENCH_RUN_ID", "run-a")
+    ck, model, _ = _linear_checkpointer(tmp_path, lambda: 0.0)
+    ck.save(2)
+    ck.close()
+    store = Store(str(tmp_path))
+    manifest = store.read_manifest(2)
+    assert manifest_run_id(manifest) == "run-a"
+    # an old checkpoint: its manifest without the id
+    del manifest["run_id"]
+    store.write_manifest(store.step_dir(2), manifest)
+    assert manifest_run_id(store.read_manifest(2)) is None and manifest_run_id(None) is None
+    assert manifest_run_id({"run_id": 7}) is None  # not an id: never matches a run
+    monkeypatch.setenv("WORKBENCH_RUN_ID", "run-b")
+    ck, model, _ = _linear_checkpointer(tmp_path, lambda: 0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert ck.restore() == 2  # explicit resume: loads it whoever wrote it
+    ck.save(3)
+    ck.close()
+    assert manifest_run_id(store.read_manifest(3)) == "run-b"

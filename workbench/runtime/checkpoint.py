@@ -3,7 +3,12 @@
 DCP's `get_state_dict` / `set_state_dict` turn DDP, FSDP2 and DTensor (TP) modules into
 canonical, layout-free keys, so each rank writes only its shards and a checkpoint loads under
 another world size or layout (resharding). What is saved: model, optimizer, extra stateful
-objects (the fp16 loss scaler), RNG states per rank; the step and the spec go in the manifest.
+objects (the fp16 loss scaler), RNG states per rank; the step, the spec and the run's identity
+(`run_id`: the job's WORKBENCH_RUN_ID or cloud job name, checkpoint_lease.run_id) go in the manifest,
+so that a caller can tell its own run's checkpoints from another run's under the same URI
+(`manifest_run_id`; the notebook's Resume continues only its own). `restore` itself loads the newest
+complete checkpoint whoever wrote it: the CLI's explicit --resume, and checkpoints written before
+runs had an id.
 Data needs no state: batch k is a pure function of (data.seed, k). See docs/checkpoints.md.
 """
 from __future__ import annotations
@@ -55,6 +60,20 @@ warnings.filterwarnings("ignore", message="Detected an existing checkpoint in .*
 
 
 OPTIONAL_PARTS = ("scaler",)  # state that may start fresh when a checkpoint lacks it
+RUN_ID_KEY = "run_id"  # the manifest key of the run that wrote a checkpoint
+
+
+def manifest_run_id(manifest: dict | None) -> str | None:
+    """The id of the run that wrote a checkpoint (its manifest's `run_id`), or None for a
+    checkpoint written before runs had an id (or a manifest whose id is not a non-empty string)."""
+    value = (manifest or {}).get(RUN_ID_KEY)
+    return value if isinstance(value, str) and value else None
+
+
+def _run_id() -> str:
+    from workbench.runtime.checkpoint_lease import run_id
+
+    return run_id()
 
 
 class CheckpointError(RuntimeError):
@@ -102,6 +121,7 @@ class Checkpointer:
         # background thread next to the training collectives of the default group.
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.store = Store(self.uri) if self.uri else None
+        self.run_id = _run_id()  # recorded in each manifest (manifest_run_id)
         # One rank per view of the store deletes there (ranks of a node share its folder).
         views = self._gather(self.store.view_id() if self.store else None)
         self._leader = views.index(views[self.rank]) == self.rank
@@ -218,8 +238,9 @@ class Checkpointer:
 
         def commit():
             if self.rank == 0:
-                store.write_manifest(directory, new_manifest(step, self.spec, self.world, files,
-                                                             time.perf_counter() - start))
+                manifest = new_manifest(step, self.spec, self.world, files, time.perf_counter() - start)
+                manifest[RUN_ID_KEY] = self.run_id
+                store.write_manifest(directory, manifest)
                 return store.committed_steps()[:self.keep]
             return None
 
