@@ -24,10 +24,17 @@ KiB, MiB = 1 << 10, 1 << 20
 # (message sizes, seconds per timed figure, elementwise tensor elements, grid of m = n = k, repeats)
 _PLANS = {
     "quick": {"sizes": [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB], "budget_s": 0.03, "elements": 4 << 20,
-              "cubes": [32, 128, 512], "repeats": 2, "gemm_budget_s": 8.0},
+              "cubes": [32, 128, 512], "repeats": 2, "gemm_budget_s": 8.0, "probe_steps": (2, 4)},
     "full": {"sizes": [4 * KiB << (2 * i) for i in range(8)], "budget_s": 0.15, "elements": 16 << 20,
-             "cubes": [16, 32, 64, 128, 256, 512, 1024], "repeats": 3, "gemm_budget_s": 60.0},
+             "cubes": [16, 32, 64, 128, 256, 512, 1024], "repeats": 3, "gemm_budget_s": 60.0,
+             "probe_steps": (3, 8)},
 }
+# The near-empty model the strategy probes train (a gpt of no preset): 64 wide, 8 heads (tp up to 8
+# divides it), 32 tokens, a 128-token vocabulary, 2 sequences per micro-batch, 2 micro-batches per
+# step; at PROBE_LAYERS blocks each, so the per-block cost is the slope and the per-step cost the rest.
+PROBE_MODEL = {"family": "gpt", "hidden": 64, "heads": 8, "vocab": 128, "seq_len": 32, "tie_embeddings": False}
+PROBE_LAYERS = (2, 6)
+PROBE_MICRO_BATCH, PROBE_MICROS = 2, 2
 _GPU_ELEMENTS = 256 << 20  # 1 GiB fp32 per tensor: well past any GPU's caches
 _TIMEOUT_S = {"quick": 300, "full": 1200}
 
@@ -53,7 +60,75 @@ def _options(spec: JobSpec, quick: bool) -> dict:
     if spec.precision.dtype not in dtypes:
         dtypes.append(spec.precision.dtype)
     return {"mode": mode, **_PLANS[mode], "dtypes": dtypes, "model_shapes": model_gemm_shapes(spec),
-            "device": spec.resources.gpu}
+            "device": spec.resources.gpu, "probes": probe_specs(spec)}
+
+
+def probe_specs(spec: JobSpec) -> list[list]:
+    """[family, spec dict] of each strategy probe: the runtime's step for that family's layout on
+    PROBE_MODEL, over every rank of the spec's resources (one rank: `single`), at each PROBE_LAYERS."""
+    world, per_node = spec.resources.num_gpus, spec.resources.gpus_per_node
+    tp = max((d for d in (8, 4, 2) if world % d == 0 and d <= per_node), default=1)
+    layouts: list[tuple[str, dict]] = [("single", {"dp": 1})]
+    if world > 1:
+        layouts += [("ddp", {"dp": world}), ("zero1", {"dp": world, "zero": 1}),
+                    ("zero2", {"dp": world, "zero": 2}), ("zero3", {"dp": world, "zero": 3})]
+        if tp > 1:
+            layouts.append(("tp", {"dp": world // tp, "tp": tp}))
+        if world % 2 == 0:
+            layouts.append(("pp", {"dp": world // 2, "pp": 2, "pp_schedule": "1f1b"}))
+    out = []
+    for family, layout in layouts:
+        for layers in PROBE_LAYERS:
+            ranks = layout["dp"] * layout.get("tp", 1) * layout.get("pp", 1)
+            out.append([family, probe_spec(spec, layers, layout, ranks)])
+    return out
+
+
+def probe_spec(spec: JobSpec, layers: int, layout: dict, ranks: int) -> dict:
+    """The spec of one probe (its own resources: `ranks` of the spec's device on one node)."""
+    batch = PROBE_MICRO_BATCH * PROBE_MICROS * layout["dp"]
+    return {"name": f"probe-{layers}", "model": {**PROBE_MODEL, "layers": layers},
+            "data": {"source": "synthetic", "seed": 0},
+            "train": {"steps": 100, "global_batch": batch, "micro_batch": PROBE_MICRO_BATCH, "optimizer": "adamw",
+                      "lr": 1e-4, "seed": 0},
+            "layout": layout, "precision": {"dtype": "fp32"},
+            "resources": {"gpu": spec.resources.gpu, "gpus_per_node": ranks, "nodes": 1},
+            "backend": {"name": "local"}}
+
+
+def derive_overheads(profile: HardwareProfile, measured: list) -> HardwareProfile:
+    """The profile with `overheads` and `probes`: each probe's measured step against what the step-time
+    model predicts for it from this profile's other figures, and per family the straight line through
+    the (blocks, extra seconds) of its two depths: the slope is the cost per block and micro-batch
+    (per-module hooks, wrapper dispatch), the rest the cost per step (the loop's own collectives,
+    events, the optimizer's bookkeeping). A negative figure (noise) is taken as 0."""
+    import dataclasses
+
+    from workbench.planner import plan
+
+    base = dataclasses.replace(profile, overheads=(), probes=())
+    probes: list = []
+    points: dict[str, list] = {}
+    for family, raw, seconds in measured:
+        spec = load_spec(raw)
+        got = plan(spec, profile=base).given
+        if got is None:
+            continue
+        lay = spec.layout
+        micros = spec.train.global_batch // (lay.dp * spec.train.micro_batch)
+        layers = spec.model.layers or 1
+        probes.append((family, lay.dp, lay.tp, lay.pp, layers, micros, seconds, got.step_time_s))
+        # blocks on the busiest rank x micro-batches: the unit the per-block cost is charged in
+        points.setdefault(family, []).append((layers / lay.pp * micros, seconds - got.step_time_s))
+    overheads = []
+    for family, pts in points.items():
+        pts.sort()
+        (x0, y0), (x1, y1) = pts[0], pts[-1]
+        slope = max(0.0, (y1 - y0) / (x1 - x0)) if x1 > x0 else 0.0
+        overheads.append((family, max(0.0, min(y0 - slope * x0, y1 - slope * x1) if slope else (y0 + y1) / 2),
+                          slope))
+    overheads = [(f, max(0.0, a), b) for f, a, b in overheads]
+    return dataclasses.replace(profile, overheads=tuple(overheads), probes=tuple(probes))
 
 
 def model_gemm_shapes(spec: JobSpec) -> list[list[int]]:
@@ -115,7 +190,10 @@ def calibrate(spec: JobSpec | dict | str, out: str | Path | None = None, quick: 
         raise WorkerError("calibration ended without a result from rank 0 (see the Ray logs)")
     raw = {**found[-1]["profile"], "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "backend": spec.backend.name}
+    probes = raw.pop("probe_seconds", [])
     profile = profile_from_dict(raw, "(measured)")
+    if probes:
+        profile = derive_overheads(profile, [(f, r, t) for (f, r), t in zip(options["probes"], probes) if t])
     save_profile(profile, path)
     return profile, path
 
@@ -166,8 +244,19 @@ def summary(profile: HardwareProfile, model_shapes: list | None = None) -> str:
         widths = "/".join(f"{x:.0f}" for x in fit.a)
         lines.append(f"  {dtype:<23} {fit.rate / 1e9:7.1f} GFLOP/s  {widths:>17}  {fit.t0 * 1e6:5.1f} us  "
                      f"{fit.worst:15.0%}  {count:6d}")
-    lines += ["", f"memory bandwidth per rank  {profile.memory_bw / 1e9:.2f} GB/s",
+    lines += ["", f"memory bandwidth per rank  {profile.memory_bw / 1e9:.2f} GB/s"
+              + "".join(f", {d} {bw / 1e9:.2f} GB/s" for d, bw in profile.memory_bw_dtype),
               f"per-op overhead            {profile.op_overhead_s * 1e6:.1f} us", ""]
+    if profile.overheads:
+        lines += ["runtime step beyond the modelled work (a near-empty model through the runtime's own step)",
+                  "  family    per step   per block and micro-batch   probes: blocks x micro-batches -> "
+                  "measured / modelled s"]
+        for fam, per_step, per_block in profile.overheads:
+            shown = ", ".join(f"{p[4] // p[3]}x{p[5]} -> {p[6]:.4f}/{p[7]:.4f}" for p in profile.probes if p[0] == fam)
+            lines.append(f"  {fam:<8} {per_step * 1e3:7.1f} ms  {per_block * 1e3:18.2f} ms        {shown}")
+        if profile.cpu_cores:
+            lines.append(f"  ({profile.nodes * profile.ranks_per_node} ranks on {profile.cpu_cores} logical CPUs)")
+        lines.append("")
     kinds = sorted({(p[0], p[1], p[2]) for p in profile.collectives})
     sizes = sorted({p[3] for p in profile.collectives})
     if kinds:
@@ -208,13 +297,17 @@ def calibrate_rank(spec: dict, sink, *, options: dict, should_stop=lambda: False
     gemm = bench.gemms(options["dtypes"], options["model_shapes"], options["cubes"])
     memory_bw = bench.memory_bw(options["elements"] if ctx.device.type == "cpu" else _GPU_ELEMENTS)
     overhead = bench.op_overhead()
+    bw_dtype = {d: bench.memory_bw(options["elements"] if ctx.device.type == "cpu" else _GPU_ELEMENTS, d)
+                for d in options["dtypes"] if d != "fp32"}
     collectives = bench.collectives(options["sizes"])
+    probe_seconds = bench.strategy_probes(options.get("probes", []), options["probe_steps"])
     if ctx.rank == 0:
         sink({"event": "calibration", "profile": {
             "device": options["device"], "created": "1970-01-01T00:00:00+00:00", "host": socket.gethostname()[:255],
             "backend": "local", "nodes": nodes, "ranks_per_node": per_node,
             "threads_per_rank": torch.get_num_threads(), "gemm": gemm, "memory_bw": memory_bw,
-            "op_overhead_s": overhead, "collectives": collectives}})
+            "op_overhead_s": overhead, "collectives": collectives, "memory_bw_dtype": bw_dtype,
+            "cpu_cores": os.cpu_count() or 0, "probe_seconds": probe_seconds}})
         sink({"event": "end", "status": "completed", "step": 0})
 
 
@@ -300,11 +393,12 @@ class _Bench:
                     out.append([dtype, m, n, k, self.time(lambda a=a, w=w: F.linear(a, w))])
         return out
 
-    def memory_bw(self, elements: int) -> float:
+    def memory_bw(self, elements: int, dtype: str = "fp32") -> float:
         """Bytes/s of c = a + b on tensors far larger than the caches (two reads and a write)."""
-        self.note("memory bandwidth")
+        self.note(f"memory bandwidth ({dtype})")
         torch = self.torch
-        a, b, c = (torch.rand(elements, device=self.dev) for _ in range(3))
+        dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        a, b, c = (torch.rand(elements, device=self.dev).to(dt) for _ in range(3))
         return 3 * a.element_size() * elements / self.time(lambda: torch.add(a, b, out=c))
 
     def op_overhead(self) -> float:
@@ -312,6 +406,60 @@ class _Bench:
         self.note("per-op overhead")
         x = self.torch.zeros(16, device=self.dev, requires_grad=True)
         return self.time(lambda: self.torch.mul(x, 2.0))
+
+    def strategy_probes(self, probes: list, steps: tuple) -> list:
+        """Seconds per step (rank 0's, the median after `steps[0]` warm-up steps of `steps[1]`) of the
+        runtime's own training step (workbench/runtime/loop.py: the same setup, step, events and
+        meter as `run`) for each [family, spec] of `probes`; a probe on fewer ranks than the world
+        runs on the first ranks while the others wait. None for a probe that failed on some rank."""
+        import statistics
+
+        from workbench.runtime import loop
+
+        warm, total = steps
+        out: list = []
+        for family, raw in probes:
+            spec = load_spec(raw)
+            ranks = spec.resources.num_gpus
+            self.note(f"runtime step, {family} at {spec.model.layers} blocks over {ranks} ranks")
+            times: list = []
+            ok = 1.0
+            if self.ctx.rank < ranks:
+                try:
+                    times = self._probe(loop, spec, ranks, total)
+                except Exception as e:  # noqa: BLE001 - a strategy this host cannot run: no figure for it
+                    self.note(f"runtime step {family} failed: {type(e).__name__}: {str(e)[:200]}")
+                    ok = 0.0
+            agreed = self._max(0.0 if ok else 1.0) == 0.0
+            out.append(statistics.median(times[warm:]) if agreed and self.ctx.rank == 0 and times else None)
+        return out
+
+    def _probe(self, loop, spec, ranks: int, steps: int) -> list:
+        events: list = []
+
+        def sink(event: dict) -> None:
+            if event.get("event") == "step":
+                events.append(event["step_time_s"])
+
+        if ranks == self.ctx.world_size:
+            run = loop._setup(spec, sink)
+        else:  # the world is larger than the probe: its ranks build the run without a mesh (one rank)
+            from workbench.data import build_token_source
+            from workbench.models import build_model_meta
+            from workbench.parallel.apply import parallelize
+            from workbench.parallelism import Parallelism
+            from workbench.runtime.meter import MemoryMeter
+
+            par = parallelize(build_model_meta(spec), None, Parallelism.from_spec(spec), device=self.dev,
+                              seed=spec.train.seed)
+            meter = MemoryMeter(self.dev)
+            meter.watch_params(par.modules)
+            ctx = loop.RankContext(0, 1, self.dev)
+            run = loop._Run(spec, ctx, None, loop.coords(None), par, loop.build_train_step(par, spec, self.dev, None),
+                            build_token_source(spec), meter, None, None)
+        for step in range(1, steps + 1):
+            loop._step(run, step, 1, sink)
+        return events
 
     def _groups(self) -> list:
         """(link, this rank's group or None for the world, ranks in it, its members): the node's ranks

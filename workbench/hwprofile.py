@@ -26,6 +26,10 @@ DTYPES = ("fp32", "bf16", "fp16")
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 LINKS = ("intra", "inter")
 BACKENDS = ("local", "ray")
+# Strategy families whose fixed per-step and per-block costs `workbench calibrate` measures by running
+# the runtime's own step on a near-empty model (workbench/calibrate.py, strategy_probes), in the order
+# a layout is matched to one (workbench/steptime.py, overhead_family).
+FAMILIES = ("pp", "tp", "zero3", "zero2", "zero1", "ddp", "single")
 # A dtype that was not measured is priced as the nearest one that was (fp16 and bf16 run on the
 # same units on every device we know; fp32 is the slow path).
 _DTYPE_FALLBACK = {"fp16": ("bf16", "fp32"), "bf16": ("fp16", "fp32"), "fp32": ("bf16", "fp16")}
@@ -127,6 +131,15 @@ class HardwareProfile:
     memory_bw: float  # bytes/s per rank, elementwise work on large tensors, all ranks busy
     op_overhead_s: float  # seconds per small op (dispatch / launch)
     collectives: tuple  # (kind, link, ranks, nbytes, seconds)
+    # Optional (profiles of calibrate before #28 item 3 lack them; the model then leaves them out):
+    # bytes/s of elementwise work per dtype other than fp32 (a CPU without bf16 units moves half the bytes)
+    memory_bw_dtype: tuple = ()  # ((dtype, bytes/s), ...)
+    # per strategy family, what the runtime's step costs beyond the modelled work: (family,
+    # seconds per step, seconds per block and micro-batch), from `probes`
+    overheads: tuple = ()
+    # the runtime steps it was read off: (family, dp, tp, pp, layers, micro-batches, measured s, modelled s)
+    probes: tuple = ()
+    cpu_cores: int = 0  # logical CPUs the host offered its ranks (0: not recorded)
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     # -- GEMMs --------------------------------------------------------------------------------
@@ -152,6 +165,18 @@ class HardwareProfile:
     def gemm_flops(self, dtype: str) -> float:
         """FLOP/s a large GEMM reaches (the fit's rate)."""
         return self.gemm_fit(dtype).rate
+
+    def elementwise_bw(self, dtype: str) -> float:
+        """Bytes/s of elementwise work in `dtype` (memory_bw for fp32 and unmeasured dtypes)."""
+        return dict(self.memory_bw_dtype).get(dtype, self.memory_bw)
+
+    def overhead(self, family: str) -> tuple[float, float] | None:
+        """(seconds per step, seconds per block and micro-batch) the runtime's `family` step costs
+        beyond the modelled work, or None when this profile did not measure it."""
+        for fam, per_step, per_block in self.overheads:
+            if fam == family:
+                return per_step, per_block
+        return None
 
     # -- collectives --------------------------------------------------------------------------
     def _series(self, kind: str, link: str, size: int):
@@ -230,7 +255,10 @@ class HardwareProfile:
                 "backend": self.backend, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
                 "threads_per_rank": self.threads_per_rank, "memory_bw": self.memory_bw,
                 "op_overhead_s": self.op_overhead_s,
-                "gemm": [list(p) for p in self.gemm], "collectives": [list(p) for p in self.collectives]}
+                "gemm": [list(p) for p in self.gemm], "collectives": [list(p) for p in self.collectives],
+                "memory_bw_dtype": {d: bw for d, bw in self.memory_bw_dtype},
+                "overheads": {f: {"per_step_s": a, "per_block_s": b} for f, a, b in self.overheads},
+                "probes": [list(p) for p in self.probes], "cpu_cores": self.cpu_cores}
 
 
 def _interp(series: list, x: float) -> float:
@@ -302,12 +330,13 @@ def profile_from_dict(raw, where: str = "(dict)") -> HardwareProfile:
         raise _fail(where, "(top level)", f"a mapping of fields, not {type(raw).__name__}")
     if raw.get("format", FORMAT) != FORMAT:
         raise _fail(where, "format", f"{FORMAT!r} (this version reads that), not {clip(repr(raw.get('format')), 80)}")
-    known = {"format", "device", "created", "host", "backend", "nodes", "ranks_per_node", "threads_per_rank",
-             "gemm", "memory_bw", "op_overhead_s", "collectives"}
+    required = {"format", "device", "created", "host", "backend", "nodes", "ranks_per_node", "threads_per_rank",
+                "gemm", "memory_bw", "op_overhead_s", "collectives"}
+    known = required | {"memory_bw_dtype", "overheads", "probes", "cpu_cores"}
     for key in raw:
         if key not in known:
             raise _fail(where, clip(str(key), 80), "not a field of a hardware profile" + did_you_mean(str(key), known))
-    for key in known - {"format"}:
+    for key in required - {"format"}:
         if key not in raw:
             raise _fail(where, key, "missing")
     device = _choice(raw["device"], "device", where, tuple(DEVICES))
@@ -329,7 +358,34 @@ def profile_from_dict(raw, where: str = "(dict)") -> HardwareProfile:
             colls.append((_choice(kind, f"{name} kind", where, KINDS), _choice(link, f"{name} link", where, LINKS),
                           _int(ranks, f"{name} ranks", where, 2, MAX_RANKS),
                           _int(nbytes, f"{name} nbytes", where, 1, 1 << 50), _pos(t, f"{name} seconds", where)))
+    bw_dtype = raw.get("memory_bw_dtype") or {}
+    if not isinstance(bw_dtype, dict):
+        raise _fail(where, "memory_bw_dtype", f"a mapping of dtype to bytes/s, not {clip(repr(bw_dtype), 80)}")
+    bw_pairs = tuple((_choice(d, "memory_bw_dtype dtype", where, DTYPES), _pos(bw, f"memory_bw_dtype {d}", where))
+                     for d, bw in bw_dtype.items())
+    over = raw.get("overheads") or {}
+    if not isinstance(over, dict):
+        raise _fail(where, "overheads", f"a mapping of strategy family to costs, not {clip(repr(over), 80)}")
+    overheads = []
+    for fam, costs in over.items():
+        name = f"overheads {clip(str(fam), 40)}"
+        _choice(fam, name, where, FAMILIES)
+        if not isinstance(costs, dict) or set(costs) != {"per_step_s", "per_block_s"}:
+            raise _fail(where, name, f"{{per_step_s: seconds, per_block_s: seconds}}, not {clip(repr(costs), 80)}")
+        overheads.append((fam, _pos(costs["per_step_s"], f"{name} per_step_s", where, allow_zero=True),
+                          _pos(costs["per_block_s"], f"{name} per_block_s", where, allow_zero=True)))
+    probes = []
+    if raw.get("probes"):
+        for i, row in enumerate(_rows(raw["probes"], "probes", where, 8)):
+            name = f"probes[{i}]"
+            probes.append((_choice(row[0], f"{name} family", where, FAMILIES),
+                           *(_int(x, f"{name} {what}", where, 1, MAX_RANKS)
+                             for x, what in zip(row[1:6], ("dp", "tp", "pp", "layers", "micro-batches"))),
+                           _pos(row[6], f"{name} measured", where), _pos(row[7], f"{name} modelled", where)))
+    cores = raw.get("cpu_cores", 0)
     return HardwareProfile(
+        memory_bw_dtype=bw_pairs, overheads=tuple(overheads), probes=tuple(probes),
+        cpu_cores=_int(cores, "cpu_cores", where, 0, 1 << 20),
         device=device, created=created, host=_text(raw["host"], "host", where),
         backend=_choice(raw["backend"], "backend", where, BACKENDS),
         nodes=_int(raw["nodes"], "nodes", where, 1, MAX_RANKS),

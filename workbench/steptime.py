@@ -158,10 +158,20 @@ class Hardware:
         rel = FLASH_RELATIVE.get(gen, FLASH_RELATIVE_DEFAULT) if fused else ATTENTION_EFFICIENCY
         return flops / (self.dev.compute_flops[dtype] * gemm_efficiency(self.dev, width, tokens) * rel)
 
-    def memory_s(self, nbytes: float) -> float:
-        """Seconds of memory-bound work moving `nbytes` (reads + writes)."""
-        bw = self.profile.memory_bw if self.profile is not None else self.dev.hbm_bw * HBM_EFFICIENCY
-        return nbytes / bw
+    def memory_s(self, nbytes: float, dtype: str = "fp32") -> float:
+        """Seconds of memory-bound work moving `nbytes` (reads + writes) of `dtype` elements (a
+        profile may have measured another rate for bf16: a CPU without bf16 units converts)."""
+        if self.profile is not None:
+            return nbytes / self.profile.elementwise_bw(dtype)
+        return nbytes / (self.dev.hbm_bw * HBM_EFFICIENCY)
+
+    def overhead(self, lay) -> tuple[float, float]:
+        """(seconds per step, seconds per block and micro-batch) that the runtime's step for this
+        layout's strategy family costs beyond the modelled work: measured by `workbench calibrate`
+        (the runtime's own step on a near-empty model); (0, 0) from the catalog or an older profile."""
+        if self.profile is None:
+            return 0.0, 0.0
+        return self.profile.overhead(overhead_family(lay)) or (0.0, 0.0)
 
     @property
     def launch_s(self) -> float:
@@ -189,6 +199,18 @@ class Hardware:
                 return measured
         local = group_ranks_per_node(size, stride, self.gpus_per_node)
         return collective_s(kind, size, nbytes, link, self.dev, local, self.gpus_per_node)
+
+
+def overhead_family(lay) -> str:
+    """The strategy family whose measured overhead a layout pays (workbench/hwprofile.py FAMILIES):
+    the first of pipeline, tensor parallel, ZeRO 3/2/1, DDP, one rank that the layout uses."""
+    if lay.pp > 1:
+        return "pp"
+    if lay.tp > 1:
+        return "tp"
+    if lay.dp > 1:
+        return {3: "zero3", 2: "zero2", 1: "zero1"}.get(lay.zero, "ddp")
+    return "single"
 
 
 def link_of(size: int, stride: int, gpus_per_node: int) -> str:
@@ -373,7 +395,7 @@ def _block_work(hw: Hardware, shape, tokens: int, tp: int, sp: bool, dtype: str,
                   1 + 2 * i) for i, x in enumerate(executed)]
     fwd_bytes, bwd_bytes = _block_bytes(shape, tokens, tp, sp, DTYPE_BYTES[dtype])
     mem_ops = OPS_PER_BLOCK.get(shape.family, 16) - len(gemms) - 1
-    mem_f, mem_b = _Work(hw.memory_s(fwd_bytes), mem_ops), _Work(hw.memory_s(bwd_bytes), 2 * mem_ops)
+    mem_f, mem_b = _Work(hw.memory_s(fwd_bytes, dtype), mem_ops), _Work(hw.memory_s(bwd_bytes, dtype), 2 * mem_ops)
     fwd = _gemm_work(hw, gemms, dtype, False) + attn[0] + mem_f
     bwd = _gemm_work(hw, gemms, dtype, True) + attn[1] + mem_b
     return fwd, bwd, attn[0], mem_f.device_s + mem_b.device_s
@@ -508,7 +530,11 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
 
     n_tensors = _tensors(shape, tp, lay.pp, lay.chunks)
     optimizer = _optimizer_time(lay, hw, shard_per_rank, params_per_rank, w, n_tensors)
-    total = pipelined + tied_s + exposed_dp + optimizer
+    # What the runtime's step costs beyond this work (hooks, wrappers, the loop's own collectives and
+    # events), as a calibrated profile measured it for the layout's strategy family; 0 otherwise.
+    per_step, per_block = hw.overhead(lay)
+    runtime_s = per_step + m * blocks * per_block
+    total = pipelined + tied_s + exposed_dp + optimizer + runtime_s
     tokens_per_s = global_batch * s / total
     peak = dev.compute_flops[lay.dtype]
     mfu = None if hw.cpu else tokens_per_s * model_fpt / (lay.world_size * peak)
@@ -517,7 +543,7 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
               "gemm_s": m * (fwd_all + bwd_all).device_s, "memory_bound_s": m * mem * blocks,
               "host_s": m * (compute.ops + tp_ops) * hw.launch_s,
               "tp_comm_s": m * tp_micro, "fsdp_exposed_s": m * fsdp_micro, "dp_exposed_s": exposed_dp,
-              "dp_comm_s": dp_comm, "p2p_s": m * p2p_micro + tied_s, "bubble_s": pipelined - m * micro,
+              "dp_comm_s": dp_comm, "p2p_s": m * p2p_micro + tied_s, "bubble_s": pipelined - m * micro, "runtime_overhead_s": runtime_s,
               "source": hw.source}
     return StepTime(total, tokens_per_s, mfu, m * per_micro, bubble, exposed, optimizer, detail)
 

@@ -219,3 +219,51 @@ def test_where_profiles_are_found(tmp_path, monkeypatch):
         default_profile_path("../../etc/passwd")
     monkeypatch.delenv("WORKBENCH_HOME")
     assert default_profile_path("cpu") == type(default_profile_path("cpu")).home() / ".workbench" / "profiles" / "cpu.yaml"
+
+
+def test_runtime_overheads_round_trip_and_older_profiles_still_load(tmp_path):
+    p = _profile(memory_bw_dtype=(("bf16", 2.5e9),), overheads=(("ddp", 0.01, 0.002), ("zero3", 0.03, 0.0)),
+                 probes=(("ddp", 2, 1, 1, 2, 2, 0.05, 0.03), ("ddp", 2, 1, 1, 6, 2, 0.07, 0.034)), cpu_cores=2)
+    path = tmp_path / "cpu.yaml"
+    save_profile(p, path)
+    back = load_profile(path)
+    assert back == p and back.overhead("ddp") == (0.01, 0.002) and back.overhead("tp") is None
+    assert back.elementwise_bw("bf16") == 2.5e9 and back.elementwise_bw("fp32") == back.elementwise_bw("fp16") == 5e9
+    old = yaml.safe_load(path.read_text())
+    for key in ("memory_bw_dtype", "overheads", "probes", "cpu_cores"):
+        del old[key]
+    path.write_text(yaml.safe_dump(old))
+    assert load_profile(path).overheads == () and load_profile(path).overhead("ddp") is None
+    for bad, says in (({"ddpp": {"per_step_s": 0.1, "per_block_s": 0.0}}, "Did you mean .ddp."),
+                      ({"ddp": {"per_step_s": -1, "per_block_s": 0.0}}, "per_step_s"),
+                      ({"ddp": 0.1}, "per_block_s")):
+        path.write_text(yaml.safe_dump({**old, "overheads": bad}))
+        with pytest.raises(ConfigError, match=says):
+            load_profile(path)
+
+
+def test_calibrate_reads_per_step_and_per_block_costs_off_the_probes():
+    """derive_overheads: measured = modelled + a + b x blocks x micro-batches gives back (a, b) per family;
+    a family measured faster than modelled costs nothing extra."""
+    from workbench.calibrate import derive_overheads, probe_specs
+    from workbench.planner import plan
+    from workbench.spec import load_spec
+
+    spec = load_spec({"model": {"preset": "gpt-mini"}, "train": {"global_batch": 8, "micro_batch": 4},
+                      "resources": {"gpu": "cpu", "gpus_per_node": 2}}, layout=False)
+    probes = probe_specs(spec)
+    assert sorted({f for f, _ in probes}) == ["ddp", "pp", "single", "tp", "zero1", "zero2", "zero3"]
+    base = _profile()
+    cost = {"ddp": (0.012, 0.0015), "zero3": (0.02, 0.004), "tp": (0.0, 0.006)}
+    measured = []
+    for family, raw in probes:
+        s = load_spec(raw)
+        modelled = plan(s, profile=base).given.step_time_s
+        a, b = cost.get(family, (-0.001, 0.0))  # the others: measured a little faster than modelled
+        micros = s.train.global_batch // (s.layout.dp * s.train.micro_batch)
+        measured.append((family, raw, modelled + a + b * s.model.layers / s.layout.pp * micros))
+    got = derive_overheads(base, measured)
+    for family, (a, b) in cost.items():
+        assert got.overhead(family) == pytest.approx((a, b), abs=1e-9)
+    assert got.overhead("zero1") == (0.0, 0.0) and got.overhead("single") == (0.0, 0.0)
+    assert len(got.probes) == len(probes) and got.probes[0][0] == "single"

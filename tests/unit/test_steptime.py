@@ -168,3 +168,51 @@ def test_no_mfu_on_cpu():
               "layout": {"dp": 2}, "resources": {"gpu": "cpu", "gpus_per_node": 2}})
     assert r.given.mfu is None and all(c.mfu is None for c in r.candidates)
     assert "MFU: not given on CPU" in r.table() and "run `workbench calibrate`" in r.source
+
+
+def _cpu_profile(**kw):
+    """A made-up 2-rank CPU profile: 50 GFLOP/s fp32 GEMMs (bf16 a quarter), 8 GB/s, 1 GB/s collectives."""
+    from workbench.hwprofile import HardwareProfile
+
+    gemm = tuple((d, m, n, k, 5e-6 + 2 * m * n * k / (50e9 if d == "fp32" else 12.5e9))
+                 for d in ("fp32", "bf16") for m, n, k in [(64, 64, 64), (256, 256, 256), (512, 1024, 256),
+                                                           (1024, 256, 1024), (128, 32, 512), (32, 512, 128)])
+    colls = tuple((kind, "intra", 2, nbytes, 50e-6 + nbytes / 1e9)
+                  for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p") for nbytes in (4096, 1 << 20, 1 << 26))
+    base = dict(device="cpu", created="2026-12-02T10:00:00+00:00", host="box", backend="local", nodes=1,
+                ranks_per_node=2, threads_per_rank=1, gemm=gemm, memory_bw=8e9, op_overhead_s=10e-6, collectives=colls)
+    return HardwareProfile(**{**base, **kw})
+
+
+MINI = {"model": {"preset": "gpt-mini"}, "train": {"global_batch": 16, "micro_batch": 4},
+        "resources": {"gpu": "cpu", "gpus_per_node": 2}}
+
+
+@pytest.mark.parametrize("layout, family, blocks", [
+    ({"dp": 2}, "ddp", 6), ({"dp": 2, "zero": 3}, "zero3", 6), ({"dp": 1, "tp": 2}, "tp", 6),
+    ({"dp": 1, "pp": 2, "pp_schedule": "1f1b"}, "pp", 3), ({"dp": 1}, "single", 6)])
+def test_measured_runtime_overhead_is_charged_per_step_and_per_block_of_its_family(layout, family, blocks):
+    from workbench.planner import plan
+
+    spec = {**MINI, "layout": layout}
+    if layout["dp"] == 1 and "tp" not in layout and "pp" not in layout:
+        spec["resources"] = {"gpu": "cpu", "gpus_per_node": 1}
+    without = plan(spec, profile=_cpu_profile()).given
+    others = tuple((f, 1.0, 1.0) for f in ("pp", "tp", "zero3", "zero2", "zero1", "ddp", "single") if f != family)
+    with_ = plan(spec, profile=_cpu_profile(overheads=((family, 0.02, 0.003),) + others)).given
+    micros = 16 // (4 * layout["dp"])
+    assert with_.step_time_s - without.step_time_s == pytest.approx(0.02 + micros * blocks * 0.003, rel=1e-9)
+    # the other families' figures are not charged to this layout
+    assert plan(spec, profile=_cpu_profile(overheads=others)).given.step_time_s == without.step_time_s
+
+
+def test_bf16_elementwise_work_at_its_measured_rate():
+    from workbench.planner import plan
+
+    spec = {**MINI, "layout": {"dp": 2}, "precision": {"dtype": "bf16"}}
+    same = plan(spec, profile=_cpu_profile()).given
+    half = plan(spec, profile=_cpu_profile(memory_bw_dtype=(("bf16", 4e9),))).given
+    assert half.step_time_s > same.step_time_s  # the block's memory-bound bytes at half the rate
+    fp32 = {**spec, "precision": {"dtype": "fp32"}}
+    assert plan(fp32, profile=_cpu_profile(memory_bw_dtype=(("bf16", 4e9),))).given.step_time_s == \
+        plan(fp32, profile=_cpu_profile()).given.step_time_s
