@@ -1,6 +1,6 @@
 """The `ray` backend on a REAL Ray cluster of several nodes on this host (a head with no CPUs and
 worker nodes of 2 CPUs each, separate raylets and node ids): ranks placed by the layout (a tp group
-inside one node), `workbench dispatch --backend ray` and `ray job submit`, and node loss (a worker
+inside one node), `workbench dispatch --backend ray` and `ray job submit` (one job each), and node loss (a worker
 node's raylet killed) -> the job restarts from the last checkpoint on the nodes left; with
 `backend.elastic` it continues at a smaller dp on the same loss curve.
 
@@ -109,23 +109,14 @@ def _wait_for(job: RayClusterJob, predicate, timeout_s: float = 300):
     raise TimeoutError(job.logs(60))
 
 
-def test_dispatch_places_each_tp_group_inside_one_node(cluster, client, tmp_path, reference):
-    workers = cluster.set_workers(2, CPUS_PER_NODE)
-    (tmp_path / "multinode.yaml").write_text(yaml.safe_dump(_spec(cluster)))
+def _submit_with_dispatch(cluster, spec: dict, tmp_path: Path) -> str:
+    """`workbench dispatch --backend ray` of the spec (RayClusterBackend: the bundle through the Jobs API)."""
+    (tmp_path / "multinode.yaml").write_text(yaml.safe_dump(spec))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": cluster.token}
-    proc = subprocess.run([sys.executable, "-m", "workbench.cli", "dispatch", "multinode.yaml", "--backend", "ray",
-                           "--set", "train.steps=4"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "workbench.cli", "dispatch", "multinode.yaml", "--backend", "ray"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    job = RayClusterJob(client, proc.stdout.split("submitted: ")[1].strip())
-    status = job.wait(timeout_s=400, poll_s=1.0)
-    assert status.state.value == "completed", job.logs(80)
-    events = job.metrics()
-    nodes = _workers(events, 0)
-    assert sorted(nodes) == [0, 1, 2, 3]
-    _assert_tp_groups_inside_nodes(nodes)
-    assert {cluster.name_of(n) for n in nodes.values()} == {w.name for w in workers}  # both workers, not the head
-    got = _losses(events)
-    torch.testing.assert_close([got[k] for k in sorted(got)], [reference[k] for k in range(1, 5)], rtol=1e-4, atol=0)
+    return proc.stdout.split("submitted: ")[1].strip()
 
 
 def _submit_with_ray_cli(cluster, spec: dict, tmp_path: Path) -> str:
@@ -142,13 +133,16 @@ def _submit_with_ray_cli(cluster, spec: dict, tmp_path: Path) -> str:
     return submission
 
 
-def _lose_a_node_after_a_checkpoint(cluster, client, spec: dict, tmp_path: Path):
+def _lose_a_node_after_a_checkpoint(cluster, client, spec: dict, tmp_path: Path, submit):
     """Submit, wait for a checkpoint, kill the raylet of a node holding ranks, follow to the end.
     Returns (events, the lost node's id)."""
     (tmp_path / "project").mkdir()
-    job = RayClusterJob(client, _submit_with_ray_cli(cluster, spec, tmp_path))
+    job = RayClusterJob(client, submit(cluster, spec, tmp_path))
     events = _wait_for(job, lambda ev: any(e["event"] == "checkpoint" for e in ev) and len(_workers(ev, 0)) == 4)
     _assert_rendezvous_on_rank0(events)
+    first = _workers(events, 0)
+    _assert_tp_groups_inside_nodes(first)
+    assert "head" not in {cluster.name_of(n) for n in first.values()}  # ranks only on workers
     victim = _workers(events, 0)[3]
     lost = cluster.kill(cluster.node(cluster.name_of(victim)))
     status = job.wait(timeout_s=500, poll_s=1.0)
@@ -164,10 +158,11 @@ def _restart(events: list[dict]) -> tuple[int, dict, dict]:
 
 
 def test_node_loss_restarts_from_the_last_checkpoint_on_the_nodes_left(cluster, client, tmp_path, reference):
+    """Submitted by `workbench dispatch --backend ray`; the elastic case below by `ray job submit`."""
     cluster.set_workers(3, CPUS_PER_NODE)  # the job takes two; the third is what is left after the loss
     spec = _spec(cluster, max_failures=1)
     spec["checkpoint"] = {"every_steps": 2, "uri": str(tmp_path / "ckpt")}
-    events, lost = _lose_a_node_after_a_checkpoint(cluster, client, spec, tmp_path)
+    events, lost = _lose_a_node_after_a_checkpoint(cluster, client, spec, tmp_path, _submit_with_dispatch)
 
     cut, before, after = _restart(events)
     last_ckpt = max(e["step"] for e in events[:cut] if e["event"] == "checkpoint")
@@ -187,7 +182,7 @@ def test_elastic_continues_at_a_smaller_dp_on_the_same_loss_curve(cluster, clien
     cluster.set_workers(2, CPUS_PER_NODE)  # after the loss one node is left: one tp group, dp=1
     spec = _spec(cluster, max_failures=1, elastic=True)
     spec["checkpoint"] = {"every_steps": 2, "uri": str(tmp_path / "ckpt")}
-    events, lost = _lose_a_node_after_a_checkpoint(cluster, client, spec, tmp_path)
+    events, lost = _lose_a_node_after_a_checkpoint(cluster, client, spec, tmp_path, _submit_with_ray_cli)
 
     cut, before, after = _restart(events)
     last_ckpt = max(e["step"] for e in events[:cut] if e["event"] == "checkpoint")
