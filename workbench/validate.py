@@ -194,14 +194,14 @@ def _check_dp_combinations(spec: JobSpec) -> None:
     if lay.offload == "cpu" and lay.zero < 2:
         raise ConfigError(
             f"layout.offload=cpu with zero={lay.zero}: CPU offload is FSDP2's CPUOffloadPolicy, which needs the "
-            "parameters sharded by FSDP2. Use zero=2 or zero=3 with offload=cpu, or offload=nvme with zero 0/1."
+            "parameters sharded by FSDP2. Use zero=2 or zero=3 with offload=cpu, or offload=nvme (any zero)."
         )
-    if lay.offload == "nvme" and lay.zero >= 2:
+    if lay.offload == "nvme" and lay.zero >= 2 and (lay.pp > 1 or lay.tp > 1):
         raise ConfigError(
-            f"layout.offload=nvme with zero={lay.zero}: FSDP2 owns the fp32 parameter shards and all-gathers "
-            "from them every forward, so they cannot live in files. Use zero=1 with offload=nvme (master and "
-            f"optimizer state in files under {lay.nvme_path}), or zero={lay.zero} with offload=cpu."
-        )
+            f"layout.offload=nvme with zero={lay.zero}, tp={lay.tp}, pp={lay.pp}: the shards' files and their "
+            "prefetch hooks follow one model's blocks in forward order over 1-D (dp) FSDP2 shards; pipeline stages "
+            "and 2-D (dp x tp) shards are not built in this release. Use tp=1 and pp=1 with "
+            f"zero={lay.zero} and nvme, or zero=1 with nvme under tensor/pipeline parallelism.")
     if (lay.zero >= 2 or lay.offload == "cpu") and lay.world_size == 1:
         raise ConfigError(
             f"layout.zero={lay.zero}, offload={lay.offload} on a single rank: FSDP2 shards over a process group "

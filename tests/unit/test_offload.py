@@ -59,7 +59,8 @@ def test_nvme_run_matches_and_cleans_up(tmp_path):
 
 @pytest.mark.parametrize("layout,match", [
     ({"dp": 2, "zero": 1, "offload": "cpu"}, r"offload=cpu with zero=1: .*Use zero=2 or zero=3"),
-    ({"dp": 2, "zero": 3, "offload": "nvme"}, r"offload=nvme with zero=3: .*cannot live in files"),
+    ({"dp": 2, "tp": 2, "zero": 3, "offload": "nvme"}, r"offload=nvme with zero=3, tp=2, pp=1: .*2-D"),
+    ({"dp": 2, "pp": 2, "zero": 2, "offload": "nvme"}, r"offload=nvme with zero=2, tp=1, pp=2: .*pipeline"),
     ({"dp": 1, "zero": 3}, r"zero=3, offload=none on a single rank"),
 ])
 def test_refused_combinations(layout, match):
@@ -86,3 +87,23 @@ def test_master_state_round_trips_through_dcp(tmp_path):
     assert_same_state(loaded.state_dict(), saved.state_dict())
     for a, b in zip(saved.flat.params, loaded.flat.params):  # the master was written into the parameters
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_nvme_is_runnable_at_every_zero_stage(zero):
+    check_runnable(load_spec({"model": {"preset": "gpt-tiny"}, "layout": {"dp": 2, "zero": zero, "offload": "nvme"}}))
+
+
+def test_mapped_file_is_written_back_and_dropped(tmp_path):
+    from workbench.parallel.offload import PAGE, MappedFile
+
+    f = MappedFile(str(tmp_path / "x.f32"), 64 * PAGE)
+    f.flat.copy_(torch.arange(f.flat.numel(), dtype=torch.float32))
+    assert f.resident_bytes() == 64 * PAGE  # written through the mapping: resident
+    f.flush()
+    f.evict(0, f.nbytes)
+    assert f.resident_bytes() == 0  # measured from /proc/self/smaps, not assumed
+    with open(f.path, "rb") as fh:  # the file holds the values
+        assert torch.equal(torch.frombuffer(bytearray(fh.read()), dtype=torch.float32), torch.arange(f.flat.numel(), dtype=torch.float32))
+    assert float(f.flat[12345]) == 12345.0  # read back on touch
+    assert 0 < f.resident_bytes() < 64 * PAGE

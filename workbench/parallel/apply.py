@@ -86,6 +86,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, par: Parallelism, *, 
     init_device = _apply_fsdp(out, dp_mesh, par, device)
     for m in out.modules:
         materialize(m, init_device, seed=seed)
+    if par.fsdp and par.offload == "nvme":  # ZeRO-Infinity: FSDP2's shards and the moments in files
+        from workbench.parallel.offload import attach_nvme
+
+        if len(out.modules) != 1:
+            raise NotImplementedError("offload=nvme with zero 2/3 under pipeline parallelism")
+        out.master = attach_nvme(out.modules[0], par.nvme_path, reshard_after_forward=par.reshard_after_forward,
+                                 mixed=par.params_are_master)
     if par.needs_master:
         store = build_file_store(par.nvme_path) if par.offload == "nvme" else None
         out.master = build_master(nn.ModuleList(out.modules), dp_mesh, sharded=par.master_sharded, make_store=store)
@@ -109,11 +116,16 @@ def _apply_fsdp(out: Parallelized, dp_mesh: DeviceMesh | None, par: Parallelism,
     if par.init_on_host:
         offload, note = cpu_offload_policy(device)
         out.notes += [note] if note else []
+    host = par.init_on_host or par.offload == "nvme"
+    if par.offload == "nvme":  # the shards live in (mapped) files in host memory; FSDP2 copies them to the device
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        offload = CPUOffloadPolicy(pin_memory=False)
     for m in out.modules:
         apply_fsdp(m, dp_mesh, reshard_after_forward=par.reshard_after_forward,
                    mp_policy=mixed_precision_policy(par.dtype), offload_policy=offload)
     # CPUOffloadPolicy wants the shards in host memory.
-    return torch.device("cpu") if par.init_on_host else device
+    return torch.device("cpu") if host else device
 
 
 def _tie(out: Parallelized, mesh: DeviceMesh):

@@ -108,6 +108,11 @@ class MasterOptimizer:
         self._init, self._make_store, self.store = init, make_store, None
         self.num_steps = 0
 
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The parameters, in the order of `names`."""
+        return self.flat.params
+
     def bind(self, num_moments: int) -> None:
         """Create the master/moment store (2 moments for adam/adamw, 1 for sgd)."""
         self.num_moments = num_moments

@@ -170,6 +170,8 @@ class TrainStep:
         if self.master is None:
             states = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
             return {"master": [], "optimizer": states, "offloaded": {}}
+        if hasattr(self.master, "measured"):  # zero 2/3 nvme: everything in files, measured resident
+            return {"master": [], "optimizer": [], "offloaded": self.master.measured()}
         held = self.master.store.tensors()
         extra = self.master.store.offloaded() if hasattr(self.master.store, "offloaded") else {}
         return {"master": held["master"], "optimizer": held["optimizer"], "offloaded": extra}
@@ -179,7 +181,7 @@ class TrainStep:
 
         With a master, the master is the trained weight (the parameters are its rounding).
         """
-        if self.master is not None:
+        if self.master is not None and not getattr(self.master, "params_are_master", False):
             flat = self.master.full_master()
             values = self.master.unflatten(flat)
             by_id = {id(p): v for p, v in zip(self.master.flat.params, values)}

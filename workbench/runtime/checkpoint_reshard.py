@@ -95,7 +95,7 @@ def master_state(master, state: Canonical) -> dict:
     """MasterOptimizer.load_state_dict's input from canonical state: per canonical name (the
     master's own names), each value this rank's part of the full tensor."""
     def by_name(values: dict) -> dict:
-        return {n: local_part(values[n], p, torch.float32) for n, p in zip(master.names, master.flat.params)}
+        return {n: local_part(values[n], p, torch.float32) for n, p in zip(master.names, master.params)}
 
     out = {"num_steps": state.step, "master": by_name(state.weights)}
     for i, moment in enumerate(state.moments):
