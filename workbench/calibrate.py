@@ -295,6 +295,7 @@ def calibrate_rank(spec: dict, sink, *, options: dict, should_stop=lambda: False
     nodes = max(1, world // per_node)
     bench = _Bench(ctx, options, nodes, per_node, sink if ctx.rank == 0 else None)
     gemm = bench.gemms(options["dtypes"], options["model_shapes"], options["cubes"])
+    gemm_grad = bench.grad_gemms(options["dtypes"], options["model_shapes"], options["cubes"])
     memory_bw = bench.memory_bw(options["elements"] if ctx.device.type == "cpu" else _GPU_ELEMENTS)
     overhead = bench.op_overhead()
     bw_dtype = {d: bench.memory_bw(options["elements"] if ctx.device.type == "cpu" else _GPU_ELEMENTS, d)
@@ -307,7 +308,8 @@ def calibrate_rank(spec: dict, sink, *, options: dict, should_stop=lambda: False
             "backend": "local", "nodes": nodes, "ranks_per_node": per_node,
             "threads_per_rank": torch.get_num_threads(), "gemm": gemm, "memory_bw": memory_bw,
             "op_overhead_s": overhead, "collectives": collectives, "memory_bw_dtype": bw_dtype,
-            "cpu_cores": os.cpu_count() or 0, "probe_seconds": probe_seconds}})
+            "cpu_cores": os.cpu_count() or 0, "probe_seconds": probe_seconds,
+            "gemm_grad": gemm_grad}})
         sink({"event": "end", "status": "completed", "step": 0})
 
 
@@ -391,6 +393,33 @@ class _Bench:
                     # as the model runs it: nn.Linear's kernel, a fresh output each call (on CPU, bf16
                     # F.linear is ~4x torch.mm, and writing into a reused output ~2x an allocated one)
                     out.append([dtype, m, n, k, self.time(lambda a=a, w=w: F.linear(a, w))])
+        return out
+
+    def grad_gemms(self, dtypes: list, model_shapes: list, cubes: list) -> list:
+        """(kind, dtype, m, n, k, seconds) of the backward GEMMs of each forward (m, n, k) of the model
+        as autograd runs them (dgrad: dY (m x n) @ W (n x k); wgrad: dY^T (n x m) @ X (m x k)), then
+        of a few cubes, until the GEMM budget (spent again from zero) is spent."""
+        torch = self.torch
+        forward = {(m, n, k) for m, n, k in (tuple(s) for s in model_shapes)}
+        # model_shapes also lists the backward shapes; a forward one has the tokens as its rows
+        rows = max((s[0] for s in forward), default=0)
+        shapes = sorted(s for s in forward if s[0] == rows) + [(c, c, c) for c in cubes[1:-1]]
+        limit = 2e11 if self.dev.type == "cpu" else 1e15
+        shapes = [s for s in shapes if 2 * s[0] * s[1] * s[2] <= limit]
+        self.note(f"backward GEMMs: {len(shapes)} shapes x {', '.join(dtypes)}")
+        self.spent_s = 0.0
+        out: list = []
+        for dtype in dtypes:
+            dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+            for m, n, k in shapes:
+                if self.spent_s > self.gemm_budget_s:
+                    self.note(f"backward GEMM budget spent; {len(out)} points measured")
+                    return out
+                dy = torch.randn(m, n, device=self.dev).to(dt)
+                w = torch.randn(n, k, device=self.dev).to(dt)
+                x = torch.randn(m, k, device=self.dev).to(dt)
+                out.append(["dgrad", dtype, m, k, n, self.time(lambda dy=dy, w=w: torch.mm(dy, w))])
+                out.append(["wgrad", dtype, n, k, m, self.time(lambda dy=dy, x=x: torch.mm(dy.t(), x))])
         return out
 
     def memory_bw(self, elements: int, dtype: str = "fp32") -> float:

@@ -25,6 +25,10 @@ MAX_DIM = 1 << 31  # a GEMM dimension
 DTYPES = ("fp32", "bf16", "fp16")
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 LINKS = ("intra", "inter")
+# A linear layer's backward GEMMs as autograd runs them: the input gradient dY @ W (both operands as
+# stored) and the weight gradient dY^T @ X (the first operand transposed). On a CPU without bf16 units
+# the first runs ~5x slower than the forward's F.linear in bf16, so they are measured apart.
+GRAD_KINDS = ("dgrad", "wgrad")
 BACKENDS = ("local", "ray")
 # Strategy families whose fixed per-step and per-block costs `workbench calibrate` measures by running
 # the runtime's own step on a near-empty model (workbench/calibrate.py, strategy_probes), in the order
@@ -140,6 +144,9 @@ class HardwareProfile:
     # the runtime steps it was read off: (family, dp, tp, pp, layers, micro-batches, measured s, modelled s)
     probes: tuple = ()
     cpu_cores: int = 0  # logical CPUs the host offered its ranks (0: not recorded)
+    # (kind, dtype, m, n, k, seconds) of backward GEMMs in autograd's layout (GRAD_KINDS): dgrad is
+    # mm(A (m x k), B (k x n)), wgrad mm(A^T, B) with A stored (k x m)
+    gemm_grad: tuple = ()
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     # -- GEMMs --------------------------------------------------------------------------------
@@ -161,6 +168,16 @@ class HardwareProfile:
         """Seconds of one (m x k) @ (k x n) in `dtype` on one rank while the others run theirs:
         the GemmFit through the measured points (increasing in m, n and k; linear past them)."""
         return self.gemm_fit(dtype).seconds(m, n, k)
+
+    def grad_gemm_s(self, kind: str, m: int, n: int, k: int, dtype: str) -> float | None:
+        """Seconds of a backward GEMM of `kind` (GRAD_KINDS) giving an (m x n) result over k, from the
+        fit through the measured backward GEMMs of `dtype`; None when none of that dtype was measured."""
+        key = ("grad", kind, dtype)
+        if key not in self._cache:
+            pts = [p[2:] for p in self.gemm_grad if p[0] == kind and p[1] == dtype]
+            self._cache[key] = fit_gemm(pts) if pts else None
+        fit = self._cache[key]
+        return None if fit is None else fit.seconds(m, n, k)
 
     def gemm_flops(self, dtype: str) -> float:
         """FLOP/s a large GEMM reaches (the fit's rate)."""
@@ -258,7 +275,8 @@ class HardwareProfile:
                 "gemm": [list(p) for p in self.gemm], "collectives": [list(p) for p in self.collectives],
                 "memory_bw_dtype": {d: bw for d, bw in self.memory_bw_dtype},
                 "overheads": {f: {"per_step_s": a, "per_block_s": b} for f, a, b in self.overheads},
-                "probes": [list(p) for p in self.probes], "cpu_cores": self.cpu_cores}
+                "probes": [list(p) for p in self.probes], "cpu_cores": self.cpu_cores,
+                "gemm_grad": [list(p) for p in self.gemm_grad]}
 
 
 def _interp(series: list, x: float) -> float:
@@ -332,7 +350,7 @@ def profile_from_dict(raw, where: str = "(dict)") -> HardwareProfile:
         raise _fail(where, "format", f"{FORMAT!r} (this version reads that), not {clip(repr(raw.get('format')), 80)}")
     required = {"format", "device", "created", "host", "backend", "nodes", "ranks_per_node", "threads_per_rank",
                 "gemm", "memory_bw", "op_overhead_s", "collectives"}
-    known = required | {"memory_bw_dtype", "overheads", "probes", "cpu_cores"}
+    known = required | {"memory_bw_dtype", "overheads", "probes", "cpu_cores", "gemm_grad"}
     for key in raw:
         if key not in known:
             raise _fail(where, clip(str(key), 80), "not a field of a hardware profile" + did_you_mean(str(key), known))
@@ -383,7 +401,15 @@ def profile_from_dict(raw, where: str = "(dict)") -> HardwareProfile:
                              for x, what in zip(row[1:6], ("dp", "tp", "pp", "layers", "micro-batches"))),
                            _pos(row[6], f"{name} measured", where), _pos(row[7], f"{name} modelled", where)))
     cores = raw.get("cpu_cores", 0)
+    grad = []
+    for i, (kind, dtype, m, n, k, t) in enumerate(_rows(raw["gemm_grad"], "gemm_grad", where, 6)
+                                                   if raw.get("gemm_grad") else []):
+        name = f"gemm_grad[{i}]"
+        grad.append((_choice(kind, f"{name} kind", where, GRAD_KINDS), _choice(dtype, f"{name} dtype", where, DTYPES),
+                     _int(m, f"{name} m", where, 1, MAX_DIM), _int(n, f"{name} n", where, 1, MAX_DIM),
+                     _int(k, f"{name} k", where, 1, MAX_DIM), _pos(t, f"{name} seconds", where)))
     return HardwareProfile(
+        gemm_grad=tuple(grad),
         memory_bw_dtype=bw_pairs, overheads=tuple(overheads), probes=tuple(probes),
         cpu_cores=_int(cores, "cpu_cores", where, 0, 1 << 20),
         device=device, created=created, host=_text(raw["host"], "host", where),

@@ -147,6 +147,17 @@ class Hardware:
             return self.profile.gemm_s(int(m), int(n), int(k), dtype)
         return 2 * m * n * k / (self.dev.compute_flops[dtype] * gemm_efficiency(self.dev, min(n, k), m))
 
+    def grad_gemm_s(self, m: float, n: float, k: float, dtype: str) -> float:
+        """Seconds of the backward of a forward (m x k) @ (k x n): the input gradient (m x n) @ (n x k)
+        and the weight gradient (n x m) @ (m x k) as autograd lays them out, where the profile
+        measured them; else both at the forward GEMM's rate (the catalog; older profiles)."""
+        if self.profile is not None:
+            dgrad = self.profile.grad_gemm_s("dgrad", int(m), int(k), int(n), dtype)
+            wgrad = self.profile.grad_gemm_s("wgrad", int(n), int(k), int(m), dtype)
+            if dgrad is not None and wgrad is not None:
+                return dgrad + wgrad
+        return self.gemm_s(m, k, n, dtype) + self.gemm_s(k, n, m, dtype)
+
     def attention_s(self, flops: float, dtype: str, tokens: int, width: float, fused: bool, seq: int,
                     head_dim: int) -> float:
         """Seconds of the attention core's matmuls executing `flops` over `tokens` rows of `width`
@@ -351,7 +362,7 @@ def _gemm_work(hw: Hardware, gemms, dtype: str, backward: bool) -> _Work:
     (k x m @ m x n): twice the FLOPs at their own shapes."""
     s = 0.0
     for m, n, k in gemms:
-        s += hw.gemm_s(m, k, n, dtype) + hw.gemm_s(k, n, m, dtype) if backward else hw.gemm_s(m, n, k, dtype)
+        s += hw.grad_gemm_s(m, n, k, dtype) if backward else hw.gemm_s(m, n, k, dtype)
     return _Work(s, len(gemms) * (2 if backward else 1))
 
 

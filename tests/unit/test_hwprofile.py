@@ -223,14 +223,20 @@ def test_where_profiles_are_found(tmp_path, monkeypatch):
 
 def test_runtime_overheads_round_trip_and_older_profiles_still_load(tmp_path):
     p = _profile(memory_bw_dtype=(("bf16", 2.5e9),), overheads=(("ddp", 0.01, 0.002), ("zero3", 0.03, 0.0)),
-                 probes=(("ddp", 2, 1, 1, 2, 2, 0.05, 0.03), ("ddp", 2, 1, 1, 6, 2, 0.07, 0.034)), cpu_cores=2)
+                 probes=(("ddp", 2, 1, 1, 2, 2, 0.05, 0.03), ("ddp", 2, 1, 1, 6, 2, 0.07, 0.034)), cpu_cores=2,
+                 gemm_grad=tuple(("dgrad", d, m, n, k, t) for d, m, n, k, t in _gemm_points("bf16", RATE / 20))
+                 + tuple(("wgrad", d, m, n, k, t) for d, m, n, k, t in _gemm_points("bf16", RATE / 4)))
     path = tmp_path / "cpu.yaml"
     save_profile(p, path)
     back = load_profile(path)
     assert back == p and back.overhead("ddp") == (0.01, 0.002) and back.overhead("tp") is None
     assert back.elementwise_bw("bf16") == 2.5e9 and back.elementwise_bw("fp32") == back.elementwise_bw("fp16") == 5e9
+    # backward GEMMs fitted apart from the forward's: here dgrad at a fifth of bf16's forward rate
+    assert back.grad_gemm_s("dgrad", 256, 256, 256, "bf16") == pytest.approx(
+        T0 + 2 * (256 + AM) * (256 + AN) * (256 + AK) / (RATE / 20), rel=0.02)
+    assert back.grad_gemm_s("wgrad", 256, 256, 256, "fp32") is None  # not measured: the caller falls back
     old = yaml.safe_load(path.read_text())
-    for key in ("memory_bw_dtype", "overheads", "probes", "cpu_cores"):
+    for key in ("memory_bw_dtype", "overheads", "probes", "cpu_cores", "gemm_grad"):
         del old[key]
     path.write_text(yaml.safe_dump(old))
     assert load_profile(path).overheads == () and load_profile(path).overhead("ddp") is None

@@ -216,3 +216,19 @@ def test_bf16_elementwise_work_at_its_measured_rate():
     fp32 = {**spec, "precision": {"dtype": "fp32"}}
     assert plan(fp32, profile=_cpu_profile(memory_bw_dtype=(("bf16", 4e9),))).given.step_time_s == \
         plan(fp32, profile=_cpu_profile()).given.step_time_s
+
+
+def test_backward_gemms_at_their_measured_layout_where_the_profile_has_them():
+    from workbench.planner import plan
+
+    spec = {**MINI, "layout": {"dp": 2}, "precision": {"dtype": "bf16"}}
+    base = _cpu_profile()
+    like_forward = tuple((kind, d, m, n, k, t) for kind in ("dgrad", "wgrad") for d, m, n, k, t in base.gemm)
+    slow_dgrad = tuple((kind, d, m, n, k, t * (5 if kind == "dgrad" and d == "bf16" else 1))
+                       for kind, d, m, n, k, t in like_forward)
+    same = plan(spec, profile=_cpu_profile(gemm_grad=like_forward)).given.step_time_s
+    assert same == pytest.approx(plan(spec, profile=base).given.step_time_s, rel=0.05)
+    assert plan(spec, profile=_cpu_profile(gemm_grad=slow_dgrad)).given.step_time_s > 1.5 * same
+    fp32 = {**spec, "precision": {"dtype": "fp32"}}
+    assert plan(fp32, profile=_cpu_profile(gemm_grad=slow_dgrad)).given.step_time_s == \
+        plan(fp32, profile=_cpu_profile(gemm_grad=like_forward)).given.step_time_s
