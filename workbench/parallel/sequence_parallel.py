@@ -7,15 +7,24 @@ weight gradient: activations that sequence parallelism was meant to divide by tp
 attention / MLP entry gathers once (backward: one reduce-scatter), and the column-parallel linears
 save only the (B, T/tp, C) shard, all-gathering it again when backward needs the weight gradient.
 The numbers are the same bit for bit; the memory is what Korthikanti et al. count.
+
+The residual stream between those regions is a plain (B, T/tp, C) tensor, this rank's sequence
+shard, not a DTensor: the norms run on it with their replicated weights as plain tensors, the
+row-parallel linears reduce-scatter into it (`ScatterRowwiseParallel`), and the gradients of what
+sees only the shard (norm weights and biases, the row-parallel bias, the position embedding's
+slice) are partial sums over tp, completed by one all-reduce per step
+(`sum_sequence_partial_grads`, from tp.align_grad_placements) where DTensor's SequenceParallel
+all-reduced each of them on every micro-batch and dispatched every op of the stream in Python.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from workbench.parallel.local import shard_parameters
@@ -88,6 +97,105 @@ class ShardSavingColwiseParallel(ParallelStyle):
 
         module.forward = forward  # the instance's forward: parameter names stay as they are
         return module
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """Row-parallel partial (B, T, C) -> this rank's summed (B, T/tp, C) (reduce-scatter); backward
+    all-gathers the sequence. Megatron's g-bar under sequence parallelism."""
+
+    @staticmethod
+    def forward(ctx, partial, mesh):
+        ctx.mesh = mesh
+        return funcol.wait_tensor(funcol.reduce_scatter_single(partial.contiguous(), "sum", SEQ_DIM, mesh))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.mesh), None
+
+
+# The parameters a module applies to this rank's sequence shard only (the norms, the row-parallel
+# linears' bias, the position embedding's slice): their gradients are partial sums over tp, which
+# `sum_sequence_partial_grads` completes once per step. The names live on the module (FSDP2
+# replaces the parameter objects, not the module's attributes).
+PARTIAL_ATTR = "_workbench_sequence_partial"
+
+
+def mark_sequence_partial(module: nn.Module, names: tuple[str, ...], mesh: DeviceMesh) -> None:
+    """Record that `module`'s parameters `names` (those it has) get partial gradients over `mesh`."""
+    have = tuple(n for n in names if getattr(module, n, None) is not None)
+    if have:
+        setattr(module, PARTIAL_ATTR, (have, mesh))
+
+
+class SequenceShardedNorm(ParallelStyle):
+    """A norm on this rank's sequence shard, as plain tensors: its weight (and bias) stay replicated
+    plain parameters whose gradients are summed over tp once per step, where DTensor's
+    SequenceParallel dispatches every norm through its sharding propagation and all-reduces its
+    gradients on every micro-batch."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        mark_sequence_partial(module, ("weight", "bias"), device_mesh)
+        return module
+
+
+class SequenceSlice(ParallelStyle):
+    """The position embedding under sequence parallel: this rank's slice of the (T, C) positions,
+    to add to its sequence shard of the token embeddings. Backward leaves zeros outside the slice:
+    the weight's gradient is partial over tp (summed once per step)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        mark_sequence_partial(module, ("weight",), device_mesh)
+
+        def slice_output(_module, _args, out):
+            return torch.chunk(out, device_mesh.size(), dim=0)[device_mesh.get_local_rank()]
+
+        module.register_forward_hook(slice_output)
+        return module
+
+
+class ScatterRowwiseParallel(ParallelStyle):
+    """Row-parallel nn.Linear under sequence parallel on local shards: weight Shard(1), bias
+    Replicate (as RowwiseParallel); forward multiplies the local input columns by the local weight
+    columns, reduce-scatters the partial sums into this rank's sequence shard, then adds the bias
+    (whose gradient is then partial over tp: summed once per step)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        shard_parameters(module, device_mesh, {"weight": Shard(1), "bias": Replicate()})
+        mark_sequence_partial(module, ("bias",), device_mesh)
+
+        def forward(x):
+            y = _ScatterSequence.apply(F.linear(x, module.weight.to_local()), device_mesh)
+            return y if module.bias is None else y + module.bias.to_local().to(y.dtype)
+
+        module.forward = forward
+        return module
+
+
+def sum_sequence_partial_grads(modules: list[nn.Module]) -> None:
+    """Complete the partial gradients of the marked parameters: one all-reduce over tp per dtype.
+
+    Runs after the step's last backward. Under FSDP2 the gradients are already reduce-scattered
+    over dp; the tp sum of each dp shard is the dp shard of the tp sum, so the order is free.
+    """
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    for m in modules:
+        for sub in m.modules():
+            marked = getattr(sub, PARTIAL_ATTR, None)
+            if marked is None:
+                continue
+            names, mesh = marked
+            for name in names:
+                grad = getattr(sub, name).grad
+                if grad is not None:
+                    g = grad._local_tensor if isinstance(grad, DTensor) else grad
+                    buckets.setdefault((mesh.get_group(), g.dtype, g.device), []).append(g)
+    for (group, _dtype, _device), grads in buckets.items():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 
 def column_parallel_linears(block: nn.Module) -> list[str]:

@@ -11,7 +11,8 @@ shards), but the arithmetic runs on their local shards, as Megatron-LM writes it
 MLP take their input through `f` (identity forward, all-reduce of the input gradient backward), the
 column-parallel linears multiply local tensors, the row-parallel ones all-reduce their partial
 output through `g`. DTensor's own styles would dispatch every op of a block through its sharding
-propagation in Python: 1.29x the CPU per step on gpt-mini, tp=2 (bench/bench_tp.py).
+propagation in Python: 1.29x the CPU per step on gpt-mini, tp=2 (bench/bench_tp.py). Sequence
+parallel keeps the residual stream as local sequence shards the same way (sequence_parallel.py).
 """
 from __future__ import annotations
 
@@ -21,17 +22,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from workbench.parallel.local import shard_parameters
-from workbench.parallel.sequence_parallel import column_parallel_linears, megatron_sp_plan
+from workbench.parallel.sequence_parallel import (
+    ScatterRowwiseParallel,
+    SequenceShardedNorm,
+    SequenceSlice,
+    column_parallel_linears,
+    megatron_sp_plan,
+    sum_sequence_partial_grads,
+)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
@@ -58,10 +60,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
         plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
     if sp and getattr(model, "pos_emb", None) is not None:
         # Positions are replicated; keep this rank's sequence slice so it adds to the
-        # seq-sharded token embeddings. Backward all-gathers, so the weight's grad is full.
-        plan["pos_emb"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
+        # seq-sharded token embeddings (its gradient is partial over tp, summed once per step).
+        plan["pos_emb"] = SequenceSlice()
     if model.norm is not None and sp:
-        plan["norm"] = SequenceParallel()
+        plan["norm"] = SequenceShardedNorm()
     if model.head is not None:
         plan["head"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
     # A tied head shares the embedding's (vocab, hidden) weight: both plans shard it Shard(0)
@@ -82,11 +84,14 @@ def _block_plan(block: nn.Module, sp: bool) -> dict:
                 "attn.wo": LocalRowwiseParallel(), "mlp.w2": LocalRowwiseParallel()}
         plan.update({name: LocalColwiseParallel() for name in column_parallel_linears(block)})
         return plan
-    # Sequence parallel: the norms work on sequence shards; attention and the MLP all-gather the
-    # sequence on entry (reduce-scatter in backward), their column-parallel linears save only the
-    # shard (megatron_sp_plan), and the row-parallel outputs reduce-scatter back to sequence shards.
-    plan = {"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
-            "attn.wo": RowwiseParallel(output_layouts=Shard(1)), "mlp.w2": RowwiseParallel(output_layouts=Shard(1))}
+    # Sequence parallel, on local shards like the plan above: the residual stream is this rank's
+    # (B, T/tp, C) plain tensor; the norms work on it with replicated plain weights; attention and
+    # the MLP all-gather the sequence on entry (reduce-scatter in backward), their column-parallel
+    # linears save only the shard (megatron_sp_plan), and the row-parallel outputs reduce-scatter
+    # back to sequence shards. The gradients of what sees only a shard (norms, row-parallel bias)
+    # are partial over tp: summed in one all-reduce per step (align_grad_placements).
+    plan = {"attn_norm": SequenceShardedNorm(), "mlp_norm": SequenceShardedNorm(),
+            "attn.wo": ScatterRowwiseParallel(), "mlp.w2": ScatterRowwiseParallel()}
     plan.update(megatron_sp_plan(block))
     return plan
 
@@ -167,7 +172,8 @@ class LocalRowwiseParallel(ParallelStyle):
 
 
 def align_grad_placements(modules: list[nn.Module]) -> None:
-    """Give every DTensor gradient its parameter's placements.
+    """Give every DTensor gradient its parameter's placements, and (sequence parallel) sum the
+    gradients that are partial over tp (sequence_parallel.sum_sequence_partial_grads).
 
     The vocab-parallel embedding's weight gradient comes out of backward with another placement
     than its Shard(0) weight (a full-vocabulary local tensor); torch.optim copes through DTensor
@@ -176,6 +182,7 @@ def align_grad_placements(modules: list[nn.Module]) -> None:
     """
     from torch.distributed.tensor import DTensor
 
+    sum_sequence_partial_grads(modules)
     for m in modules:
         for p in m.parameters():
             g = p.grad
