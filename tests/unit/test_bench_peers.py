@@ -1,0 +1,35 @@
+"""The peer benchmark (bench/bench_peers.py) at its smallest: each plain peer script trains the
+same model as workbench on the session's shared 2-rank gloo pool (same losses), and the section
+renders what the benchmark writes."""
+import pytest
+
+from bench import bench_peers
+
+# One pair per peer script (FSDP2, parallelize_module with SP, pipelining): 3 steps each arm.
+SMOKE = ["zero3", "tp-sp", "pp-1f1b"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_peer_scripts_train_the_same_model_as_workbench(spawn_pools, monkeypatch):
+    monkeypatch.setattr(bench_peers, "config", lambda quick, preset=None: {
+        "preset": "gpt-tiny", "steps": 2, "skip": 1, "reps": 1, "warmup": 0})
+    r = bench_peers.run(quick=True, only=SMOKE, pool=spawn_pools.get(2))
+    assert set(r["pairs"]) == set(SMOKE)
+    for name, p in r["pairs"].items():
+        assert not p["failed"], (name, p["failed"])
+        assert len(p["losses"]["workbench"]) == len(p["losses"]["peer"]) == 3
+        assert p["loss_rel_diff"] < 1e-5, name  # same weights, batches and AdamW: summation order only
+        assert p["ratio"]["median"] > 0
+    text = bench_peers.section(r, None, None)
+    assert all(f"`{name}`" in text for name in SMOKE)
+
+
+def test_section_without_results_says_so():
+    assert "Not measured yet" in bench_peers.section(None, None, None)
+
+
+def test_every_pair_names_its_peer():
+    for name, (layout, peer, _options) in bench_peers.PAIRS.items():
+        assert peer in bench_peers.PEER_LABEL, name
+        assert layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1) == 2, name
