@@ -6,12 +6,11 @@ No torch here: the planner, the UI and the loop share it.
 from __future__ import annotations
 
 import math
-from typing import Literal, get_args
+from typing import Literal
 
 from workbench.errors import ConfigError
 
 LrSchedule = Literal["constant", "cosine", "linear", "wsd"]
-SCHEDULES: tuple[str, ...] = get_args(LrSchedule)
 WSD_DECAY_FRACTION = 0.2  # warmup-stable-decay: the last 20% of the steps decay (Hu et al., 2024, MiniCPM)
 
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from workbench.parallelism import PIPELINE_SCHEDULES, is_multi_stage
-
-SCHEDULES = PIPELINE_SCHEDULES
+from workbench.parallelism import is_multi_stage
 
 
 def _interleaved_order(pp: int, m: int, v: int, rank: int) -> list[tuple[str, int, int]]:

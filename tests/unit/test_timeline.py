@@ -1,7 +1,8 @@
 """Pipeline schedule simulation: bubbles match the closed forms, dependencies hold, views render."""
 import pytest
 
-from workbench.timeline import SCHEDULES, bubble_fraction, max_in_flight, simulate, timeline_figure, timeline_text
+from workbench.parallelism import PIPELINE_SCHEDULES
+from workbench.timeline import bubble_fraction, max_in_flight, simulate, timeline_figure, timeline_text
 
 
 @pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (8, 16), (4, 12)])
@@ -13,7 +14,7 @@ def test_bubbles_match_closed_forms(pp, m):
     assert bubble_fraction(simulate("zero-bubble", pp, m)) == pytest.approx((pp - 1) / (3 * m + pp - 1))
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", PIPELINE_SCHEDULES)
 def test_every_op_once_and_dependencies_hold(schedule):
     pp, m, v = 4, 8, 2
     ev = simulate(schedule, pp, m, v=v, p2p=0.1)

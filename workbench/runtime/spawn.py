@@ -1,7 +1,7 @@
 """Run the per-rank loop on N local gloo processes without Ray: parity tests and benchmarks.
 
 `SpawnPool` keeps its processes alive across jobs, because starting them (torch import) costs
-seconds each on a small machine; every job gets a fresh process group; `run_spawn` is the one-shot form.
+seconds each on a small machine; every job gets a fresh process group.
 """
 from __future__ import annotations
 
@@ -121,8 +121,3 @@ class SpawnPool:
     def __exit__(self, *exc):
         self.close()
 
-
-def run_spawn(spec: dict, world: int, timeout_s: float = 300) -> list[dict]:
-    """Run one job on `world` fresh gloo processes and return its events."""
-    with SpawnPool(world) as pool:
-        return pool.run(spec, timeout_s=timeout_s)
