@@ -93,6 +93,7 @@ def measure(spec: dict, steps: int, warmup: int) -> dict:
     from workbench.launch import run
 
     spec = {**spec, "train": {**spec["train"], "steps": steps}}
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "metrics.jsonl")
         t0 = time.perf_counter()
@@ -102,7 +103,7 @@ def measure(spec: dict, steps: int, warmup: int) -> dict:
             events = [json.loads(line) for line in f]
     times = [e["step_time_s"] for e in events if e["event"] == "step"][warmup:]
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "steps": len(times),
-            "wall_s": round(wall, 1)}
+            "wall_s": round(wall, 1), "load_1m": [round(load_before, 1), round(os.getloadavg()[0], 1)]}
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -138,13 +139,16 @@ def discordant(names: list[str], pred: list[float], meas: list[float]) -> list[s
 
 def table(rows: list[dict], source: str) -> str:
     lines = [f"predicted vs measured step time (CPU, gloo; prediction source: {source})", "",
-             "| layout | ranks | predicted s | measured s (median) | ratio pred/meas | within ±25% |",
-             "|---|---:|---:|---:|---:|:---:|"]
+             "| layout | ranks | predicted s | measured s (median) | ratio pred/meas | within ±25% | load 1-min |",
+             "|---|---:|---:|---:|---:|:---:|---:|"]
     for r in rows:
         pred = f"{r['predicted_s']:.4f}" if r["predicted_s"] is not None else f"n/a ({r['note']})"
         ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
         ok = "yes" if r["ratio"] is not None and abs(r["ratio"] - 1) <= GOAL else "no"
-        lines.append(f"| {r['layout']} | {r['ranks']} | {pred} | {r['measured']['median_s']:.4f} | {ratio} | {ok} |")
+        load = r["measured"].get("load_1m")
+        shown = f"{load[0]:.1f}-{load[1]:.1f}" if load else "-"
+        lines.append(f"| {r['layout']} | {r['ranks']} | {pred} | {r['measured']['median_s']:.4f} | {ratio} | {ok} "
+                     f"| {shown} |")
     scored = [r for r in rows if r["ratio"] is not None]
     if len(scored) >= 2:
         names = [r["layout"] for r in scored]
@@ -158,9 +162,14 @@ def table(rows: list[dict], source: str) -> str:
     return "\n".join(lines)
 
 
-def section(result: dict, profile=None) -> str:
-    """The docs/benchmarks.md section for a prediction.json (bench/report.py can include it)."""
+def section(result: dict, doc=None, img=None, profile=None) -> str:
+    """The docs/benchmarks.md section for a prediction.json (bench/report.py's sec_* signature; `doc` and
+    `img` are unused: no figure). The profile's summary comes from bench/results/prediction_profile.yaml."""
     from workbench.calibrate import summary
+    from workbench.hwprofile import load_profile
+
+    if profile is None and PROFILE.is_file():
+        profile = load_profile(PROFILE)
 
     rows = result["rows"]
     out = ["## j) Predicted against measured step time (`workbench calibrate`)",
@@ -191,7 +200,8 @@ def _write(rows: list, source: str, profile, args, partial: bool) -> str:
     pred, meas = [r["predicted_s"] for r in scored], [r["measured"]["median_s"] for r in scored]
     result = {"profile": {"path": str(args.profile or PROFILE), "label": profile.label(),
                           "gemm_fp32_flops": profile.gemm_flops("fp32"), "memory_bw": profile.memory_bw,
-                          "op_overhead_s": profile.op_overhead_s},
+                          "op_overhead_s": profile.op_overhead_s,
+                          "overheads": {f: {"per_step_s": a, "per_block_s": b} for f, a, b in profile.overheads}},
               "source": source, "warmup": args.warmup, "partial": partial, "rows": rows,
               "spearman": spearman(pred, meas) if len(scored) >= 2 else None,
               "discordant": discordant([r["layout"] for r in scored], pred, meas),
