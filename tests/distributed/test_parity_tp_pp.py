@@ -214,3 +214,31 @@ def test_tensor_parallel_all_reduces_twice_forward_and_twice_backward_per_block(
 
     per_block = (count(4) - count(2)) / 2
     assert per_block == 4, f"{family}: {per_block} tp all-reduces per block and micro-batch, Megatron's count is 4"
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_sequence_parallel_sums_partial_gradients_once_per_step(family, pool2):
+    # The residual stream is local sequence shards: a block issues reduce-scatters and all-gathers,
+    # no all-reduce; the gradients its norms (and row-parallel biases) get from one shard are summed
+    # over tp in one all-reduce per step, however deep the model (DTensor's SequenceParallel
+    # all-reduced each norm parameter's gradient on every micro-batch: 4 per GPT-2 block). Two depths,
+    # two micro-batches (the vocab-parallel loss's own all-reduces are the same at both depths).
+    def count(layers):
+        model = {"family": family, "layers": layers, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 64}
+        spec = {"model": model, "layout": {"tp": 2, "sequence_parallel": True},
+                "train": {"steps": 1, "global_batch": 4, "micro_batch": 2}}
+        (event, _) = [e for e in pool2.run(spec, fn=_count_all_reduces, timeout_s=240) if e["event"] == "all_reduces"]
+        return event["count"]
+
+    assert count(4) == count(2), f"{family}: sequence parallel's all-reduces grow with the depth"
+
+
+def test_sequence_parallel_clips_the_summed_gradients(spawn_pools):
+    # Clipped every step: the norm's partial gradients must be summed over tp before the global
+    # norm is taken (a rank clipping its half would clip differently and drift from one process).
+    spec = {**BASE, "train": {**BASE["train"], "grad_clip": 0.05}}
+    ref = []
+    result = train(spec, ref.append, gather_state=True)
+    events = spawn_pools.get(2).run({**spec, "layout": {"tp": 2, "sequence_parallel": True}}, fn=train_with_state,
+                                    timeout_s=240)
+    assert_matches(events, (losses(ref), result["state"]), "tp2-sp-clipped")
