@@ -60,7 +60,7 @@ def _options(spec: JobSpec, quick: bool) -> dict:
     if spec.precision.dtype not in dtypes:
         dtypes.append(spec.precision.dtype)
     return {"mode": mode, **_PLANS[mode], "dtypes": dtypes, "model_shapes": model_gemm_shapes(spec),
-            "device": spec.resources.gpu, "probes": probe_specs(spec)}
+            "device": spec.resources.gpu, "probes": probe_specs(spec), "forward_shapes": model_forward_shapes(spec)}
 
 
 def probe_specs(spec: JobSpec) -> list[list]:
@@ -136,6 +136,14 @@ def model_gemm_shapes(spec: JobSpec) -> list[list[int]]:
     MLP and head projections at tp = 1 and at the spec's tp (columns split), as
     (tokens x in) @ (in x out), and their backward's (m, k, n) and (k, n, m). Empty for a
     size-only or factory model."""
+    out = set()
+    for m, n, k in model_forward_shapes(spec):
+        out |= {(m, n, k), (m, k, n), (k, n, m)}
+    return [list(x) for x in sorted(out)]
+
+
+def model_forward_shapes(spec: JobSpec) -> list[list[int]]:
+    """(m, n, k) of the forward matmuls of one micro-batch (see model_gemm_shapes); empty without a shape."""
     try:
         s = spec.model.shape()
     except ConfigError:
@@ -144,8 +152,7 @@ def model_gemm_shapes(spec: JobSpec) -> list[list[int]]:
     out = set()
     for tp in sorted({1, spec.layout.tp if spec.layout.tp else 1}):
         h, kv, f, v = s.hidden, s.kv_dim // tp or 1, s.ffn_hidden // tp or 1, s.vocab // tp or 1
-        for n, k in [(h // tp or 1, h), (kv, h), (h, h // tp or 1), (f, h), (h, f), (v, h)]:
-            out |= {(m, n, k), (m, k, n), (k, n, m)}
+        out |= {(m, n, k) for n, k in [(h // tp or 1, h), (kv, h), (h, h // tp or 1), (f, h), (h, f), (v, h)]}
     return [list(x) for x in sorted(out)]
 
 
@@ -295,7 +302,7 @@ def calibrate_rank(spec: dict, sink, *, options: dict, should_stop=lambda: False
     nodes = max(1, world // per_node)
     bench = _Bench(ctx, options, nodes, per_node, sink if ctx.rank == 0 else None)
     gemm = bench.gemms(options["dtypes"], options["model_shapes"], options["cubes"])
-    gemm_grad = bench.grad_gemms(options["dtypes"], options["model_shapes"], options["cubes"])
+    gemm_grad = bench.grad_gemms(options["dtypes"], options.get("forward_shapes", []), options["cubes"])
     memory_bw = bench.memory_bw(options["elements"] if ctx.device.type == "cpu" else _GPU_ELEMENTS)
     overhead = bench.op_overhead()
     bw_dtype = {d: bench.memory_bw(options["elements"] if ctx.device.type == "cpu" else _GPU_ELEMENTS, d)
@@ -395,15 +402,12 @@ class _Bench:
                     out.append([dtype, m, n, k, self.time(lambda a=a, w=w: F.linear(a, w))])
         return out
 
-    def grad_gemms(self, dtypes: list, model_shapes: list, cubes: list) -> list:
+    def grad_gemms(self, dtypes: list, forward_shapes: list, cubes: list) -> list:
         """(kind, dtype, m, n, k, seconds) of the backward GEMMs of each forward (m, n, k) of the model
         as autograd runs them (dgrad: dY (m x n) @ W (n x k); wgrad: dY^T (n x m) @ X (m x k)), then
         of a few cubes, until the GEMM budget (spent again from zero) is spent."""
         torch = self.torch
-        forward = {(m, n, k) for m, n, k in (tuple(s) for s in model_shapes)}
-        # model_shapes also lists the backward shapes; a forward one has the tokens as its rows
-        rows = max((s[0] for s in forward), default=0)
-        shapes = sorted(s for s in forward if s[0] == rows) + [(c, c, c) for c in cubes[1:-1]]
+        shapes = sorted(tuple(s) for s in forward_shapes) + [(c, c, c) for c in cubes[1:-1]]
         limit = 2e11 if self.dev.type == "cpu" else 1e15
         shapes = [s for s in shapes if 2 * s[0] * s[1] * s[2] <= limit]
         self.note(f"backward GEMMs: {len(shapes)} shapes x {', '.join(dtypes)}")
