@@ -32,6 +32,9 @@ PAIRS: dict[str, tuple[dict, str, dict]] = {
     "zero1": ({"dp": 2, "zero": 1}, "peer_fsdp2", {"zero": 1}),
     "zero2": ({"dp": 2, "zero": 2}, "peer_fsdp2", {"zero": 2}),
     "zero3": ({"dp": 2, "zero": 3}, "peer_fsdp2", {"zero": 3}),
+    "zero1-ds": ({"dp": 2, "zero": 1}, "peer_deepspeed", {"zero": 1}),
+    "zero2-ds": ({"dp": 2, "zero": 2}, "peer_deepspeed", {"zero": 2}),
+    "zero3-ds": ({"dp": 2, "zero": 3}, "peer_deepspeed", {"zero": 3}),
     "offload": ({"dp": 2, "zero": 3, "offload": "cpu"}, "peer_fsdp2", {"zero": 3, "offload": "cpu"}),
     "tp": ({"tp": 2}, "peer_tp", {"sp": False}),
     "tp-sp": ({"tp": 2, "sequence_parallel": True}, "peer_tp", {"sp": True}),
@@ -66,15 +69,17 @@ def _arm_job(fn_job: dict, emit) -> None:
     if fn_job["module"] == "workbench":
         from workbench.runtime.loop import train
 
-        times, losses = [], []
+        times, cpu, losses = [], [], []
 
         def sink(event):
             if event["event"] == "step":
                 times.append(time.perf_counter())
+                cpu.append(time.process_time())
                 losses.append(event["loss"])
 
         train(fn_job["spec"], sink)
-        emit({"event": "peer", "rank": dist.get_rank(), "times": times, "losses": losses, "workbench": True})
+        emit({"event": "peer", "rank": dist.get_rank(), "times": times, "cpu": cpu, "losses": losses,
+              "workbench": True})
         return
     module = importlib.import_module(f"bench.{fn_job['module']}")
     module.train_peer({"spec": fn_job["spec"], **fn_job["options"]}, emit)
@@ -91,7 +96,7 @@ def _summarize(events: list[dict], workbench: bool) -> dict:
         with_loss = [e for e in recs if e["losses"] and e.get("last_stage", True)]
         by_dp = {e.get("dp_rank", 0): e["losses"] for e in with_loss}
         losses = [sum(v) / len(v) for v in zip(*by_dp.values())]
-    return {"times": times, "losses": losses}
+    return {"times": times, "cpu": recs[0]["cpu"], "losses": losses}
 
 
 def _jobs(name: str, cfg: dict) -> dict[str, dict]:
@@ -163,9 +168,14 @@ def _pair_result(runs: dict[str, list[dict]], tokens: int, skip: int, failures: 
         return {"failed": failures}
     tps = {arm: [steady_tokens_per_s(x["times"], tokens, skip) for x in rs[:n]] for arm, rs in runs.items()}
     ratios = paired_ratios(tps["workbench"], tps["peer"])
+    # The second view, robust to other processes' load: rank 0's CPU seconds per steady step
+    # (peer / workbench: > 1 when workbench spends less CPU per step).
+    cpu = {arm: [(x["cpu"][-1] - x["cpu"][skip]) / (len(x["cpu"]) - 1 - skip) for x in rs[:n]] for arm, rs in runs.items()}
+    cpu_ratios = paired_ratios(cpu["peer"], cpu["workbench"])
     a, b = runs["workbench"][0]["losses"], runs["peer"][0]["losses"]
     rel = max((abs(x - y) / abs(y) for x, y in zip(a, b)), default=float("nan"))
     return {"tokens_per_s": {arm: stats(v) for arm, v in tps.items()}, "ratios": ratios, "ratio": stats(ratios),
+            "cpu_s_per_step": {arm: stats(v) for arm, v in cpu.items()}, "cpu_ratio": stats(cpu_ratios),
             "ratio_ci95": median_ci(ratios) if len(ratios) > 1 else (ratios[0], ratios[0]),
             "loss_rel_diff": rel, "losses": {"workbench": a, "peer": b}, "rounds": n, "failed": failures}
 
@@ -175,7 +185,8 @@ def _line(p: dict) -> str:
         return "failed: " + "; ".join(p["failed"])[-300:]
     lo, hi = p["ratio_ci95"]
     return (f"workbench/peer tokens/s {p['ratio']['median']:.3f} ({p['ratio']['min']:.3f}..{p['ratio']['max']:.3f}, "
-            f"95% {lo:.3f}..{hi:.3f}), losses within {p['loss_rel_diff']:.1e}")
+            f"95% {lo:.3f}..{hi:.3f}), peer/workbench CPU per step {p['cpu_ratio']['median']:.3f}, "
+            f"losses within {p['loss_rel_diff']:.1e}")
 
 
 def summary_rows(result: dict) -> list[list]:
@@ -199,7 +210,9 @@ def section(r, doc, img) -> str:
            "`bench/peer_tp.py` (`parallelize_module` with `ColwiseParallel` / `RowwiseParallel` / "
            "`SequenceParallel`), `bench/peer_pp.py` (`torch.distributed.pipelining` with `Schedule1F1B` / "
            "`ScheduleInterleaved1F1B`). Tokens/s between rank 0's step ends after the warm-up steps; ratio "
-           "workbench / peer per round, then the median, its spread and 95% bootstrap interval. `sp/tp` is "
+           "workbench / peer per round, then the median, its spread and 95% bootstrap interval; CPU/step is rank "
+           "0's process CPU seconds per steady step, peer / workbench (> 1: workbench spends less), the view that "
+           "other processes' load disturbs least. `sp/tp` is "
            "workbench with sequence parallel against workbench without, same tp=2 (goal: SP within "
            f"{SP_GOAL}x of plain TP's step time, i.e. a ratio >= {1 / SP_GOAL:.2f})."]
     if not r:
@@ -208,7 +221,7 @@ def section(r, doc, img) -> str:
     for name, p in r["pairs"].items():
         label = r["peer_labels"].get(name, "")
         if "ratio" not in p:
-            rows.append([name, label, "failed", "", "", "", ""])
+            rows.append([name, label, "failed", "", "", "", "", "", ""])
             continue
         lo, hi = p["ratio_ci95"]
         goal = 1 / r.get("sp_goal", SP_GOAL) if name == "sp/tp" else r["goal"]
@@ -216,8 +229,10 @@ def section(r, doc, img) -> str:
         rows.append([f"`{name}`", label, f"{p['tokens_per_s']['workbench']['median']:,.0f} / "
                      f"{p['tokens_per_s']['peer']['median']:,.0f}", f"**{p['ratio']['median']:.3f}**",
                      f"{p['ratio']['min']:.3f}..{p['ratio']['max']:.3f}", f"{lo:.3f}..{hi:.3f}",
+                     f"{p['cpu_ratio']['median']:.3f}" if "cpu_ratio" in p else "-",
                      f"{p['loss_rel_diff']:.1e}", f"{met} (>= {goal:.2f})"])
-    head = ["pair", "peer", "tokens/s workbench / peer", "ratio", "spread", "95% interval", "loss rel. diff", "goal"]
+    head = ["pair", "peer", "tokens/s workbench / peer", "ratio", "spread", "95% interval",
+            "CPU/step peer / workbench", "loss rel. diff", "goal"]
     out.append("| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n"
                + "\n".join("| " + " | ".join(str(c) for c in row) + " |" for row in rows))
     c, load = r["config"], r.get("load_avg_1m", {})

@@ -57,16 +57,18 @@ class Record:
     def __init__(self, emit: Callable[[dict], None], **coords):
         self.emit, self.coords = emit, coords
         self.times: list[float] = []
+        self.cpu: list[float] = []  # this process's CPU time at each step end (robust on a shared host)
         self.losses: list[float] = []
 
     def step(self, loss: float | None) -> None:
         self.times.append(time.perf_counter())
+        self.cpu.append(time.process_time())
         if loss is not None:
             self.losses.append(loss)
 
     def done(self) -> None:
         self.emit({"event": "peer", "rank": dist.get_rank(), **self.coords, "times": self.times,
-                   "losses": self.losses})
+                   "cpu": self.cpu, "losses": self.losses})
 
 
 def loop_micro(spec: JobSpec, source, model, opt, rec: Record, dp_rank: int, dp: int, *,
