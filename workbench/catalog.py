@@ -26,6 +26,12 @@ class Device:
     bf16_native: bool = True  # False: bf16 runs at fp32 speed (V100, T4 have fp16 tensor cores only)
     host_memory_bytes: int = 0  # host RAM per device on the usual instance (offload=cpu); 0 = unknown
     nics_per_node: int = 8  # network adapters of the usual node (rail-aligned: one per GPU on DGX/HGX)
+    # bytes/s per device to the node's local NVMe (offload=nvme), read or write: the instance's NVMe
+    # drives' sequential bandwidth / its devices. Default 3 GB/s: one PCIe Gen4 x4 NVMe drive per GPU
+    # (p4d: 8 x 1 TB NVMe, p5: 8 x 3.84 TB NVMe SSD, from the EC2 instance pages; ~3 GB/s sequential
+    # each per the drives' datasheets). The CPU worker's figure is dd's on this workbench's /tmp
+    # (bench/bench_nvme.py measures it again on every run).
+    nvme_bw: float = 3.0e9
 
     @property
     def node_network_bw(self) -> float:
@@ -46,7 +52,8 @@ DEVICES: dict[str, Device] = {
     for d in [
         # A CPU "device": what the local runtime uses when there is no GPU. Its figures are
         # rough and only used to give the planner something finite on this machine.
-        Device("cpu", 16 * GiB, 0.2e12, 0.2e12, 10e9, 1.25e9, 64, "nominal; CPU worker", hbm_bw=20e9, nics_per_node=1),
+        Device("cpu", 16 * GiB, 0.2e12, 0.2e12, 10e9, 1.25e9, 64, "nominal; CPU worker", hbm_bw=20e9, nics_per_node=1,
+               nvme_bw=1.0e9),
         Device("a100-40gb", 40 * GiB, 312e12, 19.5e12, 300e9, 25e9, 8,
                "NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TF bf16 dense, 19.5 TF fp32, 1.555 TB/s HBM2, "
                "NVLink3 600 GB/s bidirectional; DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU",

@@ -2,7 +2,7 @@
 
 Searches dp x tp x pp (tp inside a node and dividing the heads, pp <= layers), ZeRO 0-3,
 CPU offload, activation checkpointing, micro-batch sizes, pipeline schedules and their virtual
-stages, with the
+stages, and (when nothing else fits) ZeRO-Infinity's nvme layouts, with the
 memory model (workbench.memory) and the step-time model (workbench.steptime).
 """
 from __future__ import annotations
@@ -133,8 +133,11 @@ def _schedules(pp: int, layers: int, num_micro: int) -> list[tuple[str, int]]:
     return [("1f1b", 1), *multi, *([("zero-bubble", 2)] if 2 * pp <= stages else [])]
 
 
-def _layouts(spec, shape, world: int, gpn: int):
-    """Every (dp, tp, pp, zero, offload, schedule, micro_batch), each with its checkpointing options."""
+def _layouts(spec, shape, world: int, gpn: int, nvme: bool = False):
+    """Every (dp, tp, pp, zero, offload, schedule, micro_batch), each with its checkpointing options.
+
+    nvme: instead, the ZeRO-Infinity layouts (zero 2/3 with offload=nvme, which the runtime runs
+    with tp = pp = 1), searched when nothing else fits."""
     from workbench.spec import MAX_PP
 
     gb = spec.train.global_batch
@@ -154,7 +157,10 @@ def _layouts(spec, shape, world: int, gpn: int):
                             continue
                         # CPU offload is FSDP2's CPUOffloadPolicy: zero 2/3 only (docs/strategies.md);
                         # a CPU device has nothing to offload to.
-                        for off in (("none", "cpu") if zero >= 2 and device == "cuda" else ("none",)):
+                        offloads: tuple[str, ...] = ("none", "cpu") if zero >= 2 and device == "cuda" else ("none",)
+                        if nvme:
+                            offloads = ("nvme",) if zero >= 2 and tp == 1 and pp == 1 else ()
+                        for off in offloads:
                             # Checkpointing modes from fastest to leanest: the planner keeps
                             # the first that fits (the others are slower and add nothing).
                             yield [Layout(dp=dp, tp=tp, pp=pp, zero=zero, offload=off, activation_checkpointing=ckpt,
@@ -174,7 +180,7 @@ def _peak(shape, lay: Layout) -> tuple[int, int]:
     the last stage holds the head and the logits. Middle stages are never above both.
     """
     stages = [estimate_stage(shape, lay, k) for k in {0, lay.pp - 1}]
-    return max(s.total for s in stages), max(s.offloaded for s in stages)
+    return max(s.total for s in stages), max(s.host for s in stages)
 
 
 def plan(spec, prices=None, top: int | None = None, profile=None) -> PlanResult:
@@ -208,26 +214,36 @@ def plan(spec, prices=None, top: int | None = None, profile=None) -> PlanResult:
     usable = dev.memory_bytes
     host_usable = dev.host_memory_bytes * HOST_USABLE_FRACTION
     dev_prices = load_prices(prices).get(dev.name, {})
-    fitting, misses, searched = [], [], 0
-    truncated = False
-    for options in _layouts(spec, shape, world, gpn):
-        if searched >= MAX_SEARCHED:
-            truncated = True
+    fitting: list[Candidate] = []
+    misses: list[tuple[int, Layout]] = []
+    searched, truncated = 0, False
+    for nvme in (False, True):  # ZeRO-Infinity (files) only when nothing fits in device + host memory
+        if fitting or truncated:
             break
-        for lay in options:
-            searched += 1
-            peak, offloaded = _peak(shape, lay)
-            host_ok = lay.offload_to != "host memory" or not dev.host_memory_bytes or offloaded <= host_usable
-            if device_used(peak, lay) <= usable and host_ok:
-                fitting.append(_candidate(shape, lay, hw, spec, peak, True, dev_prices))
+        for options in _layouts(spec, shape, world, gpn, nvme=nvme):
+            if searched >= MAX_SEARCHED:
+                truncated = True
                 break
-            misses.append((peak, lay))
+            for lay in options:
+                searched += 1
+                peak, host = _peak(shape, lay)
+                host_ok = lay.offload == "none" or not dev.host_memory_bytes or host <= host_usable
+                if device_used(peak, lay) <= usable and host_ok:
+                    fitting.append(_candidate(shape, lay, hw, spec, peak, True, dev_prices))
+                    break
+                misses.append((peak, lay))
+    if fitting and fitting[0].layout["offload"] == "nvme":
+        notes_nvme = ["nothing fits in device and host memory: these layouts keep the fp32 shards and optimizer "
+                      "state in files (offload=nvme, ZeRO-Infinity)"]
+    else:
+        notes_nvme = []
     fitting.sort(key=lambda c: (-c.tokens_per_s, c.peak_bytes))
     notes = [f"fits = the allocated peak + the allocator's reserve, CUDA context and NCCL buffers <= "
              f"{dev.memory_bytes / 2**30:.1f} GiB (workbench/memory/estimate.py: device_used)"]
     if dev.host_memory_bytes:
         notes.append(f"offload=cpu fits when the offloaded states <= {HOST_USABLE_FRACTION:.0%} of "
                      f"{dev.host_memory_bytes / 2**30:.0f} GiB host memory per GPU")
+    notes += notes_nvme
     if truncated:
         notes.append(f"search stopped after {MAX_SEARCHED:,} layouts (the bound on one plan's work; tp, pp and "
                      "micro-batch sizes are searched in ascending order): fewer GPUs or a global_batch with fewer "
@@ -272,8 +288,8 @@ def _given(spec, shape, hw, usable: float, host_usable: float, dev_prices: dict)
     except ConfigError as e:
         return None, str(e)
     lay = layout_from_spec(spec)
-    peak, offloaded = _peak(shape, lay)
-    host_ok = lay.offload_to != "host memory" or not hw.dev.host_memory_bytes or offloaded <= host_usable
+    peak, host = _peak(shape, lay)
+    host_ok = lay.offload == "none" or not hw.dev.host_memory_bytes or host <= host_usable
     c = _candidate(shape, lay, hw, spec, peak, device_used(peak, lay) <= usable and host_ok, dev_prices)
     _check_runnable(spec, c)
     return c, None

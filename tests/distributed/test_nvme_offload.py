@@ -45,15 +45,18 @@ def reference():
 
 @pytest.fixture(scope="module")
 def runs(spawn_pools, tmp_path_factory):
-    done = {}
+    done, specs = {}, {}
 
     def run(name):
         if name not in done:
             layout, dtype = CASES[name]
             tmp = tmp_path_factory.mktemp(name)
             spec = {**BASE, "layout": {"dp": 2, **layout, "nvme_path": str(tmp)}, "precision": {"dtype": dtype}}
-            done[name] = (spawn_pools.get(2).run(spec, fn=train_with_state, timeout_s=240), tmp)
-        return done[name][0]
+            done[name] = spawn_pools.get(2).run(spec, fn=train_with_state, timeout_s=240)
+            specs[name] = spec
+        return done[name]
+
+    run.specs = specs
 
     return run
 
@@ -78,6 +81,8 @@ def test_bf16_nvme_matches_bf16_without_offload(runs, reference):
 
 
 def test_memory_events_measure_files_not_memory(runs):
+    from workbench.memory.accuracy import THRESHOLDS, compare
+
     num = sum(p.numel() for p in build_model(BASE).parameters())
     for name, key in (("zero3-nvme-full", "params"), ("zero3-nvme-bf16", "master")):
         m = measured(runs(name))
@@ -88,6 +93,11 @@ def test_memory_events_measure_files_not_memory(runs):
         assert 4 * math.ceil(num / 2) <= m[f"{key}_on_disk"] < 4 * num / 2 + 16 * 4096, m
         assert m["optimizer_on_disk"] == 2 * m[f"{key}_on_disk"]
         assert 0 < m["offload_staging"] < m[f"{key}_on_disk"]
+        # The memory model's host and disk bytes per rank against these measurements.
+        rows = compare("gpt-tiny", name, runs.specs[name], runs(name))
+        assert {"disk", "host", "files resident"} <= {r.component for r in rows}
+        assert all(r.within for r in rows), [(r.component, r.predicted, r.measured) for r in rows if not r.within]
+        assert all(abs(r.error) <= THRESHOLDS.get(r.component, 0.15) for r in rows)
 
 
 # Resume from and into nvme layouts across ZeRO stages: each hop resumes the previous hop's

@@ -27,6 +27,7 @@ class RankMemory:
         out["total"] = s.total
         if s.offloaded:
             out["offloaded_bytes"] = s.offloaded
+            out["host_bytes"], out["disk_bytes"] = s.host, s.disk
         return out
 
 
@@ -57,8 +58,8 @@ class MemoryEstimate:
     @property
     def fits(self) -> bool:
         """Device use within the device's memory (and, with offload=cpu, the host's share)."""
-        host_ok = self.offload != "cpu" or not self.host_memory or \
-            max(r.stage.offloaded for r in self.per_rank) <= self.host_memory
+        host_ok = self.offload == "none" or not self.host_memory or \
+            max(r.stage.host for r in self.per_rank) <= self.host_memory
         return self.device_used_bytes <= self.device_memory and host_ok
 
     def to_dict(self) -> dict:
@@ -68,7 +69,7 @@ class MemoryEstimate:
                "convention": self.convention, "notes": list(self.notes)}
         if self.offload != "none":
             out["offloaded_to"] = "host memory" if self.offload == "cpu" else "files (nvme)"
-            if self.offload == "cpu" and self.host_memory:
+            if self.host_memory:
                 out["host_memory"] = self.host_memory
         return out
 
@@ -95,10 +96,12 @@ class MemoryEstimate:
             used = f", {_gib(self.device_used_bytes)} with the allocator's reserve, CUDA context and NCCL buffers"
         lines.append(f"peak {_gib(self.peak_bytes)} allocated{used}, of {_gib(self.device_memory)} per {self.device}: "
                      f"{verdict} ({self.world_size} ranks)")
-        off = sum(r.stage.offloaded for r in self._stages())
-        if off:
-            lines.append(f"offloaded per rank (stage max): {_gib(max(r.stage.offloaded for r in self._stages()))} "
-                         f"in {'host memory' if self.offload == 'cpu' else 'files'}")
+        host = max(r.stage.host for r in self._stages())
+        disk = max(r.stage.disk for r in self._stages())
+        if host:
+            lines.append(f"host memory per rank (stage max): {_gib(host)}")
+        if disk:
+            lines.append(f"files per rank (stage max): {_gib(disk)} under layout.nvme_path")
         lines.append(f"convention: {self.convention}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -11,7 +11,7 @@ STATES = ("params", "grads", "master", "optimizer")
 # Defensible bounds: model states are exact byte counts of known tensors (only padding and
 # bookkeeping can differ: 5%); activations depend on which kernels autograd runs (15%).
 THRESHOLDS = {"params": 0.05, "grads": 0.05, "master": 0.05, "optimizer": 0.05, "offloaded": 0.05,
-              "activations": 0.15}
+              "activations": 0.15, "disk": 0.05, "host": 0.05}
 
 # (label, layout, precision) tried for each model; the runtime skips what it cannot run yet.
 LAYOUTS: list[tuple[str, dict, str]] = [
@@ -26,6 +26,8 @@ LAYOUTS: list[tuple[str, dict, str]] = [
     ("dp2 full ckpt every 2", {"dp": 2, "activation_checkpointing": "full", "checkpoint_every": 2}, "fp32"),
     ("dp2 zero3 offload cpu", {"dp": 2, "zero": 3, "offload": "cpu"}, "fp32"),
     ("dp2 zero1 offload nvme", {"dp": 2, "zero": 1, "offload": "nvme"}, "fp32"),
+    ("dp2 zero3 offload nvme", {"dp": 2, "zero": 3, "offload": "nvme"}, "fp32"),
+    ("dp2 zero2 offload nvme bf16", {"dp": 2, "zero": 2, "offload": "nvme"}, "bf16"),
     ("tp2", {"tp": 2}, "fp32"),
     ("tp2 sp", {"tp": 2, "sequence_parallel": True}, "fp32"),
     ("pp2 1f1b", {"pp": 2}, "fp32"),
@@ -95,10 +97,11 @@ def compare(model: str, label: str, spec: dict, events: list[dict]) -> list[Row]
             last[e["rank"]] = e
     rows = []
     offload = spec["layout"].get("offload", "none")
+    infinity = offload == "nvme" and spec["layout"].get("zero", 0) >= 2
     for rank, e in sorted(last.items()):
         meas, pred = e["measured"], predicted[rank]
         for c in STATES + ("activations",):
-            if offload == "cpu" and c in STATES:
+            if (offload == "cpu" or infinity) and c in STATES:
                 continue  # compared as one host-memory total below
             if offload == "nvme" and c in ("master", "optimizer"):
                 continue
@@ -106,6 +109,13 @@ def compare(model: str, label: str, spec: dict, events: list[dict]) -> list[Row]
         if offload == "cpu":
             host = meas.get("cpu_offloaded", sum(meas.get(c, 0) for c in STATES))
             rows.append(Row(model, label, rank, "offloaded", int(pred.get("offloaded_bytes", 0)), int(host)))
+        elif infinity:  # host and disk apart: gradient shards + staging in memory; shards + moments in files
+            disk = sum(meas.get(f"{c}_on_disk", 0) for c in STATES)
+            rows.append(Row(model, label, rank, "disk", int(pred.get("disk_bytes", 0)), int(disk)))
+            host = meas.get("grads", 0) + meas.get("offload_staging", 0)
+            rows.append(Row(model, label, rank, "host", int(pred.get("host_bytes", 0)), int(host)))
+            resident = sum(meas.get(c, 0) for c in ("params", "master", "optimizer"))
+            rows.append(Row(model, label, rank, "files resident", 0, int(resident)))
         elif offload == "nvme":
             disk = meas.get("master_on_disk", 0) + meas.get("optimizer_on_disk", 0)
             rows.append(Row(model, label, rank, "offloaded", int(pred.get("offloaded_bytes", 0)), int(disk)))

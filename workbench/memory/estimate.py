@@ -52,8 +52,10 @@ class StageMemory:
     optimizer: int
     activations: int
     buffers: int
-    offloaded: int
+    offloaded: int  # host + disk: every byte held off the device
     notes: tuple[str, ...]
+    host: int = 0  # host-memory bytes per rank kept between steps (offload=cpu: the states; nvme at zero 2/3: gradients + staging)
+    disk: int = 0  # bytes per rank in files under layout.nvme_path (offload=nvme)
 
     @property
     def total(self) -> int:
@@ -166,7 +168,7 @@ def _buffers(shape, lay: Layout, pp_index: int, p: int, w: int) -> tuple[float, 
         out += chunk * 4  # the master step converts one chunk of gradients to fp32
     if lay.master_sharded:
         out += lay.dp * chunk * w  # all-gather of one chunk per rank
-    if lay.offload == "nvme":
+    if lay.offload == "nvme" and not lay.fsdp:
         out += 3 * chunk * 4  # staging: master, moment 1, moment 2 of one chunk
     if lay.fsdp and not lay.reshard_after_forward:
         out += p * w + 4 * prm.largest_block_numel(shape, lay.tp)
@@ -207,6 +209,6 @@ def estimate_stage(shape, lay: Layout, pp_index: int, convention: str = "workben
     if not isinstance(shape, (int, float)):
         states = _runtime_details(shape, lay, pp_index, states, notes)
     rng = -(-p // lay.dp) if lay.shards_optimizer_state else p
-    states, moved = offload(states, lay.offload, lay.zero, rng, lay.optimizer)
+    states, host, disk = offload(states, lay.offload, lay.zero, rng, lay.optimizer)
     return StageMemory(int(states.params), int(states.grads), int(states.master), int(states.optimizer),
-                       int(a), int(buf), int(moved), (states.note, *notes))
+                       int(a), int(buf), int(host + disk), (states.note, *notes), int(host), int(disk))

@@ -91,18 +91,34 @@ def model_states(p: float, shard: float, n: int, zero: int, dtype: str, optimize
     return CONVENTIONS[convention][zero](p, shard, n, dtype, optimizer)
 
 
-def offload(states: States, where: str, zero: int, range_numel: float, optimizer: str) -> tuple[States, float]:
-    """Move what offload moves off the device. Returns (device states, bytes held elsewhere).
+def nvme_staging_bytes(range_numel: float, optimizer: str, zero: int) -> int:
+    """Host bytes of the nvme staging buffers (parallel/offload.py): zero 0/1 stage master and
+    moments of one chunk; zero 2/3 two slots of the moments (double buffering) and one gradient chunk."""
+    chunk = min(4 * 2**20, max(4096, -(-int(range_numel) // 8)))
+    moments = OPTIMIZER_BYTES[optimizer] // 4
+    return 4 * chunk * ((1 + moments) if zero < 2 else (2 * moments + 1))
+
+
+def offload(states: States, where: str, zero: int, range_numel: float, optimizer: str) -> tuple[States, float, float]:
+    """Move what offload moves off the device. Returns (device states, host bytes, disk bytes).
 
     cpu (FSDP2 CPUOffloadPolicy, zero 2/3): every model state of the rank lives in host memory
-    and the optimizer steps there. nvme (zero 0/1): the fp32 master (also for fp32) and the
-    optimizer state of the rank's range live in files, streamed through a staging buffer.
+    and the optimizer steps there. nvme at zero 0/1: the fp32 master (also for fp32) and the
+    optimizer state of the rank's range live in files, streamed through a staging buffer (counted
+    in the device's buffers, where the step runs). nvme at zero 2/3 (ZeRO-Infinity): FSDP2's fp32
+    shards (the parameters, or the master in mixed precision) and the moments in files; the
+    gradient shards in host memory (CPUOffloadPolicy) with the staging buffers.
     """
     if where == "none":
-        return states, 0.0
+        return states, 0.0, 0.0
     if where == "cpu":
         moved = states.params + states.grads + states.master + states.optimizer
-        return States(0.0, 0.0, 0.0, 0.0, f"{states.note}; offload=cpu: all model states in host memory"), moved
-    moved = (4 + OPTIMIZER_BYTES[optimizer]) * range_numel
+        return States(0.0, 0.0, 0.0, 0.0, f"{states.note}; offload=cpu: all model states in host memory"), moved, 0.0
+    if zero >= 2:
+        disk = states.params + states.master + states.optimizer
+        host = states.grads + nvme_staging_bytes(range_numel, optimizer, zero)
+        return States(0.0, 0.0, 0.0, 0.0, f"{states.note}; offload=nvme (ZeRO-Infinity): fp32 shards and optimizer "
+                      "state in files, gradient shards in host memory"), host, disk
+    disk = (4 + OPTIMIZER_BYTES[optimizer]) * range_numel
     return States(states.params, states.grads, 0.0, 0.0,
-                  f"{states.note}; offload=nvme: fp32 master and optimizer state in files"), moved
+                  f"{states.note}; offload=nvme: fp32 master and optimizer state in files"), 0.0, disk
