@@ -168,7 +168,8 @@ def test_three_runs_back_to_back_and_stop_within_a_step(lab, shots):
     for run in (1, 2):
         t0 = time.monotonic()
         button(root, "Run").click()
-        wait_until(lab, lambda: progress(root).startswith(("starting", "step")), f"run {run} starting")
+        # start-up by phase: 1/3 Ray, 2/3 the ranks, 3/3 the first step
+        wait_until(lab, lambda: progress(root).startswith(("1/3 ", "2/3 ", "3/3 ", "step")), f"run {run} starting")
         wait_until(lab, lambda: progress(root).startswith(f"completed at step {RUN_STEPS}"),
                    f"run {run} completing", limit_s=START_S)
         def curves():  # [points of this run's loss, number of traces]: earlier runs' loss beneath
@@ -303,6 +304,12 @@ def test_stop_and_resume_from_a_checkpoint(lab, tmp_path):
     assert resumed["y"][:ended] == stopped["y"]
     assert f"from_step={ended}" in root.locator(".wb-run-log").text_content()  # (folded: not inner_text)
     assert not button(root, "Resume").is_visible()  # completed: nothing left to resume
+    from workbench.runtime.checkpoint import manifest_run_id
+    from workbench.runtime.checkpoint_store import Store
+
+    store = Store(str(tmp_path / "ckpt"))  # #34: the stopped run and its resume wrote them as one run
+    owners = {manifest_run_id(store.read_manifest(s)) for s in store.committed_steps()}
+    assert len(owners) == 1 and owners.pop().startswith("notebook-"), owners
     print(f"Stop clicked with step {shown} shown, the panel had step {pressed}, the run ended after step {ended}; "
           f"Resume ran {ended + 1}..{steps}")
     toggle.click()
@@ -386,7 +393,42 @@ def test_dispatch_settings_form(lab, shots):
     assert root.locator("button.wb-copy").count() == 1
     assert '"RoleArn": "arn:aws:iam::123456789012:role/Training"' in root.locator(".wb-request").inner_text()
     shot(lab, shots, "05-dispatch")
+    check_stale_request_spot_and_address(lab, root, backend)
     backend.select_option(label="local (Ray on this machine)")
+    settle(lab)
+
+
+def check_stale_request_spot_and_address(lab, root, backend) -> None:
+    """#34: the request goes when the layout changes; spot without an interval leaves the job valid
+    with a note under the box; the Ray address is a placeholder, and two addresses run together are
+    named and not taken."""
+    set_field(lab, root, "layout.dp", 1)
+    root.locator(".wb-dispatch-note", has_text="The spec changed since the request was shown").wait_for()
+    assert root.locator(".wb-request").count() == 0
+    set_field(lab, root, "layout.dp", 2)
+    spot = root.locator(".wb-dispatch-spot input")
+    spot.check()
+    settle(lab)
+    root.locator(".wb-spot-note .wb-note-error", has_text="every N steps").wait_for()
+    assert lab.evaluate(PLOT, "Memory per rank (") is not None  # the job stays valid
+    spot.uncheck()
+    settle(lab)
+    assert root.locator(".wb-spot-note .wb-note-error").count() == 0
+    backend.select_option(label="Ray cluster")
+    settle(lab)
+    address = root.locator(".wb-ray-address input")
+    assert address.input_value() == "" and address.get_attribute("placeholder") == "http://127.0.0.1:8265"
+    address.click()
+    address.type("http://ray-head.internal:8265", delay=2)
+    address.press("Tab")
+    settle(lab)
+    assert address.input_value() == "http://ray-head.internal:8265"  # typed over the placeholder, not appended
+    address.fill("http://127.0.0.1:8265http://ray-head.internal:8265")
+    address.press("Enter")
+    settle(lab)
+    root.locator(".wb-dispatch-field-error", has_text="more than one address").wait_for()
+    address.fill("")
+    address.press("Enter")
     settle(lab)
 
 
@@ -443,13 +485,36 @@ def test_layout_fits_1000_to_1920_px(lab, shots):
     root.locator(".wb-note-error", has_text="must be divisible by dp(2) x micro_batch(3) = 6").wait_for()
     shot(lab, shots, "04-invalid-layout")
     set_field(lab, root, "train.micro_batch", 4)
-    for width in (1920, 1400, 1000):
+    for width in (1920, 1400, 1000, 800):
         lab.set_viewport_size({"width": width, "height": 1000})
         time.sleep(1.5)  # reflow, and plotly's resize
         stuck = lab.evaluate(OVERFLOW)
         shot(lab, shots, f"width-{width}")
         assert not stuck, (width, stuck)
     lab.set_viewport_size({"width": 1400, "height": 1000})
+    check_the_dark_theme(lab, root, shots)
+
+
+# The text color of each note and of the run log against the page's background, as a contrast ratio.
+CONTRAST = """() => { const lum = (c) => { const v = c.match(/[\\d.]+/g).slice(0, 3).map(Number).map(x => x / 255)
+    .map(x => x <= 0.03928 ? x / 12.92 : Math.pow((x + 0.055) / 1.055, 2.4)); return 0.2126*v[0] + 0.7152*v[1] + 0.0722*v[2]; };
+  const bg = lum(getComputedStyle(document.querySelector('.jp-Notebook')).backgroundColor);
+  return Array.from(document.querySelectorAll('.wb-root .wb-note, .wb-root .wb-model-size')).map(n => {
+    const f = lum(getComputedStyle(n).color); return (Math.max(f, bg) + 0.05) / (Math.min(f, bg) + 0.05); }); }"""
+
+
+def check_the_dark_theme(lab, root, shots) -> None:
+    """#34: under JupyterLab Dark the notes are readable (they read at 1.1:1) and the charts' text is light."""
+    lab.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
+    lab.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'", timeout=60_000)
+    time.sleep(2.0)
+    ratios = lab.evaluate(CONTRAST)
+    shot(lab, shots, "dark-1400")
+    fill = lab.evaluate("""() => getComputedStyle(document.querySelector('.wb-root .main-svg .gtitle')).fill""")
+    lab.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")
+    lab.wait_for_function("() => document.body.dataset.jpThemeLight === 'true'", timeout=60_000)
+    assert ratios and min(ratios) >= 4.5, ratios
+    assert fill != "rgb(68, 68, 68)", fill  # plotly's dark grey on a dark page
 
 
 def test_the_kernel_is_alive_90s_after_the_last_run(lab, lab_server):

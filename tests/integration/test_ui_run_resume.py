@@ -50,6 +50,7 @@ def test_run_stop_and_resume_from_the_panel(tmp_path):
     assert end["step"] in [e["step"] for e in stopped if e["event"] == "checkpoint"]  # the stop saved its step
     print(f"Stop pressed with step {panel.stop_step} in the panel; the run ended after step {end['step']}")
     wait_for(lambda: panel.resumable_step() == end["step"], "the stop's checkpoint", limit_s=30)
+    check_the_checkpoint_is_this_runs(wb, uri, end["step"])
     panel.render()
     assert panel.resume_button.layout.display == "" and "Resume continues" in panel.note.value
 
@@ -94,3 +95,19 @@ def check_the_pairing_stays_with_the_running_spec(wb, ran) -> None:
     assert list(panel.mem_box.figure.data[0].x[0]) == ["rank 0", "rank 0", "rank 1", "rank 1"]  # the run's 2 ranks
     fields["layout.dp"].value, fields["train.micro_batch"].value = 2, 2
     assert wb.spec.layout == ran.layout
+
+
+def check_the_checkpoint_is_this_runs(wb, uri, step: int) -> None:
+    """#34: the ranks under Ray recorded the panel's run id in the checkpoint; a fresh panel on the same
+    URI (another run) is not offered that checkpoint and says whose it is."""
+    from workbench.runtime.checkpoint import manifest_run_id
+    from workbench.runtime.checkpoint_store import Store
+
+    panel = wb.run_panel
+    assert panel.run_id and manifest_run_id(Store(str(uri)).read_manifest(step)) == panel.run_id
+    other = Workbench(wb.state.raw)
+    other.state.start_events("run 1")
+    other.state.add_event({"event": "end", "status": "preempted", "step": 0})
+    other.run_panel.render()
+    assert other.run_panel.resumable_step() is None and other.run_panel.resume_button.layout.display == "none"
+    assert f"written by another run ({panel.run_id})" in other.run_panel.note.value

@@ -100,7 +100,7 @@ def test_run_figure_plots_loss_throughput_and_step_time_against_step():
     assert list(fig.data[1].y) == [800, 1000, 1100]
     assert list(fig.data[2].y) == [0.9, 0.7, 0.65]
     assert "step 3" in fig.layout.title.text and "1,100 tokens/s" in fig.layout.title.text
-    assert [a.text for a in fig.layout.annotations] == ["loss", "throughput (tokens/s)", "step time (s)"]
+    assert [a.text for a in fig.layout.annotations] == ["loss", "tokens/s", "step time (s)"]
 
 
 def test_run_figure_is_empty_before_the_first_step_and_marks_restarts():
@@ -177,3 +177,13 @@ def test_lr_figure_draws_the_schedule_and_the_runs_rates():
     assert list(ran.data[1].y) == [2e-4]
     big = load_spec({"train": {"steps": 10**7, "schedule": "wsd"}}).train
     assert len(figures.lr_figure(big).data[0].x) <= 402  # sampled, not one point per step
+
+
+def test_earlier_runs_have_a_legend_and_the_charts_follow_the_page_theme():
+    events = [{"event": "step", "step": 1, "loss": 2.0, "tokens_per_s": 10.0, "step_time_s": 0.1}]
+    fig = figures.run_figure(events, history=[{"label": "run 1", "events": events},
+                                              {"label": "run 2", "events": events}])
+    past = [t for t in fig.data if t.name in ("run 1", "run 2")]
+    assert [t.showlegend for t in past] == [True, True] and past[0].legendgrouptitle.text == "earlier runs"
+    assert fig.layout.paper_bgcolor == fig.layout.plot_bgcolor == "rgba(0,0,0,0)"
+    assert fig.layout.modebar.orientation == "v"

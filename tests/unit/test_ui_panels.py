@@ -158,10 +158,10 @@ def test_the_code_bundle_leaves_the_notebook_folder_out(tmp_path, monkeypatch):
     assert "top_level" in d.request.value and "my_notebook.ipynb" not in d.request.value
 
 
-def test_resume_is_offered_for_a_complete_checkpoint_and_its_curve_continues(tmp_path):
-    """Real checkpoints from the in-process loop: Resume shows only while a complete one exists
-    under checkpoint.uri, and the resumed run's events carry the stopped run's curve on."""
-    from workbench.runtime.checkpoint_store import MANIFEST, step_name
+def test_resume_is_offered_for_a_complete_checkpoint_and_its_curve_continues(tmp_path, monkeypatch):
+    """Real checkpoints from the in-process loop: Resume shows only while a complete one of this run
+    exists under checkpoint.uri, and the resumed run's events carry the stopped run's curve on."""
+    from workbench.runtime.checkpoint_store import MANIFEST, Store, step_name
     from workbench.runtime.loop import train
     from workbench.ui import run_panel
 
@@ -171,11 +171,13 @@ def test_resume_is_offered_for_a_complete_checkpoint_and_its_curve_continues(tmp
             "resources": {"gpu": "cpu", "gpus_per_node": 1}, "checkpoint": {"uri": str(uri), "every_steps": 2}}
     calls = iter(range(1, 100))
     stopped: list[dict] = []
+    monkeypatch.setenv("WORKBENCH_RUN_ID", "notebook-run-a")  # as the panel gives it to the ranks (_with_run_id)
     train(spec, stopped.append, should_stop=lambda: next(calls) >= 3)  # stops after step 3, saving it
     assert stopped[-1] == {"event": "end", "status": "preempted", "step": 3}
 
     wb = Workbench(spec)
     st, panel = wb.state, wb.run_panel
+    panel.run_id = "notebook-run-a"  # the panel's run wrote them
     st.start_events("run 1")
     for e in stopped:
         st.add_event(e)
@@ -192,6 +194,7 @@ def test_resume_is_offered_for_a_complete_checkpoint_and_its_curve_continues(tmp
     assert "cannot be resumed" in panel.note.value
     st.update({"checkpoint.uri": str(uri)})
     assert panel.resume_button.layout.display == ""
+    check_another_runs_checkpoint_is_never_resumed(panel, Store(str(uri)), 2)
 
     # What Resume starts with: the stopped run's events up to the checkpoint, then the loop's own.
     carried = run_panel._continued(st.snapshot(), panel.resumable_step())
@@ -216,5 +219,131 @@ def test_step_time_per_rank_names_the_slowest_rank():
               for r, t in ((0, 0.020), (1, 0.030), (2, 0.021))]
     text = run_panel._rank_times_html(figures.latest_rank_times(events))
     assert "(step 5; slowest rank 1: 1.50x the fastest)" in text
-    assert "rank 1: 30.0 ms <span style='color:#777'>(CPU 15.0 ms)</span>" in text
+    assert "rank 1: 30.0 ms <span style='color:var(--jp-content-font-color2, #777)'>(CPU 15.0 ms)</span>" in text
     assert run_panel._rank_times_html({}) == ""
+
+
+def check_another_runs_checkpoint_is_never_resumed(panel, store, step: int) -> None:
+    """#34: the newest checkpoint under the URI is another run's (or has no id: written before runs
+    had one): no Resume, the note names it and the way to continue it on purpose; Resume pressed
+    anyway (the folder changed after the button was drawn) starts nothing and deletes nothing."""
+    manifest = store.read_manifest(step)
+    for owner in ("older-run-b", None):
+        changed = {k: v for k, v in manifest.items() if k != "run_id"}
+        if owner:
+            changed["run_id"] = owner
+        store.write_manifest(store.step_dir(step), changed)
+        panel.render()
+        assert panel.resumable_step() is None and panel.resume_button.layout.display == "none"
+        note = panel.note.value
+        assert f"(step {step}) was written by " in note and "notebook-run-a" in note and "--resume" in note
+        assert (owner or "before checkpoints named their run") in note
+        runs = len(panel.state.history)
+        panel.run(resume=True)
+        assert panel.state.run_state == "preempted" and len(panel.state.history) == runs  # nothing started
+        assert "Resume is not offered" in panel.note.value and store.committed_steps()[0] == step
+    store.write_manifest(store.step_dir(step), manifest)
+    panel.render()
+    assert panel.resumable_step() == step
+
+
+def test_run_labels_are_unique_and_a_resume_keeps_its_runs_number():
+    from workbench.ui.state import WorkbenchState
+
+    st = WorkbenchState()
+    assert [st.run_label(), st.run_label(), st.run_label(resume=True), st.run_label(resume=True),
+            st.run_label()] == ["run 1", "run 2", "run 2 (resumed)", "run 2 (resumed 2x)", "run 3"]
+
+
+def test_a_spec_given_by_its_size_survives_edits_and_matches_the_cli(tmp_path):
+    """#34: examples/zero-paper-7.5b.yaml (model: {params: 7.5e9}) keeps its model through form edits
+    (it became a 1x1 shape, "model: missing vocab"); its chart equals `workbench memory --json`."""
+    wb = Workbench(str(ROOT / "examples" / "zero-paper-7.5b.yaml"))
+    lp, f = wb.layout_panel, wb.layout_panel.fields
+    assert "7.5 B parameters" in lp.size_note.value and lp.shape_rows["layers"].layout.display == "none"
+    f["layout.zero"].value = 2
+    f["layout.tp"].value = 2  # 128 ranks on the GPUs that follow the layout
+    f["train.micro_batch"].value = 3  # invalid (64 is not a multiple of dp x 3), then back
+    assert wb.state.spec is None and wb.layout_panel.errors["train"].value
+    f["train.micro_batch"].value = 1
+    assert wb.state.error is None and wb.state.raw["model"]["params"] == 7.5e9
+    path = tmp_path / "s.yaml"
+    wb.save(path)
+    cli = subprocess.run([sys.executable, "-m", "workbench.cli", "memory", str(path), "--json"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    expected = json.loads(cli.stdout)
+    assert bars(shown(wb.memory_panel.fig_box)) == bars(figures.memory_figure(expected))
+    assert expected["world_size"] == 128 and wb.state.spec.layout.tp == 2
+    f["model.preset"].value = "gpt-tiny"  # a preset gives it a shape: the size goes
+    assert wb.state.raw["model"].get("params") is None and lp.shape_rows["layers"].layout.display == ""
+    assert lp.size_note.value == ""
+
+
+def test_dispatch_request_goes_stale_spot_stays_valid_and_addresses_are_checked():
+    """#34: the dry run goes when the layout changes; spot without an interval keeps the job valid with
+    a note under the box; defaults are placeholders; two Ray addresses typed together are refused."""
+    wb = Workbench()
+    d, f = wb.dispatch_panel, wb.layout_panel.fields
+    d.backend.value = "ray"
+    d.show_request()
+    assert "wb-request" in d.request.value
+    f["layout.dp"].value = 1
+    assert d.request.value == d.summary.value == "" and "press Show request again" in d.note.value
+    d.backend.value = "sagemaker"
+    d.spot.value = True
+    assert wb.state.spec is not None and wb.state.raw["backend"]["spot"] is False and d.spot.value
+    assert "every N steps" in d.spot_note.value and "every_minutes" not in d.spot_note.value
+    d.ckpt_uri.value, d.ckpt_every.value = "/tmp/wb-ckpt", 10
+    assert wb.spec.backend.spot and d.spot_note.value == ""
+    address = d.forms["ray"]["address"]
+    assert address.value == "" and address.placeholder == "http://127.0.0.1:8265"
+    address.value = "http://127.0.0.1:8265http://ray-head.internal:8265"
+    assert "more than one address" in d.field_errors.value and wb.spec.backend.ray.address == "http://127.0.0.1:8265"
+    for bad, why in (("ray-head:8265", "more than one address (or none)"), ("ftp://h:1", "scheme"),
+                     ("http://h:99999", "Port out of range"), ("http:// h", "space")):
+        address.value = bad
+        assert why in d.field_errors.value, (bad, d.field_errors.value)
+    address.value = "http://ray-head.internal:8265"
+    assert d.field_errors.value == "" and wb.spec.backend.ray.address == "http://ray-head.internal:8265"
+
+
+def test_import_says_what_it_replaced():
+    from workbench.ui.import_config import replaced
+
+    wb = Workbench()
+    wb.dispatch_panel.backend.value = "sagemaker"
+    wb.dispatch_panel.forms["sagemaker"]["role"].value = "arn:aws:iam::1:role/T"
+    config = json.dumps({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
+                         "zero_optimization": {"stage": 3}}).encode()
+    wb.import_config._uploaded([{"name": "ds.json", "content": config}])
+    text = wb.message.value
+    assert "layout.zero: 0 -&gt; 3" in text and "backend.sagemaker.role: arn:aws:iam::1:role/T -&gt; (unset)" in text
+    assert "filled in by the Hugging Face Trainer at launch" in text
+    assert replaced({"a": {"b": 1}, "name": "x"}, {"a": {"b": 2}, "name": "y"}) == ["a.b: 1 -> 2"]
+
+
+def test_small_planner_rows_keep_their_precision():
+    from workbench.ui.memory_panel import gib_text
+
+    assert [gib_text(b) for b in (12 * 2**20, 2**30 / 3, 15.5 * 2**30, 300 * 2**10)] == [
+        "0.0117", "0.333", "15.5", "0.00029"]
+
+
+def test_the_progress_line_names_the_start_up_phase_and_wakes_for_a_later_run():
+    import threading
+
+    wb = Workbench(refresh_s=0.05)
+    st, panel = wb.state, wb.run_panel
+    st.start_events("run 1")
+    st.finish("failed")
+    time_ok = threading.Event()
+    st.observe(lambda topic: time_ok.set() if topic == "events" and st.run_state == "running" else None)
+    panel.run_spec, panel._phase, panel._t0 = wb.spec, "1/3 starting Ray…", __import__("time").monotonic()
+    st.start_events("run 2")  # the refresher sleeps without a timeout since run 1 ended: this wakes it
+    assert time_ok.wait(5.0)
+    st.add_event({"event": "note", "message": "still starting Ray (attempt 2 of 3): 30 s; load 9"})
+    assert panel._progress_line(None, None, True).startswith("1/3 starting Ray… ")
+    assert panel._progress_line(None, None, True).endswith("· still starting Ray (attempt 2 of 3): 30 s")
+    st.add_event({"event": "worker", "rank": 0})
+    assert panel._progress_line(None, None, True).startswith("3/3 1 of 2 rank(s) started")
+    st.finish("failed")

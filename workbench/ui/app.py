@@ -25,7 +25,19 @@ _CSS = """<style>
 .wb-root .js-plotly-plot, .wb-root .plot-container, .wb-root .svg-container { max-width: 100%; }
 .wb-root .wb-right { min-width: 0; }
 .wb-root .wb-section-title { font-size: 15px; font-weight: 600; margin: 10px 0 2px 0;
-  border-bottom: 1px solid #e0e0e0; padding-bottom: 2px; }
+  border-bottom: 1px solid var(--jp-border-color2, #e0e0e0); padding-bottom: 2px; }
+/* FileUpload writes "Import config (0)": the count goes, the label stays */
+.wb-root .wb-import-config { font-size: 0 !important; }
+.wb-root .wb-import-config i { font-size: 13px; margin-right: 4px; }
+.wb-root .wb-import-config::after { content: "Import config"; font-size: 13px; }
+/* The charts follow JupyterLab's theme: their backgrounds are transparent (figures._base_layout);
+   under a dark theme their text, axes and grid take the theme's colors */
+body[data-jp-theme-light="false"] .wb-root .main-svg text { fill: var(--jp-ui-font-color1, #ddd) !important; }
+body[data-jp-theme-light="false"] .wb-root .main-svg .gridlayer path,
+body[data-jp-theme-light="false"] .wb-root .main-svg .zerolinelayer path {
+  stroke: var(--jp-border-color2, #555) !important; }
+body[data-jp-theme-light="false"] .wb-root .main-svg .legend .bg {
+  fill: var(--jp-layout-color1, #111) !important; }
 </style>"""
 
 

@@ -18,7 +18,7 @@ import ipywidgets as w
 from workbench.errors import ConfigError
 from workbench.spec import BackendSpec
 from workbench.ui.live import labeled, note_html
-from workbench.ui.state import WorkbenchState
+from workbench.ui.state import WorkbenchState, apply_overrides
 
 BACKENDS = [("local (Ray on this machine)", "local"), ("Ray cluster", "ray"), ("SageMaker", "sagemaker"),
             ("Vertex AI", "vertex"), ("Azure ML", "azureml")]
@@ -36,9 +36,17 @@ class DispatchPanel:
         self.handle = None
         self._syncing = False
         self._no_code: str | None = None  # an empty folder: the code root of a job without a factory
+        self._request_for: str | None = None  # the spec (as JSON) the request on screen was made for
+        self._spot_pending = False  # spot ticked, not yet in the spec: it still needs a checkpoint interval
         self.backend = w.Dropdown(options=BACKENDS, layout=_FIELD)
         self.backend.add_class("wb-dispatch-backend")
-        self.spot = w.Checkbox(description="spot / preemptible capacity (checkpoints and resumes)", indent=False)
+        self.spot = w.Checkbox(description="spot / preemptible (checkpoints and resumes)", indent=False,
+                               layout=w.Layout(width="auto"), style={"description_width": "initial"})
+        self.spot.add_class("wb-dispatch-spot")
+        self.spot_note = w.HTML()  # right under the box: what spot still needs (the job stays valid meanwhile)
+        self.spot_note.add_class("wb-spot-note")
+        self.field_errors = w.HTML()  # a setting that is not accepted (e.g. a malformed URL), under the form
+        self.field_errors.add_class("wb-dispatch-field-error")
         self.ckpt_uri = w.Text(placeholder="s3://bucket/path, gs://…, az://…, or a local path", layout=_FIELD,
                                continuous_update=False)
         self.ckpt_uri.add_class("wb-checkpoint-uri")
@@ -69,9 +77,9 @@ class DispatchPanel:
             for text in fields.values():
                 text.observe(lambda _: self._on_change(), names="value")
         self.widget = w.VBox([
-            labeled(self.backend, "backend", _LABEL), self.settings,
-            labeled(self.spot, "capacity", _LABEL), labeled(self.ckpt_uri, "checkpoint URI", _LABEL),
-            labeled(self.ckpt_every, "every N steps", _LABEL),
+            labeled(self.backend, "backend", _LABEL), self.settings, self.field_errors,
+            labeled(self.spot, "capacity", _LABEL), self.spot_note,
+            labeled(self.ckpt_uri, "checkpoint URI", _LABEL), labeled(self.ckpt_every, "every N steps", _LABEL),
             w.HBox([self.show_button, self.submit_button, self.cancel_button],
                    layout=w.Layout(flex_flow="row wrap", grid_gap="4px")),
             self.note, self.status, self.summary, self.request, self.logs], layout=w.Layout(max_width="100%"))
@@ -88,16 +96,28 @@ class DispatchPanel:
         self._syncing = True
         try:
             _set(self.backend, name)
-            _set(self.spot, bool(backend.get("spot", False)))
+            _set(self.spot, bool(backend.get("spot", False)) or self._spot_pending)
             _set(self.ckpt_uri, ckpt.get("uri") or "")
             _set(self.ckpt_every, int(ckpt.get("every_steps", 0) or 0))
             for section, fields in self.forms.items():
                 values = backend.get(section) or {}
                 for key, text in fields.items():
-                    _set(text, str(values.get(key) or ""))
+                    value = values.get(key)
+                    # a default stays a placeholder: typing must not append to it (#34)
+                    _set(text, "" if value is None or str(value) == text.placeholder else str(value))
         finally:
             self._syncing = False
         self.settings.children = [self.form_boxes[name]] if name in self.forms else []
+        self._drop_stale_request()
+
+    def _drop_stale_request(self) -> None:
+        """The dry run on screen goes (and cannot be copied) as soon as the spec it was made for changes:
+        the layout, the GPUs, an imported or loaded config, any setting (#34)."""
+        if self._request_for is not None and self._request_for != _key(self.state.raw):
+            self._request_for = None
+            self.summary.value = self.request.value = ""
+            self.note.value = note_html("The spec changed since the request was shown: press Show request "
+                                        "again for the request of the spec as it is now.", "info")
 
     def _on_change(self) -> None:
         if self._syncing:
@@ -106,11 +126,29 @@ class DispatchPanel:
         overrides = {"backend.name": name, "backend.spot": self.spot.value,
                      "checkpoint.uri": self.ckpt_uri.value.strip() or None,
                      "checkpoint.every_steps": max(0, self.ckpt_every.value)}
+        problems = []
         for section, fields in self.forms.items():  # every backend keeps its own values
             for key, text in fields.items():
-                overrides[f"backend.{section}.{key}"] = text.value.strip() or None
+                value = text.value.strip() or None
+                problem = _url_problem(value) if value and key == "address" else None
+                if problem:  # not written: the spec keeps the last accepted value
+                    problems.append(f"backend.{section}.{key} {value!r} is not accepted: {problem}")
+                    continue
+                overrides[f"backend.{section}.{key}"] = value
+        self.field_errors.value = note_html("\n".join(problems), "error") if problems else ""
         self.settings.children = [self.form_boxes[name]] if name in self.forms else []
         self.note.value = self.summary.value = self.request.value = ""  # they described other settings
+        self._request_for = None
+        self._spot_pending = False
+        if self.spot.value and _refused(self.state.raw, overrides, "spot"):
+            # Spot without a checkpoint interval would make the whole job invalid: the job keeps
+            # on-demand capacity and the box says what spot still needs, in this panel's terms (#34).
+            overrides["backend.spot"] = False
+            self._spot_pending = True
+        self.spot_note.value = note_html(
+            "Spot needs periodic checkpoints, or a preemption loses the whole run: set 'every N steps' below "
+            "(e.g. 100) and a checkpoint URI. Until then the job stays on on-demand capacity.", "error") \
+            if self._spot_pending else ""
         self.state.update(overrides)
 
     # -- actions -------------------------------------------------------------------------
@@ -150,12 +188,13 @@ class DispatchPanel:
             self.summary.value = self.request.value = ""
             return
         self.note.value = note_html(f"Dry run for {out['backend']}: nothing was sent.", "ok")
+        self._request_for = _key(self.state.raw)
         self.summary.value = _summary_html(self.state.spec, out["backend"])
         body = json.dumps(out, indent=2, default=str)
         self.request.value = (
             "<button class='wb-copy' style='margin:2px 0' onclick=\"navigator.clipboard.writeText("
             "this.nextElementSibling.innerText)\">Copy request</button>"
-            f"<pre class='wb-request' style='max-height:320px;overflow:auto;background:#f7f7f7;"
+            f"<pre class='wb-request' style='max-height:320px;overflow:auto;background:var(--jp-layout-color2, #f7f7f7);color:var(--jp-content-font-color1, #222);"
             f"padding:8px;font-size:12px;white-space:pre'>{html.escape(body)}</pre>")
 
     def submit(self) -> None:
@@ -209,6 +248,44 @@ def _fields(section: str) -> dict[str, w.Text]:
         text.add_class(f"wb-{section}-{key}")
         out[key] = text
     return out
+
+
+def _refused(raw: dict, overrides: dict, word: str) -> bool:
+    """True when `raw` with `overrides` is refused by load_spec for a reason that names `word`."""
+    from workbench.spec import load_spec
+
+    try:
+        load_spec(apply_overrides(raw, overrides))
+    except ConfigError as e:
+        return word in str(e)
+    except Exception:  # noqa: BLE001 - any other refusal is the form's to show
+        return False
+    return False
+
+
+def _url_problem(text: str) -> str | None:
+    """Why `text` is not an http(s):// or ray:// address with a host (None: it is one)."""
+    from urllib.parse import urlsplit
+
+    if any(c.isspace() for c in text):
+        return "it contains a space. Give one address, e.g. http://ray-head.internal:8265"
+    if text.count("://") != 1:
+        return "it holds more than one address (or none). Give one, e.g. http://ray-head.internal:8265"
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError as e:
+        return f"{e}. Give host:port, e.g. http://ray-head.internal:8265"
+    if parts.scheme not in ("http", "https", "ray"):
+        return f"the scheme {parts.scheme!r} is not http, https or ray. E.g. http://ray-head.internal:8265"
+    if not parts.hostname:
+        return "it names no host. E.g. http://ray-head.internal:8265"
+    del port
+    return None
+
+
+def _key(raw: dict) -> str:
+    return json.dumps(raw, sort_keys=True, default=str)
 
 
 def _set(widget, value) -> None:

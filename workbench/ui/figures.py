@@ -37,8 +37,11 @@ def mfu_text(mfu: float | None, device: str | None) -> str:
 
 def _base_layout(fig: go.Figure, title: str, height: int) -> go.Figure:
     # The title on top of the box and room under it for a legend wrapped to two rows (narrow columns).
+    # Transparent backgrounds: the page's own (JupyterLab's light or dark theme; app.py's CSS sets the
+    # text and grid colors of the dark one). The mode bar stands upright on the right, over no title.
     fig.update_layout(title=dict(text=title, x=0.01, y=0.99, yref="container", yanchor="top", font=dict(size=14)),
-                      height=height, font=_FONT, template="plotly_white", margin=dict(l=60, r=20, t=78, b=40),
+                      height=height, font=_FONT, template="plotly_white", margin=dict(l=60, r=36, t=78, b=40),
+                      paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)", modebar=dict(orientation="v"),
                       legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
     return fig
 
@@ -193,7 +196,7 @@ def run_figure(events: list[dict], height: int = 320, *, history: list[dict] = (
     steps = [e for e in events if e.get("event") == "step"]
     x = [e["step"] for e in steps]
     fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.07,
-                        subplot_titles=("loss", "throughput (tokens/s)", "step time (s)"))
+                        subplot_titles=("loss", "tokens/s", "step time (s)"))
     for col, key in enumerate(("loss", "tokens_per_s", "step_time_s"), start=1):
         y = [e.get(key) for e in steps]
         fig.add_trace(go.Scatter(x=x, y=smoothed(y, smooth) if key == "loss" else y, mode="lines+markers", name=key,
@@ -214,7 +217,8 @@ def run_figure(events: list[dict], height: int = 320, *, history: list[dict] = (
     for i, run in enumerate(history):
         past = [e for e in run["events"] if e.get("event") == "step"]
         fig.add_trace(go.Scatter(x=[e["step"] for e in past], y=smoothed([e["loss"] for e in past], smooth),
-                                 mode="lines", name=run["label"], showlegend=False, opacity=0.55,
+                                 mode="lines", name=run["label"], showlegend=True, opacity=0.55,
+                                 legendgroup="earlier", legendgrouptitle_text="earlier runs" if i == 0 else None,
                                  line=dict(color=_PAST[i % len(_PAST)], width=1.2, dash="dot"),
                                  hovertemplate=f"{run['label']}<br>step %{{x}}<br>loss %{{y:.4g}}<extra></extra>"),
                       row=1, col=1)

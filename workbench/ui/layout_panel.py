@@ -81,6 +81,8 @@ class LayoutPanel:
                                          "the run starts from its weights, the shape comes from its config.json")
         self.model_path.add_class("wb-model-path")
         self._model_before: dict | None = None  # the model section the folder replaced, back when it is cleared
+        self.size_note = w.HTML()  # a model given by its size alone (model.params): what the form shows instead
+        self.size_note.add_class("wb-model-size")
         self.summary = w.HTML()
         # No bounds on the number fields (they would clamp silently, tp=100 -> 64): load_spec says
         # what is wrong, under the section the error names.
@@ -94,11 +96,11 @@ class LayoutPanel:
         self.model_path.observe(lambda ch: self._on_folder(), names="value")
         f = self.fields
         e = self.errors
+        self.shape_rows = {k: labeled(f[f"model.{k}"], k.replace("_", " ")) for k in SHAPE_KEYS}
         self.widget = w.VBox([
             e["spec"],
-            section("Model", labeled(f["model.preset"], "preset"),
-                    *[labeled(f[f"model.{k}"], k.replace("_", " ")) for k in SHAPE_KEYS],
-                    labeled(self.model_path, "HF folder"), e["model"]),
+            section("Model", labeled(f["model.preset"], "preset"), self.size_note,
+                    *self.shape_rows.values(), labeled(self.model_path, "HF folder"), e["model"]),
             section("GPUs", labeled(f["resources.gpu"], "type"), self.follow,
                     labeled(f["resources.nodes"], "nodes"), labeled(f["resources.gpus_per_node"], "per node"),
                     e["resources"]),
@@ -129,10 +131,13 @@ class LayoutPanel:
                 base = _folder_shape(self.state.spec)
             if self.model_path.value.strip() != (folder or ""):
                 self.model_path.value = folder or ""
+            sized = _params_only(raw)
             for key, field in self.fields.items():
                 value = _get(raw, key)
                 if key == "model.preset":
                     value = preset or "custom"
+                elif key.startswith("model.") and sized:
+                    continue  # no shape to show: the rows are hidden (_show_status)
                 elif key.startswith("model.") and (value is None or folder is not None):
                     value = base.get(key.split(".")[1], field.value if folder is not None else 1)
                 elif key == "resources.gpus_per_node" and self.state.spec is not None:
@@ -159,6 +164,13 @@ class LayoutPanel:
         self.fields["layout.virtual_stages"].disabled = (self.fields["layout.pp"].value == 1
                                                          or not is_multi_stage(self.fields["layout.pp_schedule"].value))
         from_folder = _folder(st.raw) is not None
+        sized = _params_only(st.raw)
+        for row in self.shape_rows.values():
+            row.layout.display = "none" if sized else ""
+        self.size_note.value = (
+            f"<div style='font-size:12px;line-height:1.4;margin:2px 0 4px 0'>Given by its size: "
+            f"<b>{_size(float(st.raw['model']['params']))}</b> (model.params): model states only, no "
+            "activations, nothing to run. Pick a preset to give it a shape.</div>") if sized else ""
         for k in ("preset", *SHAPE_KEYS):  # a folder's shape is its config.json's (but a shorter seq_len)
             self.fields[f"model.{k}"].disabled = from_folder and k != "seq_len"
         if st.spec is None:
@@ -173,7 +185,7 @@ class LayoutPanel:
         except Exception:  # a factory model: its size is known only once built
             size = "factory model"
         self.summary.value = (
-            f"<div style='font-size:12px;color:#444;line-height:1.5'>{size}<br>"
+            f"<div style='font-size:12px;color:var(--jp-content-font-color2, #444);line-height:1.5'>{size}<br>"
             f"{lay.world_size} ranks = dp {lay.dp} × tp {lay.tp} × pp {lay.pp} on "
             f"{res.nodes} × {res.gpus_per_node} {res.gpu}<br>{micro} micro-batch(es) of {s.train.micro_batch} "
             f"per dp rank per step</div>")
@@ -197,6 +209,9 @@ class LayoutPanel:
             self.state.update(overrides)
             return
         preset = f["model.preset"].value
+        if _params_only(self.state.raw) and (key != "model.preset" or preset == "custom"):
+            self.state.update(overrides)  # a size, not a shape: the model stays as given (#34)
+            return
         base = self.presets.get(preset, {})
         overrides["model.preset"] = None if preset == "custom" else preset
         overrides["model.params"] = None
@@ -232,6 +247,14 @@ class LayoutPanel:
             self._syncing = False
 
 
+def _params_only(raw: dict) -> bool:
+    """The raw spec's model is given by its size alone (`model.params`, no preset, shape or folder;
+    a factory beside it counts as sized too: the form cannot show its shape either)."""
+    model = raw.get("model") or {}
+    return (isinstance(model, dict) and model.get("params") is not None and not model.get("preset")
+            and model.get("init") != "hf" and not any(model.get(k) for k in (*SHAPE_KEYS, "vocab")))
+
+
 def _folder(raw: dict) -> str | None:
     """The HF folder the raw spec's model loads (`model.init: hf`), else None."""
     model = raw.get("model") or {}
@@ -255,3 +278,7 @@ def _lr_figure(train):
     fig = lr_figure(train, height=170)
     fig.update_layout(margin=dict(l=50, r=10, t=40, b=36), title_font_size=12)
     return fig
+
+
+def _size(params: float) -> str:
+    return f"{params / 1e9:.3g} B parameters" if params >= 1e9 else f"{params / 1e6:.3g} M parameters"

@@ -46,10 +46,13 @@ def note_html(text: str | None, kind: str = "info") -> str:
     """A boxed message for inline errors and notes (ConfigError text is shown verbatim, never a traceback)."""
     if not text:
         return ""
-    colors = {"error": ("#fdecea", "#D62728"), "info": ("#eef4fb", "#4C78A8"), "ok": ("#edf7ed", "#54A24B")}
+    # Translucent tints over the page and the theme's own text color: readable in JupyterLab's light and
+    # dark themes alike (an opaque pastel under the dark theme's light text read at 1.1:1, #34).
+    colors = {"error": ("rgba(214,39,40,0.13)", "#D62728"), "info": ("rgba(76,120,168,0.13)", "#4C78A8"),
+              "ok": ("rgba(84,162,75,0.13)", "#54A24B")}
     bg, border = colors[kind]
     body = html.escape(text).replace("\n", "<br>")
-    return (f"<div class='wb-note wb-note-{kind}' style='background:{bg};border-left:4px solid {border};"
+    return (f"<div class='wb-note wb-note-{kind}' style='background:{bg};color:var(--jp-content-font-color1, inherit);border-left:4px solid {border};"
             f"padding:6px 10px;margin:4px 0;font-size:13px;line-height:1.4;white-space:normal'>{body}</div>")
 
 

@@ -79,10 +79,12 @@ class MemoryPanel:
             return None
         micro = spec.train.global_batch // (lay.dp * spec.train.micro_batch)
         events = simulate(lay.pp_schedule, lay.pp, micro, lay.virtual_stages)
-        title = (f"{lay.pp_schedule} schedule, pp={lay.pp}, {micro} micro-batches: bubble "
-                 f"{bubble_fraction(events):.0%} (simulated, time in forward units)")
+        # two short lines: one long line was cut at 800-1400 px (#34)
+        title = (f"{lay.pp_schedule}, pp={lay.pp}, {micro} micro-batches<br>"
+                 f"<span style='font-size:12px'>bubble {bubble_fraction(events):.0%} (simulated)</span>")
         fig = timeline_figure(events, title=title)
-        fig.update_layout(height=120 + 36 * lay.pp, template="plotly_white", margin=dict(l=60, r=20, t=48, b=40),
+        fig.update_layout(height=140 + 36 * lay.pp, template="plotly_white", margin=dict(l=60, r=36, t=64, b=40),
+                          paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)", modebar=dict(orientation="v"),
                           xaxis_title="time (units of one forward)")
         return fig
 
@@ -118,8 +120,8 @@ class MemoryPanel:
             refused = c.get("not_runnable") if c.get("runnable") is False else None
             label = html.escape(figures.layout_label(c["layout"], c.get("micro_batch")))
             if refused:
-                label += f"<br><span style='color:#888;font-size:11px'>plan only: {html.escape(refused)}</span>"
-            values = [label, ok, f"{c['peak_bytes'] / 2**30:.1f}", f"{c['tokens_per_s']:,.0f}",
+                label += f"<br><span style='color:var(--jp-content-font-color2, #888);font-size:11px'>plan only: {html.escape(refused)}</span>"
+            values = [label, ok, gib_text(c["peak_bytes"]), f"{c['tokens_per_s']:,.0f}",
                       f"{c['step_time_s']:.3g}", mfu_cell if cpu else figures.mfu_text(c.get("mfu"), None),
                       f"{c.get('usd_per_hour', 0):.2f}",
                       f"{c.get('usd_per_hour_spot', 0):.2f}"]
@@ -156,7 +158,7 @@ class MemoryPanel:
 def source_html(plan: dict) -> str:
     """The line above the planner's numbers that says where they come from (`PlanResult.source`)."""
     source = plan["source"]
-    text = (f"<div class='wb-plan-source' style='font-size:12px;color:#444;margin:4px 0'>Predicted step time, "
+    text = (f"<div class='wb-plan-source' style='font-size:12px;color:var(--jp-content-font-color2, #444);margin:4px 0'>Predicted step time, "
             f"tokens/s, MFU and cost: <b>{html.escape(source)}</b>")
     if figures.is_cpu(plan.get("device")):
         text += (f". <span title='{html.escape(figures.NO_CPU_MFU, quote=True)}'>No MFU on CPU devices.</span>")
@@ -172,8 +174,15 @@ def given_html(plan: dict) -> str:
     fits = "fits" if g["fits"] else "does not fit"
     mfu = "" if figures.is_cpu(plan.get("device")) else f"MFU {figures.mfu_text(g.get('mfu'), None)}, "
     return (f"<p><b>Your layout</b> {html.escape(figures.layout_label(g['layout'], g.get('micro_batch')))}: {fits}, "
-            f"peak {g['peak_bytes'] / 2**30:.1f} GiB, {g['tokens_per_s']:,.0f} tokens/s, step {g['step_time_s']:.3g} s, "
+            f"peak {gib_text(g['peak_bytes'])} GiB, {g['tokens_per_s']:,.0f} tokens/s, step {g['step_time_s']:.3g} s, "
             f"{mfu}${g['usd_per_hour']:.2f}/h (spot ${g['usd_per_hour_spot']:.2f}/h)</p>")
+
+
+def gib_text(nbytes: float) -> str:
+    """GiB with the precision a row needs: 0.1 GiB steps for big rows, three significant digits for
+    small ones (a CPU row of 12 MiB read "0.0", #34)."""
+    gib = nbytes / 2**30
+    return f"{gib:.1f}" if gib >= 10 else f"{gib:.3g}" if gib >= 0.001 else f"{gib:.2g}"
 
 
 def _details(est: dict) -> str:
@@ -185,4 +194,4 @@ def _details(est: dict) -> str:
                         f"{html.escape(est.get('offloaded_to', 'host memory'))}</b> (not in the bars)")
     if not lines:
         return ""
-    return "<div style='font-size:12px;color:#555;line-height:1.45'>" + "<br>".join(lines) + "</div>"
+    return "<div style='font-size:12px;color:var(--jp-content-font-color2, #555);line-height:1.45'>" + "<br>".join(lines) + "</div>"

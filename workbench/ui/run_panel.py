@@ -6,9 +6,12 @@ runs. Ray itself is started by a thread that outlives the run (`backends.local_r
 """
 from __future__ import annotations
 
+import contextlib
 import html
+import os
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import ipywidgets as w
@@ -22,6 +25,8 @@ _DONE_KIND = {"completed": "ok", "stopped": "info", "preempted": "info", "failed
 _LOGGED = ("note", "warning", "checkpoint", "restart", "error", "end")  # events shown as log lines
 _STEP_EVERY_S = 0.05  # the progress line's quick path (see RunPanel._show_step)
 _BUTTON = dict(flex="0 0 auto", width="auto", min_width="84px")
+_RUN_ID_VAR = "WORKBENCH_RUN_ID"  # the local backend gives it to every rank; the checkpoint manifest records it
+_RUN_ID_LOCK = threading.Lock()  # one panel at a time sets it for the job it starts (_with_run_id)
 
 
 class RunPanel:
@@ -37,9 +42,13 @@ class RunPanel:
         self._phase = ""  # start-up progress until the first step
         self._t0 = 0.0
         self._carried = 0  # step events a resumed run took over from the run it continues
+        self._carried_events = 0  # all its events
         self._first_own: dict | None = None  # this run's first own step event (ETA)
         self._step_shown_at = 0.0
-        self._checkpoints: tuple | None = None  # (uri, committed steps) -> newest complete step: see resumable_step
+        self._checkpoints: tuple | None = None  # (uri, committed steps) -> newest complete (step, run id): resume_check
+        # This run's identity, recorded in each checkpoint it writes: Resume continues only checkpoints
+        # with this id (never another run's under the same URI). A fresh Run gets a new one; Resume keeps it.
+        self.run_id: str | None = None
         # The running spec, its memory estimate and its step-time prediction, fixed when Run is pressed:
         # measurements are paired with these, never with a later edit of the form.
         self.run_spec = None
@@ -112,16 +121,26 @@ class RunPanel:
             return
         self._error, self.handle, self._stop_requested, self._report = None, None, False, ""
         self._t0 = time.monotonic()
-        self._phase = "starting Ray…" if not _ray_started() else f"starting {st.spec.world_size} rank(s)…"
+        self._phase = ("1/3 starting Ray…" if not _ray_started() else
+                       f"2/3 starting {st.spec.world_size} rank(s)…")
         self.note.value = note_html(f"Starting {st.spec.world_size} worker(s) on local Ray…", "info")
         self.progress.max, self.progress.value = st.spec.train.steps, 0
-        label = f"run {len(st.history) + 1}" + (" (resumed)" if resume else "")
+        if resume:
+            step, why = self.resume_check()
+            if step is None:  # the folder changed since the button was drawn: nothing is started
+                self.note.value = note_html(why or "Nothing to resume: no checkpoint of this run.", "error")
+                return
+        else:
+            self.run_id = f"notebook-{uuid.uuid4().hex[:12]}"
+        label = st.run_label(resume)
         carried = _continued(st.snapshot(), self.resumable_step()) if resume else []
         self._carried = sum(1 for e in carried if e.get("event") == "step")
+        self._carried_events = len(carried)
         self.run_spec, self._run_estimate, self.prediction = st.spec, st.estimate, None
         self._run_seq += 1
         st.start_events(label, carry=carried)
-        threading.Thread(target=self._start_and_follow, args=(start, st.spec, resume, self._run_seq),
+        threading.Thread(target=self._start_and_follow, args=(_with_run_id(start, self.run_id), st.spec, resume,
+                                                             self._run_seq),
                          name="workbench-ui-run", daemon=True).start()
 
     def _start_and_follow(self, start, spec, resume: bool, seq: int = 0) -> None:
@@ -133,10 +152,12 @@ class RunPanel:
             self.handle = start(spec, on_event=self.state.add_event, resume=resume)
         except Exception as e:  # noqa: BLE001 - on this thread nothing else would show it
             text = str(e) if isinstance(e, (ConfigError, WorkerError)) else f"{type(e).__name__}: {e}"
-            self._error = f"the run did not start: {text}"
+            again = (" Press Run to try again: Ray is started afresh." if type(e).__name__ == "RayStartError"
+                     else "")
+            self._error = f"the run did not start: {text}{again}"
             self.state.finish("failed")
             return
-        self._phase = f"starting {spec.world_size} rank(s) (importing torch)…"
+        self._phase = f"2/3 starting {spec.world_size} rank(s) (importing torch)…"
         self.state.touch()
         if self._stop_requested:
             self.handle.cancel()
@@ -234,12 +255,24 @@ class RunPanel:
         if self._stop_requested:
             return f"stopping: Stop pressed at step {self.stop_step}, at step {step} ({elapsed:.0f} s)"
         if last is None:
-            return f"{self._phase} {elapsed:.0f} s"
+            return self._startup_line(elapsed)
         eta = ""
         if first is not None and step > first["step"] and "time" in first:  # this run's own steps only
             per_step = (last["time"] - first["time"]) / (step - first["step"])
             eta = f", ETA {per_step * (self.progress.max - step):.0f} s"
         return f"step {step} / {self.progress.max} · {elapsed:.0f} s elapsed{eta}"
+
+    def _startup_line(self, elapsed: float) -> str:
+        """Before the first step: the phase (1/3 Ray, 2/3 the ranks, 3/3 the first step), the time since
+        Run and the newest start-up note (a retry of Ray's start, the load), so a slow start is seen moving."""
+        events = self.state.snapshot()[self._carried_events:]
+        phase = self._phase
+        started = sum(1 for e in events if e.get("event") == "worker")
+        if started and self.run_spec is not None:
+            phase = f"3/3 {started} of {self.run_spec.world_size} rank(s) started, waiting for the first step…"
+        notes = [e for e in events if e.get("event") in ("note", "warning") and e.get("message")]
+        latest = f" · {str(notes[-1]['message']).split(';')[0]}" if notes else ""
+        return f"{phase} {elapsed:.0f} s{latest}"
 
     def _show_step(self) -> None:
         """The newest step in the progress line at once (the driver's thread, each step event; at
@@ -275,6 +308,10 @@ class RunPanel:
             return self.note.value
         step = steps[-1]["step"] if steps else 0
         extra = ""
+        if state in ("preempted", "stopped", "failed") and not can_resume:
+            foreign = self.resume_check()[1]
+            if foreign:
+                return note_html(f"Run {state} after {step} step(s). {foreign}", _DONE_KIND.get(state, "info"))
         if state in ("preempted", "stopped"):
             extra = (" Resume continues from its newest checkpoint." if can_resume else
                      " It cannot be resumed: no checkpoint was written (set a checkpoint URI and interval under "
@@ -282,24 +319,48 @@ class RunPanel:
         return note_html(f"Run {state} after {step} step(s).{extra}", _DONE_KIND.get(state, "info"))
 
     def resumable_step(self) -> int | None:
-        """The newest complete checkpoint's step under the spec's checkpoint.uri (None: no URI, no
-        complete checkpoint, or an unreachable store). Every file is verified (size and CRC-32, as
-        a resume does before any worker starts), once per set of committed steps: re-renders
-        after each edit list the store, they do not re-read it."""
+        """The step Resume continues from: the newest complete checkpoint under the spec's
+        checkpoint.uri when this run wrote it (None otherwise: see `resume_check`)."""
+        return self.resume_check()[0]
+
+    def resume_check(self) -> tuple[int | None, str | None]:
+        """(step, None) when the newest complete checkpoint (every file verified: size and CRC-32, as a
+        resume does before any worker starts) under the spec's checkpoint.uri is this run's own (its
+        manifest's run id); (None, why) when it is another run's, or one written before runs had an id
+        (a resume would load it: the workers take the newest); (None, None) with no URI, no complete
+        checkpoint or an unreachable store. Verified once per set of committed steps and newest manifest:
+        re-renders after each edit list the store and read one manifest, they do not re-read the
+        checkpoint. Nothing is ever deleted here."""
         spec = self.state.spec
         if spec is None or not spec.checkpoint.uri:
-            return None
-        from workbench.runtime.checkpoint_store import Store
+            return None, None
+        from workbench.runtime.checkpoint import manifest_run_id
+        from workbench.runtime.checkpoint_store import Store, manifest_or_problem
 
         try:
             store = Store(spec.checkpoint.uri)
-            key = (spec.checkpoint.uri, tuple(store.committed_steps()))
+            steps = tuple(store.committed_steps())
+            # the newest manifest too: another run may re-write a step this run wrote
+            newest = (manifest_or_problem(store, steps[0])[0] if steps else None) or {}
+            key = (spec.checkpoint.uri, steps, newest.get("created_unix"), manifest_run_id(newest))
             if self._checkpoints is None or self._checkpoints[0] != key:
                 manifest, _ = store.newest_complete()
-                self._checkpoints = (key, None if manifest is None else int(manifest["step"]))
+                found = None if manifest is None else (int(manifest["step"]), manifest_run_id(manifest))
+                self._checkpoints = (key, found)
         except (OSError, ValueError, ImportError):  # unreachable or unknown store: nothing to resume from here
-            return None
-        return self._checkpoints[1]
+            return None, None
+        found = self._checkpoints[1]
+        if found is None:
+            return None, None
+        step, owner = found
+        if owner is not None and owner == self.run_id:
+            return step, None
+        whose = (f"another run ({owner})" if owner else "a run from before checkpoints named their run")
+        return None, (f"Resume is not offered: the newest checkpoint under {spec.checkpoint.uri} (step {step}) was "
+                      f"written by {whose}, not by this run ({self.run_id or 'none yet'}), and a resume loads the "
+                      "newest one. Nothing was loaded or deleted. To continue that run on purpose: "
+                      f"workbench run SPEC --set checkpoint.uri={spec.checkpoint.uri} --resume. To make this "
+                      "run resumable, give it a checkpoint URI of its own under Dispatch.")
 
     def _memory_figure(self, measured: dict):
         """The run's measured memory beside the estimate of the spec that runs (never the form's later edit)."""
@@ -383,9 +444,9 @@ def prediction_html(prediction: dict | None, own: list[dict], spec) -> str:
         for name, key, pred, meas, ratio in (("step time", "step", _duration(p_step), m_step, r_step),
                                              ("tokens/s", "tokens", f"{p_tok:,.0f}", m_tok, r_tok)))
     return (f"<div class='wb-run-predicted-body' style='{style}'>{head}<table style='border-collapse:collapse'>"
-            f"<tr style='color:#666'><td></td><td {cell}>predicted</td><td {cell}>measured</td>"
+            f"<tr style='color:var(--jp-content-font-color2, #666)'><td></td><td {cell}>predicted</td><td {cell}>measured</td>"
             f"<td {cell}>measured / predicted</td></tr>{rows}</table>"
-            f"<span class='wb-prediction-source' style='color:#555'>predicted from "
+            f"<span class='wb-prediction-source' style='color:var(--jp-content-font-color2, #555)'>predicted from "
             f"{html.escape(prediction['source'])}{html.escape(which)}</span></div>")
 
 
@@ -398,7 +459,7 @@ def _rank_times_html(times: dict[int, dict]) -> str:
         return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
     cells = "".join(f"<span style='margin-right:14px;white-space:nowrap'>rank {r}: {ms(t['wall'])} "
-                    f"<span style='color:#777'>(CPU {ms(t['cpu'])})</span></span>" for r, t in sorted(times.items()))
+                    f"<span style='color:var(--jp-content-font-color2, #777)'>(CPU {ms(t['cpu'])})</span></span>" for r, t in sorted(times.items()))
     walls = {r: t["wall"] for r, t in times.items()}
     slowest, fastest = max(walls, key=walls.__getitem__), min(walls.values())
     spread = (f"; slowest rank {slowest}: {walls[slowest] / fastest:.2f}x the fastest"
@@ -419,9 +480,33 @@ def _log_html(events: list[dict]) -> str:
     if not lines:
         return ""
     body = html.escape("\n".join(lines[-200:]))
-    return (f"<details class='wb-run-log'><summary style='font-size:12px'>log ({len(lines)} lines)</summary>"
-            f"<pre style='max-height:180px;overflow:auto;font-size:11px;background:#f7f7f7;padding:6px;"
-            f"white-space:pre-wrap'>{body}</pre></details>")
+    count = "1 line" if len(lines) == 1 else f"{len(lines)} lines"
+    return (f"<details class='wb-run-log'><summary style='font-size:12px'>run log: {count}</summary>"
+            f"<pre style='max-height:180px;overflow:auto;font-size:11px;background:var(--jp-layout-color2, #f7f7f7);"
+            f"color:var(--jp-content-font-color1, #222);padding:6px;white-space:pre-wrap'>{body}</pre></details>")
+
+
+def _with_run_id(start, run_id: str | None):
+    """`start` (workbench.launch.start) that gives the job `run_id` as its WORKBENCH_RUN_ID: the local
+    backend reads it when the job is made and hands it to every rank, whose checkpoints record it."""
+    def started(spec, **kwargs):
+        with _RUN_ID_LOCK, _env(_RUN_ID_VAR, run_id):
+            return start(spec, **kwargs)
+    return started
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None):
+    before = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def _ray_started() -> bool:

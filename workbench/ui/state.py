@@ -40,6 +40,8 @@ class WorkbenchState:
         self.history: list[dict] = []  # earlier runs of this session: {"label", "status", "events"}
         self.run_state = "idle"  # idle | running | completed | failed | stopped | preempted
         self._label = ""
+        self._resumes = 0  # resumes of the newest fresh run
+        self._runs = 0  # fresh runs started in this session: run labels "run 1", "run 2", ...
         self.refresh_s = refresh_s
         self._observers: list[Observer] = []
         self._lock = threading.Lock()
@@ -76,17 +78,7 @@ class WorkbenchState:
 
     def update(self, overrides: dict[str, Any]) -> None:
         """Apply ``{"layout.dp": 4, ...}`` to the raw spec and re-validate."""
-        raw = _copy(self.raw)
-        for key, value in overrides.items():
-            node = raw
-            *parents, leaf = key.split(".")
-            for p in parents:
-                node = node.setdefault(p, {})
-            if value is None:
-                node.pop(leaf, None)
-            else:
-                node[leaf] = value
-        self.set_raw(raw)
+        self.set_raw(apply_overrides(self.raw, overrides))
 
     def _estimate(self) -> None:
         self.estimate = None
@@ -145,11 +137,21 @@ class WorkbenchState:
             self.events, self._label = list(carry), label
             self.last_step = next((e for e in reversed(self.events) if e.get("event") == "step"), None)
             self.run_state = "running"
+        self._dirty.set()  # wakes the refresher, asleep without a timeout since the last run ended (#34)
         self.notify("run")
         self.notify("events")  # the previous run's curves go at once, not with the new run's first step
         if self._refresher is None:
             self._refresher = threading.Thread(target=self._refresh_loop, name="workbench-ui-refresh", daemon=True)
             self._refresher.start()
+
+    def run_label(self, resume: bool = False) -> str:
+        """The label of the run about to start: "run N" for the N-th fresh run of the session, and a
+        resume keeps the number of the run it continues ("run N (resumed)")."""
+        if not resume or self._runs == 0:
+            self._runs, self._resumes = self._runs + 1, 0
+            return f"run {self._runs}"
+        self._resumes += 1
+        return f"run {self._runs} (resumed)" if self._resumes == 1 else f"run {self._runs} (resumed {self._resumes}x)"
 
     def touch(self) -> None:
         """Ask for a redraw without a new event (e.g. the run's start-up moved on)."""
@@ -178,6 +180,21 @@ class WorkbenchState:
             if self.run_state == "running":
                 self.run_state = status
         self._dirty.set()
+
+
+def apply_overrides(raw: dict, overrides: dict[str, Any]) -> dict:
+    """A copy of `raw` with ``{"layout.dp": 4, ...}`` applied (None removes the key: its default)."""
+    raw = _copy(raw)
+    for key, value in overrides.items():
+        node = raw
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is None:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    return raw
 
 
 def default_spec_dict() -> dict:
