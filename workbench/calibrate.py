@@ -441,12 +441,10 @@ class _Bench:
         return self.time(lambda: self.torch.mul(x, 2.0))
 
     def strategy_probes(self, probes: list, steps: tuple) -> list:
-        """Seconds per step (rank 0's, the median after `steps[0]` warm-up steps of `steps[1]`) of the
-        runtime's own training step (workbench/runtime/loop.py: the same setup, step, events and
-        meter as `run`) for each [family, spec] of `probes`; a probe on fewer ranks than the world
+        """Seconds per step (rank 0's, the fastest after `steps[0]` warm-up steps of `steps[1]`, the
+        least disturbed as every figure of the profile) of the runtime's own training step
+        (workbench/runtime/loop.py: the same setup, step, events and meter as `run`) for each [family, spec] of `probes`; a probe on fewer ranks than the world
         runs on the first ranks while the others wait. None for a probe that failed on some rank."""
-        import statistics
-
         from workbench.runtime import loop
 
         warm, total = steps
@@ -464,7 +462,7 @@ class _Bench:
                     self.note(f"runtime step {family} failed: {type(e).__name__}: {str(e)[:200]}")
                     ok = 0.0
             agreed = self._max(0.0 if ok else 1.0) == 0.0
-            out.append(statistics.median(times[warm:]) if agreed and self.ctx.rank == 0 and times else None)
+            out.append(min(times[warm:]) if agreed and self.ctx.rank == 0 and times else None)
         return out
 
     def _probe(self, loop, spec, ranks: int, steps: int) -> list:
