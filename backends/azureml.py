@@ -3,6 +3,12 @@ output folder for checkpoints, on a curated ACPT PyTorch environment (or the use
 
 azure-ai-ml builds the job and uploads the code bundle as a code asset; credentials come from
 azure-identity's DefaultAzureCredential (environment, workload/managed identity, Azure CLI login).
+
+Azure ML does not restart a preempted job (on a compute cluster "you have to restart a preempted
+job"): the handle's `wait()` is the supervisor that does. A spot job (or one with
+`backend.max_failures`) that ends Failed after it ran is resubmitted as `<name>-r<k>`, with the same
+checkpoint output and run id, so the new job's entrypoint resumes from the newest complete
+checkpoint; `python -m backends.azureml watch SPEC JOB` does the same for a job submitted earlier.
 """
 from __future__ import annotations
 
@@ -27,7 +33,10 @@ SHM_SIZE = "16g"  # NCCL and DataLoader workers need more than Docker's 64 MB de
 # first one install the requirements and the others find them installed.
 COMMAND = ("flock /tmp/workbench-pip.lock python -m pip install --quiet --no-warn-script-location -r requirements.txt"
            f" && python -m workbench.cloud_entry --spec {SPEC_FILE} --checkpoint-dir ${{{{outputs.checkpoints}}}}")
-CODE_PLACEHOLDER = "<code asset: the bundle below, uploaded by submit()>"
+DEFAULT_RESUBMITS = 3  # a spot job's resubmissions when backend.max_failures is 0
+# What MLClient adds to the PUT at submit, that no dry-run can know in advance.
+FILLED_AT_SUBMIT = {"properties.codeId": "the ARM id of the code asset MLClient creates when it uploads the bundle "
+                                         "(a new random name, version 1)"}
 _PENDING = {"NotStarted", "Starting", "Provisioning", "Preparing", "Queued"}
 _STATES = {"Running": JobState.RUNNING, "Finalizing": JobState.RUNNING, "Completed": JobState.COMPLETED,
            "Failed": JobState.FAILED, "NotResponding": JobState.FAILED, "Canceled": JobState.STOPPED,
@@ -60,7 +69,7 @@ def check(spec: JobSpec) -> None:
                           "like 00000000-0000-0000-0000-000000000000); see `az account show --query id`.")
 
 
-def build_job(spec: JobSpec, name: str, code_dir: str, ckpt_uri: str):
+def build_job(spec: JobSpec, name: str, code_dir: str, ckpt_uri: str, run_id: str | None = None):
     """The azure-ai-ml command job for the spec (no network).
 
     Returns:
@@ -81,23 +90,34 @@ def build_job(spec: JobSpec, name: str, code_dir: str, ckpt_uri: str):
         environment, notes = img.uri, ([img.note] if img.note else [])
     extra = {}
     if az.compute:
-        extra["compute"] = az.compute
+        # The ARM id MLClient would turn the short name into at submit: the dry-run shows what is sent.
+        extra["compute"] = az.compute if az.compute.startswith("/subscriptions/") else (
+            f"/subscriptions/{az.subscription_id}/resourceGroups/{az.resource_group}/providers/"
+            f"Microsoft.MachineLearningServices/workspaces/{az.workspace}/computes/{az.compute}")
         notes.append(f"compute cluster {az.compute!r} decides the VM size; {vm_size} has "
                      f"{res.gpus_per_node} x {res.gpu} as the spec asks.")
         if b.spot:
-            notes.append("on a compute cluster, spot capacity comes from the cluster's tier (create it with "
-                         "tier: low_priority); queue_settings.job_tier applies to serverless compute.")
+            notes.append(f"on a compute cluster, spot capacity comes from the cluster's tier: create "
+                         f"{az.compute!r} with tier: low_priority (no job tier is sent; Azure documents job_tier "
+                         "Spot for serverless compute). A preempted job is not restarted by Azure: wait() "
+                         "resubmits it.")
     else:
         extra["instance_type"] = vm_size  # serverless compute
+        if b.spot:
+            extra["job_tier"] = "Spot"
+            notes.append("serverless spot (queue_settings.job_tier: Spot); a job that ends Failed after a "
+                         "preemption is resubmitted by wait().")
     if b.spot:
-        extra["job_tier"] = "Spot"
         notes.append(f"Azure ML has no total-wait limit: backend.max_wait_s ({b.max_wait_s}) is not sent.")
     job = ml.command(
         name=name, display_name=spec.name, experiment_name="workbench", code=code_dir, command=COMMAND,
         environment=environment, instance_count=res.nodes,
         distribution=ml.PyTorchDistribution(process_count_per_instance=res.gpus_per_node),
         outputs={"checkpoints": ml.Output(type="uri_folder", mode="rw_mount", path=ckpt_uri)},
-        environment_variables={"WORKBENCH_CLOUD": "azureml", "WORKBENCH_JOB": name},
+        # WORKBENCH_RUN_ID: the run's resubmissions are one run for the checkpoint lease (a preempted
+        # job's lease is this run's, not another writer's).
+        environment_variables={"WORKBENCH_CLOUD": "azureml", "WORKBENCH_JOB": name,
+                               "WORKBENCH_RUN_ID": run_id or name},
         timeout=b.max_runtime_s, shm_size=SHM_SIZE, tags={"workbench": "true", "workbench-job": spec.name}, **extra)
     return job, notes
 
@@ -118,36 +138,68 @@ class AzureMLBackend:
         return run_spec, ckpt, job_name(spec, max_len=100), [note] if note else []
 
     def dry_run(self, spec: JobSpec) -> dict:
-        """The REST body of the job PUT; no credentials, no network."""
+        """The REST body of the job PUT, as MLClient sends it (the compute's ARM id, the git properties
+        it adds); the one field only the upload decides is left out and named in `filled_at_submit`.
+        No credentials, no network."""
         run_spec, ckpt, name, notes = self._prepare(spec)
         bundle = build_bundle(run_spec, self._root)
-        job, more = build_job(run_spec, name, CODE_PLACEHOLDER, ckpt)
-        body = job._to_job()._to_rest_object().as_dict()
+        with tempfile.TemporaryDirectory(prefix="workbench-bundle-") as tmp:
+            job, more = build_job(run_spec, name, tmp, ckpt)
+            body = job._to_job()._to_rest_object().as_dict()
+        body.pop("name", None)  # the name travels in the URL
+        body["properties"].pop("codeId", None)
+        body["properties"].setdefault("properties", {}).update(_git_properties())
         az = spec.backend.azureml
         url = (f"https://management.azure.com/subscriptions/{az.subscription_id}/resourceGroups/{az.resource_group}"
                f"/providers/Microsoft.MachineLearningServices/workspaces/{az.workspace}/jobs/{name}")
-        return {"operation": "PUT job", "endpoint": url, "body": body,
+        return {"operation": "PUT job", "endpoint": url, "body": body, "filled_at_submit": dict(FILLED_AT_SUBMIT),
                 "code": {"upload": "workspace code asset (workspaceblobstore)", "sha256": sha256(bundle.tar_gz()),
                          **bundle.summary()},
                 "notes": notes + more}
 
-    def submit(self, spec: JobSpec) -> AzureMLJob:
-        """Upload the bundle as a code asset and create the job in the workspace."""
+    def client(self, spec: JobSpec):
         ml = _sdk()
-        run_spec, ckpt, name, _ = self._prepare(spec)
         az = spec.backend.azureml
         credential = self._credential
         if credential is None:
             from azure.identity import DefaultAzureCredential
 
             credential = DefaultAzureCredential()
-        client = ml.MLClient(credential, az.subscription_id, az.resource_group, az.workspace,
-                             enable_telemetry=False, show_progress=False)
+        return ml.MLClient(credential, az.subscription_id, az.resource_group, az.workspace,
+                           enable_telemetry=False, show_progress=False)
+
+    def submit(self, spec: JobSpec, name: str | None = None, run_id: str | None = None,
+               client=None) -> AzureMLJob:
+        """Upload the bundle as a code asset and create the job in the workspace.
+
+        Args:
+            name: the job's name (default: a new one from the spec's name and the time).
+            run_id: the run this job continues (a resubmission): its checkpoint lease is this run's.
+        """
+        run_spec, ckpt, default, _ = self._prepare(spec)
+        name = name or default
+        client = client or self.client(spec)
         with tempfile.TemporaryDirectory(prefix="workbench-bundle-") as tmp:
             code_dir = build_bundle(run_spec, self._root).write_dir(Path(tmp) / "code")
-            job, _ = build_job(run_spec, name, str(code_dir), ckpt)
+            job, _ = build_job(run_spec, name, str(code_dir), ckpt, run_id=run_id or name)
             created = client.jobs.create_or_update(job)
-        return AzureMLJob(client, created.name)
+        return AzureMLJob(client, created.name, spec=spec, backend=self, run_id=run_id or name)
+
+
+def _git_properties() -> dict:
+    """The git properties MLClient adds to every job it creates (from the current directory)."""
+    try:
+        from azure.ai.ml.operations._job_ops_helper import get_git_properties
+    except ImportError:  # another SDK layout: the dry-run then lacks them
+        return {}
+    return get_git_properties()
+
+
+def resubmits_allowed(spec: JobSpec) -> int:
+    """How many times the supervisor resubmits: backend.max_failures, else DEFAULT_RESUBMITS for spot."""
+    if spec.backend.max_failures:
+        return spec.backend.max_failures
+    return DEFAULT_RESUBMITS if spec.backend.spot else 0
 
 
 def map_status(status: str, has_run: bool) -> JobState:
@@ -159,14 +211,25 @@ def map_status(status: str, has_run: bool) -> JobState:
 
 
 class AzureMLJob:
-    """A submitted Azure ML job: poll, cancel; interruptions counted from running -> queued again."""
+    """A submitted Azure ML job: poll, cancel; interruptions counted from running -> queued again.
 
-    def __init__(self, client, name: str):
+    With `spec` and `backend` (what submit() gives), `wait()` also supervises: Azure ML does not
+    restart a preempted job, so a job that ends Failed after it ran is resubmitted (`resubmit()`),
+    up to `resubmits_allowed(spec)` times; `job_id` then names the newest job and `jobs` all of them.
+    A job that fails before it ever ran (a bad environment, quota) is not resubmitted, nor one that
+    was canceled.
+    """
+
+    def __init__(self, client, name: str, spec: JobSpec | None = None, backend: AzureMLBackend | None = None,
+                 run_id: str | None = None):
         self.job_id = name
-        self._client = client
+        self.jobs = [name]
+        self._client, self._spec, self._backend = client, spec, backend
+        self.run_id = run_id or name
         self._has_run = False
         self._last = None
         self._interruptions = 0
+        self._canceled = False
 
     def status(self) -> JobStatus:
         job = self._client.jobs.get(self.job_id)
@@ -175,14 +238,78 @@ class AzureMLJob:
             self._interruptions += 1
         self._has_run |= state is JobState.RUNNING
         self._last = state
-        return JobStatus(state, "", self._interruptions, {"status": job.status, "studio_url": job.studio_url})
+        return JobStatus(state, "", self._interruptions, {"status": job.status, "studio_url": job.studio_url,
+                                                          "jobs": list(self.jobs)})
+
+    def should_resubmit(self, status: JobStatus) -> bool:
+        """A failed job that ran, of a spec that may be resubmitted, with resubmissions left."""
+        return (status.state is JobState.FAILED and self._has_run and not self._canceled
+                and self._spec is not None and self._backend is not None
+                and len(self.jobs) - 1 < resubmits_allowed(self._spec))
+
+    def resubmit(self) -> None:
+        """Submit the spec again as `<run id>-r<k>`: the same checkpoint output, the same run for the
+        lease; its entrypoint resumes from the newest complete checkpoint."""
+        assert self._spec is not None and self._backend is not None
+        name = f"{self.run_id}-r{len(self.jobs)}"[:100]
+        new = self._backend.submit(self._spec, name=name, run_id=self.run_id, client=self._client)
+        self.job_id = new.job_id
+        self.jobs.append(new.job_id)
+        self._interruptions += 1
+        self._has_run, self._last = False, None
 
     def logs(self, tail: int = 100) -> str:
         job = self._client.jobs.get(self.job_id)
         return f"Azure ML job logs: {job.studio_url} (or `az ml job stream --name {self.job_id}`)"
 
     def cancel(self) -> None:
+        self._canceled = True
         self._client.jobs.begin_cancel(self.job_id)
 
     def wait(self, timeout_s: float | None = None, poll_s: float = 30.0) -> JobStatus:
-        return poll_until_done(self.status, timeout_s, poll_s)
+        """Follow the job to its end, resubmitting it after a failure (see the class)."""
+        import time
+
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            status = poll_until_done(self.status, left, poll_s)
+            if not self.should_resubmit(status):
+                return status
+            assert self._spec is not None
+            print(f"workbench: Azure ML job {self.job_id} failed after it ran (a preemption: Azure does not "
+                  f"restart it); resubmitting, {len(self.jobs)} of {resubmits_allowed(self._spec)}", flush=True)
+            self.resubmit()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m backends.azureml watch SPEC JOB`: supervise a job submitted earlier, resubmitting it
+    after a preemption until it completes; exit 0 when it did, 1 otherwise."""
+    import argparse
+
+    from workbench.spec import load_spec
+
+    p = argparse.ArgumentParser(prog="python -m backends.azureml")
+    sub = p.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("watch", help="follow JOB, resubmitting it after a preemption")
+    w.add_argument("spec")
+    w.add_argument("job")
+    w.add_argument("--poll-s", type=float, default=30.0)
+    args = p.parse_args(argv)
+    spec = load_spec(args.spec)
+    backend = AzureMLBackend()
+    handle = AzureMLJob(backend.client(spec), args.job, spec=spec, backend=backend,
+                        run_id=args.job.rsplit("-r", 1)[0] if re.search(r"-r\d+$", args.job) else args.job)
+    status = handle.wait(poll_s=args.poll_s)
+    print(f"workbench: {handle.job_id}: {status.state.value} (jobs: {', '.join(handle.jobs)})")
+    return 0 if status.state is JobState.COMPLETED else 1
+
+
+if __name__ == "__main__":
+    import sys
+
+    try:
+        sys.exit(main())
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,8 +1,13 @@
-"""SageMaker backend: one CreateTrainingJob on the PyTorch DLC, managed spot, S3 checkpoints, torchrun.
+"""SageMaker backend: one CreateTrainingJob on the PyTorch DLC, managed spot, S3 checkpoints.
 
 Raw boto3, not the SageMaker Python SDK: CreateTrainingJob is one call whose every field we set
-ourselves (spot, checkpoints, retries, torchrun launcher), and boto3 is ~15 MB against ~450 MB for
-sagemaker-core. Credentials come from boto3's standard chain (env, profile, SSO, instance role).
+ourselves, and boto3 is ~15 MB against ~450 MB for sagemaker-core. The container contract we rely
+on is script mode's smallest one: `sagemaker_program` and `sagemaker_submit_directory`, with no
+distribution flag, so the DLC's toolkit starts our entrypoint once per instance (its ProcessRunner).
+Our entrypoint then starts torchrun itself with the spec's ranks per node (the DLC's own torchrun
+launcher takes its process count from the GPU count, 0 on CPU instances, and exits 1 when a rank
+exits 75), restarts a crashed rank group per `backend.max_failures` and exits 75 after a
+preemption. Credentials come from boto3's standard chain (env, profile, SSO, instance role).
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ if TYPE_CHECKING:
 LOCAL_CHECKPOINTS = "/opt/ml/checkpoints"  # SageMaker syncs this folder with CheckpointConfig.S3Uri
 ENTRY_SCRIPT = "workbench/cloud_entry.py"
 MAX_RUNTIME_S = 28 * 24 * 3600  # the service's upper limit
-DEFAULT_RETRIES = 3
+SERVICE_RETRIES = 3  # RetryStrategy: SageMaker retries only its own InternalServerError, never a crashed rank
 VOLUME_GB = 100
 
 _PENDING = {"Starting", "Pending", "LaunchingMLInstances", "PreparingTrainingStack", "DownloadingTrainingImage"}
@@ -86,13 +91,12 @@ def build_request(spec: JobSpec, name: str, code_uri: str, ckpt_uri: str) -> tup
         "RoleArn": sm.role,
         "AlgorithmSpecification": {"TrainingImage": image, "TrainingInputMode": "File"},
         # Script mode of the PyTorch DLC: it downloads sagemaker_submit_directory, pip-installs its
-        # requirements.txt and starts the program under torchrun on every instance (one process per GPU).
+        # requirements.txt and runs `python workbench/cloud_entry.py --spec workbench_job.json` once
+        # on every instance (no distribution flag); the entrypoint starts this node's ranks itself.
         "HyperParameters": {
             "sagemaker_program": json.dumps(ENTRY_SCRIPT),
             "sagemaker_submit_directory": json.dumps(code_uri),
             "sagemaker_region": json.dumps(sm.region),
-            "sagemaker_torch_distributed_enabled": "true",
-            "sagemaker_distributed_dataparallel_enabled": "false",
             "spec": json.dumps(SPEC_FILE),
         },
         "OutputDataConfig": {"S3OutputPath": f"{prefix}/output/"},
@@ -102,7 +106,7 @@ def build_request(spec: JobSpec, name: str, code_uri: str, ckpt_uri: str) -> tup
         # The trailing '/' matters: without it the prefix also matches sibling runs' folders, which
         # SageMaker would sync into /opt/ml/checkpoints on restart.
         "CheckpointConfig": {"S3Uri": ckpt_uri, "LocalPath": LOCAL_CHECKPOINTS},
-        "RetryStrategy": {"MaximumRetryAttempts": min(30, b.max_failures or DEFAULT_RETRIES)},
+        "RetryStrategy": {"MaximumRetryAttempts": SERVICE_RETRIES},
         "Environment": {"WORKBENCH_CLOUD": "sagemaker", "WORKBENCH_JOB": name},
         "Tags": [{"Key": "workbench", "Value": "true"}, {"Key": "workbench-job", "Value": spec.name}],
     }

@@ -96,7 +96,9 @@ def _vertex_rendezvous(env: Mapping[str, str]) -> Rendezvous:
 def _sagemaker_rendezvous(env: Mapping[str, str]) -> Rendezvous:
     hosts = sorted(json.loads(env.get("SM_HOSTS", '["algo-1"]')))
     current = env.get("SM_CURRENT_HOST", hosts[0])
-    return Rendezvous(len(hosts), hosts.index(current), hosts[0], DEFAULT_PORT)
+    # The PyTorch DLC's toolkit exports MASTER_ADDR = the first host and MASTER_PORT (7777).
+    return Rendezvous(len(hosts), hosts.index(current), env.get("MASTER_ADDR", hosts[0]),
+                      int(env.get("MASTER_PORT", DEFAULT_PORT)))
 
 
 def node_rendezvous(cloud: str, env: Mapping[str, str]) -> Rendezvous:
@@ -111,11 +113,26 @@ def node_rendezvous(cloud: str, env: Mapping[str, str]) -> Rendezvous:
     return Rendezvous(nnodes, node_rank, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", DEFAULT_PORT)))
 
 
-def torchrun_command(rdzv: Rendezvous, nproc_per_node: int, args: list[str]) -> list[str]:
-    """The command that starts this node's ranks and runs this module in each, with the same args."""
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={rdzv.nnodes}", f"--node_rank={rdzv.node_rank}",
-            f"--nproc_per_node={nproc_per_node}", f"--master_addr={rdzv.master_addr}",
-            f"--master_port={rdzv.master_port}", "-m", "workbench.cloud_entry", *args]
+def torchrun_command(rdzv: Rendezvous, nproc_per_node: int, args: list[str], max_restarts: int = 0,
+                     run: str = "workbench") -> list[str]:
+    """The command that starts this node's ranks and runs this module in each, with the same args.
+
+    `max_restarts` (backend.max_failures): torchrun starts every node's rank group again after a
+    rank fails, up to that many times; each new group resumes from the newest complete checkpoint.
+    Restarts take torchrun's c10d rendezvous (on the master's address and port, id `run`), with a
+    fresh store per round (`supervise`): its static one keeps the first attempt's store, whose stale
+    addresses the restarted ranks would dial.
+    c10d numbers the nodes in the sorted order of their agents, which stays the same across the
+    restarts of one job, so a node-local checkpoint folder (SageMaker's) still holds its ranks' files.
+    Without restarts the static rendezvous keeps the cloud's node order."""
+    if max_restarts:
+        where = ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.master_addr}:{rdzv.master_port}", f"--rdzv-id={run}",
+                 f"--max-restarts={max_restarts}"]
+    else:
+        where = [f"--node_rank={rdzv.node_rank}", f"--master_addr={rdzv.master_addr}",
+                 f"--master_port={rdzv.master_port}"]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={rdzv.nnodes}",
+            f"--nproc_per_node={nproc_per_node}", *where, "-m", "workbench.cloud_entry", *args]
 
 
 def check_world(spec, env: Mapping[str, str]) -> None:
@@ -142,8 +159,26 @@ def _print_sink(rank: int):
     return sink
 
 
-def run_ranks(spec, ckpt: str | None) -> dict:
-    """This process is one rank: run the per-rank loop, resuming from the newest checkpoint in `ckpt`."""
+def resume_mode(strict: bool):
+    """What a cloud job resumes with: the newest complete checkpoint, else step 1 (RESUME_OR_FRESH:
+    a restarted job whose checkpoints are all incomplete, e.g. cut by SageMaker's background sync,
+    starts again instead of dying on every restart); `strict` refuses instead (exit 2)."""
+    from workbench.runtime.checkpoint_store import RESUME_OR_FRESH
+
+    return True if strict else RESUME_OR_FRESH
+
+
+def restart_count(env: Mapping[str, str]) -> int:
+    """How many times torchrun restarted this node's ranks (TORCHELASTIC_RESTART_COUNT)."""
+    try:
+        return int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def run_ranks(spec, ckpt: str | None, strict: bool = False) -> dict:
+    """This process is one rank: run the per-rank loop, resuming from the newest complete checkpoint
+    in `ckpt` (step 1 when there is none, unless `strict`)."""
     from workbench.runtime.loop import train
     from workbench.runtime.preemption import stop_with_parent
 
@@ -151,7 +186,8 @@ def run_ranks(spec, ckpt: str | None) -> dict:
         spec = spec.replace(**{"checkpoint.uri": ckpt})
     if launched_per_rank(os.environ):
         stop_with_parent()  # the launcher's death is a preemption notice: never train on unsupervised
-    return train(spec, sink=_print_sink(int(os.environ.get("RANK", "0"))), resume=True)
+    return train(spec, sink=_print_sink(int(os.environ.get("RANK", "0"))), resume=resume_mode(strict),
+                 attempt=restart_count(os.environ))
 
 
 EXIT_DIR = "WORKBENCH_EXIT_DIR"  # where each rank started by `supervise` leaves its exit code
@@ -169,22 +205,44 @@ def supervise(cmd: list[str]) -> int:
 
     _become_subreaper()  # ranks orphaned by a dying torchrun become our children: we wait for them too
     with tempfile.TemporaryDirectory(prefix="workbench-exit-") as folder:
-        proc = subprocess.Popen(cmd, env={**os.environ, EXIT_DIR: folder})
-        previous = {s: signal.signal(s, lambda signum, _: proc.send_signal(signum))
-                    for s in (signal.SIGTERM, signal.SIGINT)}
+        # Each rendezvous round's ranks get a store of their own (rank 0's, on a free port): with the
+        # agent's shared store, restarted ranks would read the dead attempt's addresses and fail to connect.
+        proc = subprocess.Popen(cmd, env={**os.environ, EXIT_DIR: folder, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+
+        def forward(signum, _frame) -> None:
+            # SIGHUP: the service's launcher that started us died (stop_with_parent below): a notice too.
+            proc.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
+
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         try:
+            from workbench.runtime.preemption import stop_with_parent
+
+            stop_with_parent()
             returncode = proc.wait()
             _wait_for_orphans()
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-        codes = {int(p.read_text() or 1) for p in Path(folder).glob("exit-rank*")}
+        codes = last_attempt_codes(Path(folder))
     code = 2 if 2 in codes else EXIT_PREEMPTED if EXIT_PREEMPTED in codes else 0 if returncode == 0 else 1
     if code:  # the last line, below torchrun's own report of ranks that did not exit 0
         said = {2: "a rank refused the job (see its error above)", 1: "a rank failed (see above)",
                 EXIT_PREEMPTED: "stopped on a preemption notice after writing a checkpoint; run again to resume"}
         print(f"workbench: exit {code}: {said[code]}", file=sys.stderr, flush=True)
     return code
+
+
+def last_attempt_codes(folder: Path) -> set[int]:
+    """The exit codes the ranks of torchrun's last attempt left (exit-a<attempt>-rank<r>): an
+    earlier attempt's failure that a restart recovered from does not count."""
+    found: dict[int, set[int]] = {}
+    for p in folder.glob("exit-a*-rank*"):
+        attempt = p.name[len("exit-a"):].partition("-")[0]
+        try:
+            found.setdefault(int(attempt), set()).add(int(p.read_text() or 1))
+        except ValueError:
+            continue
+    return found[max(found)] if found else set()
 
 
 def _become_subreaper() -> None:
@@ -215,7 +273,7 @@ def _exit_code(result) -> int:
     return {"completed": 0, "preempted": EXIT_PREEMPTED}.get(status, 1)
 
 
-def run_on_ray(spec, ckpt: str | None) -> int:
+def run_on_ray(spec, ckpt: str | None, strict: bool = False) -> int:
     """Inside a Ray job: run with the local-Ray launcher, which joins the cluster this job runs on,
     and print its metrics events as JSON lines as they come (they are the job's log)."""
     import ray
@@ -228,7 +286,7 @@ def run_on_ray(spec, ckpt: str | None) -> int:
         ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
     if ckpt:
         spec = spec.replace(**{"checkpoint.uri": ckpt})
-    handle = start(spec.replace(**{"backend.name": "local"}), resume=True)
+    handle = start(spec.replace(**{"backend.name": "local"}), resume=resume_mode(strict))
     for event in handle.follow():
         _emit(event)
     end = next((e for e in reversed(handle.events) if e["event"] == "end"), {"status": "failed"})
@@ -240,7 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m workbench.cloud_entry")
     p.add_argument("--spec", default="workbench_job.json", help="the job spec shipped in the bundle")
     p.add_argument("--checkpoint-dir", help="local checkpoint folder (default: the cloud's)")
+    p.add_argument("--resume-or-fresh", action="store_true",
+                   help="the default: resume from the newest complete checkpoint, else start at step 1")
+    p.add_argument("--strict-resume", action="store_true",
+                   help="refuse (exit 2) when there are checkpoints and none of them is complete")
     args, _ = p.parse_known_args(argv)  # clouds may append their own arguments
+    if args.strict_resume and args.resume_or_fresh:
+        raise ConfigError("--strict-resume and --resume-or-fresh contradict each other: give one of them.")
 
     from workbench.spec import load_spec
 
@@ -249,15 +313,18 @@ def main(argv: list[str] | None = None) -> int:
     cloud = detect_cloud(env)
     ckpt = checkpoint_dir(cloud, env, args.checkpoint_dir)
     if cloud == "ray":
-        return run_on_ray(spec, ckpt)
-    if not launched_per_rank(env) and spec.world_size > 1:
+        return run_on_ray(spec, ckpt, args.strict_resume)
+    if not launched_per_rank(env) and (spec.world_size > 1 or spec.backend.max_failures):
         rdzv = node_rendezvous(cloud, env)
-        cmd = torchrun_command(rdzv, spec.resources.gpus_per_node, argv)
+        from workbench.runtime.checkpoint_lease import RUN_ID_VARS
+
+        run = next((env[v] for v in RUN_ID_VARS if env.get(v)), spec.name)  # the same on every node
+        cmd = torchrun_command(rdzv, spec.resources.gpus_per_node, argv, spec.backend.max_failures, run)
         print(f"workbench: {cloud} node {rdzv.node_rank}/{rdzv.nnodes}: {' '.join(cmd)}", flush=True)
         return supervise(cmd)
     if launched_per_rank(env):
         check_world(spec, env)
-    return _exit_code(run_ranks(spec, ckpt))
+    return _exit_code(run_ranks(spec, ckpt, args.strict_resume))
 
 
 def entry(argv: list[str] | None = None) -> int:
@@ -270,7 +337,8 @@ def entry(argv: list[str] | None = None) -> int:
         code = 2
     folder = os.environ.get(EXIT_DIR)
     if folder and os.path.isdir(folder):
-        Path(folder, f"exit-rank{os.environ.get('RANK', '0')}").write_text(str(code))
+        name = f"exit-a{restart_count(os.environ)}-rank{os.environ.get('RANK', '0')}"
+        Path(folder, name).write_text(str(code))
     return code
 
 

@@ -100,7 +100,7 @@ def test_submit_uploads_code_and_puts_spot_pytorch_job(tmp_path, capsys):
     (path, job), = fake.jobs.items()
     assert path.endswith(f"/workspaces/fake-workspace/jobs/{handle.job_id}")
     props = job["properties"]
-    assert props["queueSettings"]["jobTier"] == "Spot"
+    assert "jobTier" not in (props.get("queueSettings") or {})  # a named cluster's tier decides (low_priority)
     assert props["distribution"] == {"distributionType": "PyTorch", "processCountPerInstance": 4}
     assert props["resources"]["instanceCount"] == 2
     assert props["outputs"]["checkpoints"] == {
@@ -135,6 +135,72 @@ def test_serverless_spot_gets_vm_size_and_status_map():
     spec = load_spec("examples/cloud-spot.yaml").replace(**{"backend.azureml.compute": None})
     body = AzureMLBackend().dry_run(spec)["body"]["properties"]
     assert body["resources"]["instanceType"] == "Standard_NC64as_T4_v3"
+    assert body["queueSettings"]["jobTier"] == "Spot"  # job_tier Spot: documented for serverless compute
     assert "computeId" not in body
     assert map_status("Queued", has_run=False) is JobState.PENDING
     assert map_status("Canceled", has_run=True) is JobState.STOPPED
+
+
+class ResubmitWorkspace(FakeWorkspace):
+    """Each job PUT gets its own status sequence: the first ends Failed after running (a preemption
+    Azure does not restart), the resubmitted one completes."""
+
+    def __init__(self, sequences):
+        super().__init__()
+        self.sequences, self.per_job = list(sequences), {}
+
+    def __call__(self, request):
+        path = request.path_url.split("?")[0]
+        if "/jobs/" in path and request.method == "GET" and path in self.jobs:
+            states = self.per_job.setdefault(path, iter(self.sequences[list(self.jobs).index(path)]))
+            self.statuses = states
+        return super().__call__(request)
+
+
+def _put_bodies(fake):
+    return [dict(job, properties={k: v for k, v in job["properties"].items() if k != "status"})
+            for job in fake.jobs.values()]
+
+
+def test_dry_run_is_the_put_and_a_preempted_job_is_resubmitted_until_it_completes(tmp_path):
+    fake = ResubmitWorkspace([["Queued", "Running", "Failed"], ["Queued", "Running", "Completed"]])
+    spec = load_spec("examples/cloud-spot.yaml")
+    root = make_project(tmp_path / "proj")
+    (root / "conn.txt").unlink()
+    backend = AzureMLBackend(credential=FakeCredential(), root=root)
+    dry = backend.dry_run(spec)
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as rsps:
+        for method in (responses.GET, responses.PUT, responses.POST, responses.HEAD):
+            rsps.add_callback(method, re.compile(r"https://.*"), callback=fake)
+        handle = backend.submit(spec)
+        final = handle.wait(poll_s=0)
+
+    first, second = _put_bodies(fake)
+    # The dry-run body is the PUT that was sent, but for the job's name (the time it was made) and the
+    # one field named in filled_at_submit.
+    assert set(dry["filled_at_submit"]) == {"properties.codeId"} and first["properties"]["codeId"]
+    sent = json.loads(json.dumps(first["properties"]).replace(handle.jobs[0], "NAME"))
+    shown = json.loads(json.dumps(dry["body"]["properties"]).replace(dry["endpoint"].rsplit("/", 1)[1], "NAME"))
+    sent.pop("codeId")
+    assert shown == sent
+    assert final.state is JobState.COMPLETED and final.interruptions == 1
+    assert handle.jobs == [handle.jobs[0], handle.jobs[0] + "-r1"] and handle.job_id == handle.jobs[1]
+    # The resubmission writes to the same checkpoints, as the same run (the lease), and resumes there.
+    assert second["properties"]["outputs"] == first["properties"]["outputs"]
+    env1, env2 = first["properties"]["environmentVariables"], second["properties"]["environmentVariables"]
+    assert env1["WORKBENCH_RUN_ID"] == env2["WORKBENCH_RUN_ID"] == handle.jobs[0]
+    assert "--strict-resume" not in second["properties"]["command"]  # the entrypoint resumes or starts fresh
+
+
+def test_a_job_that_never_ran_or_was_canceled_is_not_resubmitted(tmp_path):
+    for sequence in (["Queued", "Failed"], ["Queued", "Running", "Canceled"]):
+        fake = ResubmitWorkspace([sequence, ["Completed"]])
+        root = make_project(tmp_path / f"p{len(sequence)}")
+        (root / "conn.txt").unlink()
+        backend = AzureMLBackend(credential=FakeCredential(), root=root)
+        with responses.RequestsMock(assert_all_requests_are_fired=False) as rsps:
+            for method in (responses.GET, responses.PUT, responses.POST, responses.HEAD):
+                rsps.add_callback(method, re.compile(r"https://.*"), callback=fake)
+            handle = backend.submit(load_spec("examples/cloud-spot.yaml"))
+            final = handle.wait(poll_s=0)
+        assert len(fake.jobs) == 1 and final.state in (JobState.FAILED, JobState.STOPPED)

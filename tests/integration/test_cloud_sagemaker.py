@@ -131,7 +131,7 @@ def test_submit_uploads_bundle_and_creates_spot_job(aws_env, tmp_path, capsys):
     assert image.startswith("763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch-training:") and "-gpu-" in image
     hp = body["HyperParameters"]
     assert json.loads(hp["sagemaker_program"]) == "workbench/cloud_entry.py"
-    assert hp["sagemaker_torch_distributed_enabled"] == "true"
+    assert "sagemaker_torch_distributed_enabled" not in hp  # our entrypoint starts the ranks (one process per node)
     code_uri = json.loads(hp["sagemaker_submit_directory"])
 
     # The bundle moto's S3 received is the one the job names, and it carries no secret or junk.

@@ -92,7 +92,9 @@ def test_a_refused_resume_exits_2_from_the_launcher(tmp_path):
     ckpt = tmp_path / "ckpt" / "step-000000004"
     ckpt.mkdir(parents=True)
     (ckpt / "manifest.json").write_text(json.dumps({"format": 1, "step": 4, "spec": {}, "files": {"x": {"bytes": 1, "crc32": 0}}}))
-    proc = subprocess.run(job(tmp_path), env=env(tmp_path), capture_output=True, text=True, timeout=300)
+    # --strict-resume: by default the entrypoint starts fresh instead (test_cloud_entry_recovery.py, issue 33)
+    proc = subprocess.run(job(tmp_path) + ["--strict-resume"], env=env(tmp_path), capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "error: cannot resume: every checkpoint under" in proc.stderr  # each rank's one-line reason
     assert proc.stderr.splitlines()[-1] == "workbench: exit 2: a rank refused the job (see its error above)"

@@ -20,8 +20,11 @@ def spec(**overrides):
 def test_dry_run_body():
     req = AzureMLBackend().dry_run(spec())
     props = req["body"]["properties"]
-    assert req["endpoint"].endswith("/workspaces/fake-workspace/jobs/" + req["body"]["name"])
-    assert props["queueSettings"] == {"jobTier": "Spot"}
+    assert "/workspaces/fake-workspace/jobs/cloud-spot-" in req["endpoint"] and "name" not in req["body"]
+    assert "jobTier" not in (props.get("queueSettings") or {})  # a named cluster: its tier decides
+    assert props["computeId"].endswith("/workspaces/fake-workspace/computes/fake-t4-cluster")  # as MLClient sends it
+    assert "codeId" not in props and "properties.codeId" in req["filled_at_submit"]
+    assert any("low_priority" in n for n in req["notes"])
     assert props["distribution"]["processCountPerInstance"] == 4
     assert props["limits"]["timeout"] == "PT4H"
     assert props["resources"]["shmSize"] == "16g"

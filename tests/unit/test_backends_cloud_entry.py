@@ -73,6 +73,21 @@ def test_torchrun_command_reruns_this_module_with_the_same_args():
     assert cmd[-4:] == ["-m", "workbench.cloud_entry", "--spec", "s.json"]
 
 
+def test_max_failures_restarts_through_the_c10d_rendezvous():
+    cmd = E.torchrun_command(E.Rendezvous(2, 1, "h", 29500), 4, ["--spec", "s.json"], max_restarts=3, run="job-7")
+    assert {"--nnodes=2", "--nproc_per_node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=h:29500", "--rdzv-id=job-7",
+            "--max-restarts=3"} <= set(cmd)
+    assert not any(a.startswith(("--node_rank", "--master_addr")) for a in cmd)  # c10d ignores them
+
+
+def test_only_the_last_attempts_exit_codes_count(tmp_path):
+    for name, code in [("exit-a0-rank0", "1"), ("exit-a0-rank1", "2"), ("exit-a1-rank0", "0"), ("exit-a1-rank1", "0"),
+                       ("junk", "x")]:
+        (tmp_path / name).write_text(code)
+    assert E.last_attempt_codes(tmp_path) == {0}
+    assert E.last_attempt_codes(tmp_path / "none") == set()
+
+
 def test_world_size_mismatch_is_a_config_error():
     spec = load_spec("examples/cloud-spot.yaml")
     E.check_world(spec, {"WORLD_SIZE": "8"})
@@ -112,3 +127,13 @@ def test_vertex_style_node_start_runs_two_gloo_ranks(tmp_path):
     assert [e["step"] for e in events if e["event"] == "step"] == [1, 2]
     assert [e["status"] for e in events if e["event"] == "end"] == ["completed"]  # rank 0 reports the end
     assert {e["rank"] for e in events if e["event"] == "memory"} == {0, 1}  # both ranks ran and reported
+
+
+def test_the_refusal_names_the_flags_each_route_takes():
+    from workbench.runtime.checkpoint_store import RESUME_OR_FRESH, all_rejected
+
+    message = str(all_rejected("/ckpt", [(4, "rank1.distcp: missing")]))
+    assert "workbench run --resume-or-fresh" in message and "--strict-resume" in message
+    assert E.resume_mode(strict=False) == RESUME_OR_FRESH and E.resume_mode(strict=True) is True
+    with pytest.raises(ConfigError, match="contradict"):
+        E.main(["--spec", "x.json", "--strict-resume", "--resume-or-fresh"])

@@ -23,8 +23,19 @@ def test_request_has_spot_checkpoints_retries_and_torchrun():
     assert params["StoppingCondition"]["MaxWaitTimeInSeconds"] >= params["StoppingCondition"]["MaxRuntimeInSeconds"]
     assert params["CheckpointConfig"]["LocalPath"] == "/opt/ml/checkpoints"
     assert params["RetryStrategy"]["MaximumRetryAttempts"] == 3
-    assert params["HyperParameters"]["sagemaker_torch_distributed_enabled"] == "true"
+    # No distribution flag: the DLC runs our entrypoint once per instance, which starts the ranks itself
+    # (the DLC's torchrun launcher counts GPUs, 0 on CPU instances, and exits 1 on a rank's 75).
+    assert not any(k.startswith("sagemaker_") and "distributed" in k for k in params["HyperParameters"])
+    assert set(params["HyperParameters"]) == {"sagemaker_program", "sagemaker_submit_directory", "sagemaker_region",
+                                              "spec"}
     assert params["ResourceConfig"] == {"InstanceType": "ml.g4dn.12xlarge", "InstanceCount": 2, "VolumeSizeInGB": 100}
+
+
+def test_max_failures_is_not_sagemakers_retry_strategy():
+    """SageMaker's RetryStrategy retries only its own internal errors: `max_failures` is the entrypoint's
+    torchrun --max-restarts (tests/integration/test_cloud_entry_recovery.py), the service's retries stay 3."""
+    params, _ = build_request(spec(**{"backend.max_failures": 5}), "j", "s3://b/c", "s3://b/k/")
+    assert params["RetryStrategy"] == {"MaximumRetryAttempts": 3}
 
 
 def test_on_demand_has_no_max_wait_and_user_image_wins():

@@ -237,7 +237,8 @@ def all_rejected(uri: str, rejected: list[tuple[int, str]]):
         "was deleted. " + (f"Files that are not plain checkpoint data are never unpickled, so nothing in them "
                            f"ran; check who can write to {uri}. " if planted else "")
         + "Restore the files (e.g. from the store's versioning or a backup), or start from step 1 "
-        "explicitly with --resume-or-fresh (or without --resume, or with another checkpoint.uri).")
+        "explicitly: `workbench run --resume-or-fresh` (or without --resume, or with another checkpoint.uri); "
+        "`python -m workbench.cloud_entry` does so by default, and refuses only with --strict-resume.")
 
 
 def manifest_spec(manifest: dict, uri: str):
