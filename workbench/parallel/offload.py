@@ -1,8 +1,11 @@
 """Offload: optimizer state and fp32 master in files (nvme, ZeRO-Infinity style) or FSDP2's CPU offload.
 
-nvme: the rank's flat fp32 master and optimizer moments live in files under `layout.nvme_path`;
-the optimizer step streams them through small staging buffers one chunk at a time (read, update,
-write back), so memory holds 3 chunks instead of 12 bytes per parameter.
+nvme at zero 0/1 (FileStore): the rank's flat fp32 master and optimizer moments live in files under
+`layout.nvme_path`; the optimizer step streams them through small staging buffers one chunk at a
+time (read, update, write back), so memory holds 3 chunks instead of 12 bytes per parameter.
+nvme at zero 2/3 (NvmeShards + NvmeShardOptimizer, ZeRO-Infinity): FSDP2's fp32 shards in a
+memory-mapped file, read ahead of their all-gather and dropped after it, written back after the
+step; the moments in files streamed by I/O threads (docs/strategies.md).
 cpu: FSDP2's CPUOffloadPolicy keeps the sharded parameters, gradients and optimizer state in host
 memory and runs the optimizer step there; on a CPU-only machine that is where they already are.
 """
