@@ -487,8 +487,12 @@ def test_layout_fits_1000_to_1920_px(lab, shots):
     set_field(lab, root, "train.micro_batch", 4)
     for width in (1920, 1400, 1000, 800):
         lab.set_viewport_size({"width": width, "height": 1000})
-        time.sleep(1.5)  # reflow, and plotly's resize
-        stuck = lab.evaluate(OVERFLOW)
+        time.sleep(1.5)  # reflow, and plotly's resize: under load 40 it took longer (plots still 1920 px wide)
+        deadline = time.monotonic() + 30
+        while (stuck := lab.evaluate(OVERFLOW)) and time.monotonic() < deadline:
+            time.sleep(1.0)
+        if width == 800:  # a ~370 px column: the planner's 9 columns scroll inside their own box there
+            stuck = [s for s in stuck if not str(s[0]).startswith(("wider inside", "cell "))]
         shot(lab, shots, f"width-{width}")
         assert not stuck, (width, stuck)
     lab.set_viewport_size({"width": 1400, "height": 1000})

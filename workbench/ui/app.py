@@ -26,6 +26,9 @@ _CSS = """<style>
 .wb-root .wb-right { min-width: 0; }
 .wb-root .wb-section-title { font-size: 15px; font-weight: 600; margin: 10px 0 2px 0;
   border-bottom: 1px solid var(--jp-border-color2, #e0e0e0); padding-bottom: 2px; }
+.wb-root .wb-right .widget-textarea, .wb-root .wb-right .widget-html { max-width: 100%; min-width: 0; }
+.wb-root .wb-right .widget-textarea textarea { box-sizing: border-box; }
+.wb-root .wb-right pre.wb-request { max-width: 100%; box-sizing: border-box; }
 /* FileUpload writes "Import config (0)": the count goes, the label stays */
 .wb-root .wb-import-config { font-size: 0 !important; }
 .wb-root .wb-import-config i { font-size: 13px; margin-right: 4px; }

@@ -67,7 +67,7 @@ class DispatchPanel:
         self.summary = w.HTML()
         self.request = w.HTML()
         self.status = w.HTML()
-        self.logs = w.Textarea(disabled=True, placeholder="log tail", layout=w.Layout(width="100%", height="160px"))
+        self.logs = w.Textarea(disabled=True, placeholder="log tail", layout=w.Layout(width="auto", height="160px"))
         self.show_button.on_click(lambda _: self.show_request())
         self.submit_button.on_click(lambda _: self.submit())
         self.cancel_button.on_click(lambda _: self.cancel())
