@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
@@ -32,40 +31,66 @@ from workbench.parallel.local import shard_parameters
 SEQ_DIM = 1  # activations are (B, T, C)
 
 
+# The collectives are c10d's in-place ones on plain tensors: the functional collectives return a
+# Python tensor subclass (AsyncCollectiveTensor) whose every later op dispatches through Python,
+# the largest cost after waiting in a profile of a sequence-parallel step of gpt-tiny.
+
+
 def _gather(shard: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_gather_single(shard.contiguous(), SEQ_DIM, mesh))
+    """(B, T/tp, C) -> (B, T, C): all-gather the sequence shards of the tp group, in rank order."""
+    tp = mesh.size()
+    out = shard.new_empty((tp * shard.shape[0], *shard.shape[1:]))  # the shards stacked along dim 0
+    dist.all_gather_into_tensor(out, shard.contiguous(), group=mesh.get_group())
+    return out.unflatten(0, (tp, shard.shape[0])).movedim(0, SEQ_DIM).flatten(SEQ_DIM, SEQ_DIM + 1)
+
+
+def _reduce_scatter(full: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """(B, T, C) -> this rank's (B, T/tp, C) of the sum over the tp group."""
+    tp = mesh.size()
+    chunks = full.unflatten(SEQ_DIM, (tp, full.shape[SEQ_DIM] // tp)).movedim(SEQ_DIM, 0).contiguous()
+    out = chunks.new_empty(chunks.shape[1:])
+    dist.reduce_scatter_tensor(out, chunks.flatten(0, 1), group=mesh.get_group())
+    return out
 
 
 class _GatherSequence(torch.autograd.Function):
-    """(B, T/tp, C) -> (B, T, C); backward reduce-scatters the summed gradient. Saves nothing."""
+    """(B, T/tp, C) -> (B, T, C); backward reduce-scatters the summed gradient. Saves nothing.
+
+    `cache` is shared with the column-parallel linears that take the gathered input: the first of
+    them to run backward gathers the shard again and leaves it there for the others (q, k and v
+    share one gather, as Megatron's fused QKV does); this backward, which runs after all of them,
+    drops it."""
 
     @staticmethod
-    def forward(ctx, shard, mesh):
-        ctx.mesh = mesh
+    def forward(ctx, shard, mesh, cache):
+        ctx.mesh, ctx.cache = mesh, cache
         return _gather(shard, mesh)
 
     @staticmethod
     def backward(ctx, grad):
-        return funcol.wait_tensor(funcol.reduce_scatter_single(grad.contiguous(), "sum", SEQ_DIM, ctx.mesh)), None
+        ctx.cache.clear()
+        return _reduce_scatter(grad, ctx.mesh), None, None
 
 
 class _ShardSavingLinear(torch.autograd.Function):
     """y = x W^T + b for the gathered x, keeping only x's sequence shard for backward."""
 
     @staticmethod
-    def forward(ctx, full, shard, weight, bias, mesh):
-        ctx.mesh, ctx.has_bias = mesh, bias is not None
+    def forward(ctx, full, shard, weight, bias, mesh, cache):
+        ctx.mesh, ctx.has_bias, ctx.cache = mesh, bias is not None, cache
         ctx.save_for_backward(shard, weight)
         return F.linear(full, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         shard, weight = ctx.saved_tensors
-        full = _gather(shard, ctx.mesh).to(grad.dtype)  # again: what forward did not keep
+        full = ctx.cache.get(grad.dtype)  # gathered again by a linear that shares the input
+        if full is None:
+            full = ctx.cache[grad.dtype] = _gather(shard, ctx.mesh).to(grad.dtype)  # what forward did not keep
         grad_full = grad @ weight.to(grad.dtype)  # (autocast may have run forward in low precision)
         grad_weight = (grad.flatten(0, -2).t() @ full.flatten(0, -2)).to(weight.dtype)
         grad_bias = grad.flatten(0, -2).sum(0).to(weight.dtype) if ctx.has_bias else None
-        return grad_full, None, grad_weight, grad_bias, None
+        return grad_full, None, grad_weight, grad_bias, None, None
 
 
 class GatherSequenceInput(ParallelStyle):
@@ -76,8 +101,9 @@ class GatherSequenceInput(ParallelStyle):
         def gather(_module, args):
             x, *rest = args
             shard = x.to_local() if isinstance(x, DTensor) else x
-            full = _GatherSequence.apply(shard, device_mesh)
-            full.sequence_shard = shard
+            cache: dict = {}
+            full = _GatherSequence.apply(shard, device_mesh, cache)
+            full.sequence_shard, full.sequence_cache = shard, cache
             return (full, *rest)
 
         module.register_forward_pre_hook(gather)
@@ -93,7 +119,8 @@ class ShardSavingColwiseParallel(ParallelStyle):
 
         def forward(x):
             bias = module.bias.to_local() if module.bias is not None else None
-            return _ShardSavingLinear.apply(x, x.sequence_shard, module.weight.to_local(), bias, device_mesh)
+            return _ShardSavingLinear.apply(x, x.sequence_shard, module.weight.to_local(), bias, device_mesh,
+                                            getattr(x, "sequence_cache", {}))
 
         module.forward = forward  # the instance's forward: parameter names stay as they are
         return module
@@ -106,7 +133,7 @@ class _ScatterSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, partial, mesh):
         ctx.mesh = mesh
-        return funcol.wait_tensor(funcol.reduce_scatter_single(partial.contiguous(), "sum", SEQ_DIM, mesh))
+        return _reduce_scatter(partial, mesh)
 
     @staticmethod
     def backward(ctx, grad):
