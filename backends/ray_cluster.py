@@ -3,10 +3,17 @@
 
 Token authentication (Ray's default): the cluster's token is read from where Ray keeps it
 (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token) and sent only as an Authorization header.
+
+`ray job stop` (JobSubmissionClient.stop_job) sends the driver SIGTERM and SIGKILLs it after
+RAY_JOB_STOP_WAIT_TIME_S (Ray's default: 3 s). The request sets that to the preemption grace period
+(WORKBENCH_PREEMPT_GRACE_S, 30 s by default), which the job's supervisor actor reads from the job's
+env_vars; the driver (workbench.cloud_entry) stops the ranks after a step, checkpoints, writes the
+`end` event and releases the checkpoint lease within it, and exits 75.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import tempfile
@@ -34,6 +41,17 @@ def check(spec: JobSpec) -> None:
     if not address.startswith(("http://", "https://", "ray://")):
         raise ConfigError(f"backend.ray.address {address!r}: give the cluster's dashboard (Jobs API) address, "
                           "e.g. http://head-node:8265.")
+    uri, ck = spec.checkpoint.uri, spec.checkpoint
+    if spec.backend.spot:
+        saving = ck.every_steps > 0 or ck.every_minutes > 0
+        if not saving or not uri or "://" not in uri and not uri.startswith("/"):
+            what = ("no checkpoint schedule (checkpoint.every_steps / every_minutes)" if not saving else
+                    f"checkpoint.uri {uri!r} is relative (the job's temporary folder)" if uri else "no checkpoint.uri")
+            raise ConfigError(
+                f"backend.spot=true on a Ray cluster with {what}: a preempted node would lose the whole run, and "
+                "the cluster has no bucket of its own to default to. Set checkpoint.uri to an object store every "
+                "node reaches (s3://, gs://, az://) or an absolute path on a file system mounted on every node, "
+                "with checkpoint.every_steps > 0; or set backend.spot=false.")
 
 
 def _notes(spec: JobSpec) -> list[str]:
@@ -50,12 +68,23 @@ def _notes(spec: JobSpec) -> list[str]:
     return []
 
 
+def stop_grace_s() -> int:
+    """Seconds `ray job stop` waits for the driver before SIGKILL: the preemption grace period."""
+    from workbench.runtime.preemption import grace_seconds
+
+    return max(1, math.ceil(grace_seconds()))
+
+
 def build_request(spec: JobSpec, name: str, working_dir: str) -> dict:
     """The Jobs API submission (JobSubmissionClient.submit_job keyword arguments)."""
+    grace = stop_grace_s()
+    env = {"WORKBENCH_CLOUD": "ray", "WORKBENCH_JOB": name, "WORKBENCH_RUN_ID": name,
+           # read by the job's supervisor actor: SIGTERM, then this long before SIGKILL
+           "RAY_JOB_STOP_WAIT_TIME_S": str(grace), "WORKBENCH_PREEMPT_GRACE_S": str(grace)}
     return {
         "entrypoint": ENTRYPOINT,
         "submission_id": name,
-        "runtime_env": {"working_dir": working_dir, "env_vars": {"WORKBENCH_CLOUD": "ray", "WORKBENCH_JOB": name}},
+        "runtime_env": {"working_dir": working_dir, "env_vars": env},
         "metadata": {"workbench": "true", "workbench_job": spec.name},
     }
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -197,7 +198,6 @@ def supervise(cmd: list[str]) -> int:
     """Run torchrun (`cmd`) as a child, pass SIGTERM/SIGINT on to it, and exit as the ranks did:
     2 if a rank refused the job (a ConfigError), 75 if they stopped on a preemption notice, 0 when
     torchrun succeeded, else 1. torchrun itself exits 1 for any rank that does not exit 0."""
-    import signal
     import subprocess
     import tempfile
 
@@ -279,6 +279,7 @@ def run_on_ray(spec, ckpt: str | None, strict: bool = False) -> int:
     import ray
 
     from workbench.launch import start
+    from workbench.runtime.preemption import forward_signal
 
     if not ray.is_initialized():
         # Join the cluster this job runs on (RAY_ADDRESS is set by the Jobs API) before the local
@@ -287,9 +288,18 @@ def run_on_ray(spec, ckpt: str | None, strict: bool = False) -> int:
     if ckpt:
         spec = spec.replace(**{"checkpoint.uri": ckpt})
     handle = start(spec.replace(**{"backend.name": "local"}), resume=resume_mode(strict))
-    for event in handle.follow():
-        _emit(event)
-    end = next((e for e in reversed(handle.events) if e["event"] == "end"), {"status": "failed"})
+    # `ray job stop` sends SIGTERM (then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S, which our request sets
+    # to the grace period): the ranks stop after a step and checkpoint, rank 0 reports the end and
+    # releases the lease, before the driver (and with it its actors) goes.
+    with forward_signal(handle.cancel, signals=(signal.SIGTERM, signal.SIGINT)):
+        for event in handle.follow():
+            _emit(event)
+    end = next((e for e in reversed(handle.events) if e["event"] == "end"), None)
+    if end is None:  # no rank reported the end: a cancel before the ranks started, or a failure
+        stopped = handle.status().state.value == "stopped"
+        end = {"event": "end", "status": "preempted" if stopped else "failed",
+               "step": max((e["step"] for e in handle.events if e["event"] == "step"), default=0)}
+        _emit(end)
     return _exit_code(end)
 
 

@@ -139,3 +139,14 @@ def test_a_lease_without_heartbeat_is_stale_after_the_ttl(tmp_path, monkeypatch)
     lease.acquire()
     assert lease.read()["run_id"] == "me"
     lease.release()
+
+
+def test_the_lease_is_created_with_the_stores_precondition_on_s3(bucket):
+    """Two owners are impossible where the store enforces create-exclusive (issue 33): moto's S3 answers
+    the second `If-None-Match: *` PUT with 412, so the second Lease's create fails, with no read-back race."""
+    store = Store(f"{bucket}/run")
+    store.fs.makedirs(store.root, exist_ok=True)
+    first, second = Lease(store, run="one"), Lease(store, run="two")
+    assert first._create(first.path, first._record())
+    assert not second._create(second.path, second._record())  # 412 Precondition Failed, not an overwrite
+    assert first.read()["run_id"] == "one"

@@ -98,3 +98,30 @@ def test_gpt_tiny_runs_on_the_cluster_and_reports_metrics(client_env, tmp_path):
     assert all(e["loss"] > 0 for e in steps)
     assert [(e["status"], e["step"]) for e in events if e["event"] == "end"] == [("completed", 3)]
     assert {e["rank"] for e in events if e["event"] == "memory"} == {0, 1}  # both Ray workers reported
+
+
+@pytest.mark.slow
+def test_ray_job_stop_checkpoints_reports_the_end_and_releases_the_lease(client_env, tmp_path):
+    """`ray job stop` (SIGTERM to the driver, SIGKILL after RAY_JOB_STOP_WAIT_TIME_S): the driver asks the
+    ranks to stop after a step; they checkpoint, rank 0 reports the end and releases the lease (issue 33)."""
+    import time
+
+    address, _ = client_env
+    ckpt = tmp_path / "ckpt"
+    spec = _spec(address, **{"train.steps": 2000, "checkpoint.every_steps": 2, "checkpoint.uri": str(ckpt),
+                             "backend.spot": True})
+    handle = RayClusterBackend(root=_project(tmp_path)).submit(spec)
+    deadline = time.monotonic() + 240
+    while not (ckpt / "step-000000002" / "manifest.json").exists():
+        assert not handle.status().state.done, handle.logs(200)
+        assert time.monotonic() < deadline, handle.logs(200)
+        time.sleep(0.2)
+    assert (ckpt / "lease.json").exists()
+    handle.cancel()  # what `ray job stop` does
+    status = handle.wait(timeout_s=120, poll_s=0.5)
+    assert status.state is JobState.STOPPED
+    events = handle.metrics()
+    (end,) = [e for e in events if e["event"] == "end"]
+    assert end["status"] == "preempted" and end["step"] < 2000
+    assert (ckpt / f"step-{end['step']:09d}" / "manifest.json").exists()  # the preemption checkpoint
+    assert not (ckpt / "lease.json").exists()  # a resubmit is not refused for the lease's TTL
