@@ -221,7 +221,8 @@ def section(r, doc, img) -> str:
     for name, p in r["pairs"].items():
         label = r["peer_labels"].get(name, "")
         if "ratio" not in p:
-            rows.append([name, label, "failed", "", "", "", "", "", ""])
+            why = [line for f in p.get("failed", []) for line in f.splitlines() if "Error" in line][-1:]
+            rows.append([f"`{name}`", label, "failed: " + (why[0].strip()[:160] if why else "?"), "", "", "", "", "", ""])
             continue
         lo, hi = p["ratio_ci95"]
         goal = 1 / r.get("sp_goal", SP_GOAL) if name == "sp/tp" else r["goal"]

@@ -28,6 +28,9 @@ def train_peer(job: dict, emit) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     t = spec.train
     micro = t.global_batch // world // t.micro_batch
+    # DeepSpeed keeps its communication backend in a module global bound to the process group it
+    # first saw; the benchmark's pool gives each job a new group, so let it bind to this one.
+    deepspeed.comm.comm.cdb = None
     deepspeed.init_distributed(dist_backend="gloo")
     config = {"train_micro_batch_size_per_gpu": t.micro_batch, "gradient_accumulation_steps": micro,
               "zero_optimization": {"stage": int(job.get("zero", 3))}, "steps_per_print": 10**9}
