@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from workbench.memory.nvme import nvme_transfer_s
+
 if TYPE_CHECKING:
     from workbench.catalog import Device
     from workbench.hwprofile import HardwareProfile
@@ -75,7 +77,6 @@ LINK_EFFICIENCY = 0.8
 HOP_LATENCY_S = {"intra": 1e-6, "inter": 5e-6}
 PCIE_BW = 25e9  # bytes/s host <-> device per GPU (PCIe Gen4 x16, practical)
 CPU_ADAM_PARAMS_PER_S = 0.25e9  # fp32 Adam updates per second per GPU's share of host cores
-NVME_BW = 3e9  # bytes/s per GPU to local NVMe (read or write)
 # Kernels per block (forward; backward runs about twice as many): the ops of workbench/models.py
 # (norms, the four attention projections, the attention core, the MLP's matmuls and activation,
 # the residual adds; rotary's slices, multiplies and concatenations for llama).
@@ -585,5 +586,5 @@ def _optimizer_time(lay, hw: Hardware, shard: float, params: float, w: int, n_te
     transfer = updated * (4 + w) / PCIE_BW  # gradients down, updated weights up
     host = updated / CPU_ADAM_PARAMS_PER_S
     if lay.offload == "nvme":
-        host += 2 * updated * 12 / NVME_BW  # master + moments in and out of files
+        host += nvme_transfer_s(lay, updated, hw.dev)  # master (zero 3: the parameters) + moments
     return transfer + host

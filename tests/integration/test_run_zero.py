@@ -29,7 +29,7 @@ def test_zero3_bf16_runs_through_ray():
 
 
 def test_unsupported_layout_is_refused_before_any_worker():
-    proc = subprocess.run(CLI + ["run", "examples/zero3-bf16.yaml", "--set", "layout.offload=nvme"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(CLI + ["run", "examples/zero3-bf16.yaml", "--set", "layout.offload=cpu",
+                                 "--set", "layout.zero=1"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "offload=nvme with zero=3" in proc.stderr and "Use zero=1 with offload=nvme" in proc.stderr
+    assert "offload=cpu with zero=1" in proc.stderr and "Use zero=2 or zero=3 with offload=cpu" in proc.stderr

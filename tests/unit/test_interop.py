@@ -591,3 +591,22 @@ def test_megatron_script_arithmetic_is_bash_64_bit_and_bounded(tmp_path):
                       "--num-attention-heads 4 --seq-length 64 --max-position-embeddings 64\n")
     spec, _ = import_config(str(script), "megatron")
     assert spec.model.layers == 24
+
+
+def test_zero3_nvme_is_zero_infinity_in_deepspeed_and_accelerate(tmp_path):
+    """offload=nvme at zero 3 (#37) is DeepSpeed's ZeRO-Infinity: parameters and optimizer state to
+    NVMe, read back by DeepSpeed's own config class and imported as the same layout."""
+    from tests.unit.test_interop_real import deepspeed_facts
+
+    s = spec({"dp": 2, "zero": 3, "offload": "nvme", "nvme_path": "/local_nvme/wb"}, dtype="bf16")
+    text, w = export_config(s, "deepspeed")
+    assert not any("layout.offload" in x for x in w), w
+    facts = deepspeed_facts(text, 2)
+    assert (facts["zero"], facts["offload_optimizer"], facts["offload_param"]) == (3, "nvme", "nvme")
+    back, _ = import_text(text, "deepspeed")
+    assert (back.layout.zero, back.layout.offload, back.layout.nvme_path) == (3, "nvme", "/local_nvme/wb")
+    acc, w = export_config(s, "accelerate")
+    assert not any("layout.offload" in x for x in w), w
+    ds = yaml.safe_load(acc)["deepspeed_config"]
+    assert (ds["offload_optimizer_device"], ds["offload_param_device"], ds["offload_param_nvme_path"]) == \
+        ("nvme", "nvme", "/local_nvme/wb")

@@ -228,7 +228,8 @@ def from_spec(spec) -> tuple[dict, list[str]]:
     if deepspeed:
         cfg["distributed_type"] = "DEEPSPEED"
         cfg["deepspeed_config"] = _deepspeed_out(spec, notes)
-        expressed += ["train.global_batch", "train.grad_clip"] + (["layout.offload"] if lay.offload == "cpu" else [])
+        exported_offload = lay.offload == "cpu" or lay.offload == "nvme" and lay.zero == 3
+        expressed += ["train.global_batch", "train.grad_clip"] + (["layout.offload"] if exported_offload else [])
     elif par.fsdp:
         cfg["distributed_type"] = "FSDP"
         cfg["fsdp_config"] = {"fsdp_version": 2, "fsdp_reshard_after_forward": par.reshard_after_forward,
@@ -267,11 +268,15 @@ def _deepspeed_out(spec, notes: Notes) -> dict:
     out = {"zero_stage": lay.zero, "gradient_accumulation_steps": accum, "gradient_clipping": spec.train.grad_clip,
            "offload_optimizer_device": "cpu" if lay.offload == "cpu" else "none",
            "offload_param_device": "cpu" if lay.offload == "cpu" and lay.zero == 3 else "none", "zero3_init_flag": False}
+    if lay.offload == "nvme" and lay.zero == 3:  # ZeRO-Infinity: parameters and optimizer state in files
+        out.update(offload_optimizer_device="nvme", offload_param_device="nvme",
+                   offload_optimizer_nvme_path=lay.nvme_path, offload_param_nvme_path=lay.nvme_path)
     if lay.offload == "cpu" and lay.zero == 2:
         notes.note("layout.offload=cpu also keeps parameters on the host; DeepSpeed offloads parameters only with "
                    "ZeRO-3, so under ZeRO-2 only the optimizer state goes to the CPU")
-    if lay.offload == "nvme":
-        notes.unexpressed("layout.offload", "nvme", "DeepSpeed streams optimizer state to NVMe only under ZeRO-3")
+    elif lay.offload == "nvme" and lay.zero != 3:
+        notes.unexpressed("layout.offload", "nvme", "DeepSpeed streams optimizer state and parameters to NVMe only "
+                          "under ZeRO-3; use zero=3 with offload=nvme")
     if spec.precision.dtype == "fp16":
         notes.note("fp16 under the DeepSpeed plugin uses DeepSpeed's loss scaler (window 1000, hysteresis 2)")
     return out

@@ -292,6 +292,9 @@ def from_spec(spec) -> tuple[dict, list[str]]:
         else:
             notes.note("layout.offload=cpu also keeps parameters on the host; DeepSpeed offloads parameters "
                        "only with ZeRO-3, so under ZeRO-2 only the optimizer state goes to the CPU")
+    elif lay.offload == "nvme" and lay.zero == 3:  # ZeRO-Infinity: parameters and optimizer state in files
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": lay.nvme_path}
+        zero["offload_param"] = {"device": "nvme", "nvme_path": lay.nvme_path}
     cfg = {
         "train_batch_size": tr.global_batch,
         "train_micro_batch_size_per_gpu": micro,
@@ -316,11 +319,11 @@ def from_spec(spec) -> tuple[dict, list[str]]:
         cfg["bf16"] = {"enabled": True}
     elif spec.precision.dtype == "fp16":
         cfg["fp16"] = _fp16_out(spec.precision.initial_loss_scale, notes)
-    if lay.offload == "cpu":
-        expressed.append("layout.offload")
+    if lay.offload == "cpu" or lay.offload == "nvme" and lay.zero == 3:
+        expressed += ["layout.offload", "layout.nvme_path"]
     unexpressed_fields(spec, expressed, notes, {
-        "layout.offload": "DeepSpeed streams optimizer state to NVMe only under ZeRO-3 (ZeRO-Infinity); "
-                          "offload=nvme here is ZeRO 0/1",
+        "layout.offload": "DeepSpeed streams optimizer state and parameters to NVMe only under ZeRO-3 "
+                          "(ZeRO-Infinity); use zero=3 with offload=nvme",
         "layout.nvme_path": "DeepSpeed streams optimizer state to NVMe only under ZeRO-3",
         "layout.tp": "tensor parallelism comes from Megatron-DeepSpeed's mpu, not from ds_config",
         "layout.pp": "pipelines are a PipelineModule in the training script, not ds_config",

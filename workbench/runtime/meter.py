@@ -129,11 +129,11 @@ class MemoryMeter:
             "optimizer": tensor_bytes(states),
             "activations": self.peak_activations,
         }
+        if offloaded:  # resident figures of file-backed states replace their tensors' full sizes
+            out.update(offloaded)
         if self.device.type == "cuda":
             out["peak"] = int(torch.cuda.max_memory_allocated(self.device))
         else:
-            out["peak"] = sum(out.values())
-        if offloaded:
-            out.update(offloaded)
+            out["peak"] = sum(out[k] for k in ("params", "grads", "master", "optimizer", "activations"))
         return out
 
