@@ -27,6 +27,9 @@ BENCHMARKS = {
     "overhead": "bench.bench_overhead",
     "data": "bench.bench_data",  # (g) token shards and data prepare
     "tp": "bench.bench_tp",  # (h) tensor parallel on local shards vs DTensor's styles
+    # (i) bench/bench_hf_load.py and (j) bench/bench_prediction.py run alone: 10 and 30 minutes
+    "peers": "bench.bench_peers",  # (k) ZeRO, offload, TP, SP, PP against plain scripts and DeepSpeed
+    "nvme": "bench.bench_nvme",  # (l) ZeRO-Infinity against CPU offload and none; file I/O against dd
 }
 
 
