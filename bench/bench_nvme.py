@@ -156,16 +156,16 @@ def run(quick: bool = False) -> dict:
 def section(r: dict, doc: str = "", img: str = "") -> str:
     """Markdown for docs/benchmarks.md (the integrator wires it into bench/report.py)."""
     if not r:
-        return "### ZeRO-Infinity (offload=nvme)\n\nnot run\n"
+        return "## l) ZeRO-Infinity (offload=nvme)\n\nnot run\n"
     s, io = r["step_s"], r["io"]
     rows = [[k, f"{v['median']:.3f}", f"{v['min']:.3f}..{v['max']:.3f}"] for k, v in s.items()]
-    lines = [f"### ZeRO-Infinity (offload=nvme): {r['model']} {r['layout']}, {r['rounds']} alternating rounds",
-             "", table(rows, ["offload", "step s (median)", "range"]), "",
+    lines = [f"## l) ZeRO-Infinity (offload=nvme): {r['model']} {r['layout']}, {r['rounds']} alternating rounds",
+             "", "```", table(rows, ["offload", "step s (median)", "range"]), "```", "",
              f"nvme / none: {r['ratio_nvme_none']['median']:.2f}x; nvme / cpu: {r['ratio_nvme_cpu']['median']:.2f}x "
              f"(paired per round; load average {r['load_average'][0]:.1f} -> {r['load_average'][1]:.1f}).", "",
              f"File throughput on the same folder ({io['mib']} MiB, MB/s, median):", ""]
     io_rows = [[f"{kind} {k}", f"{v['median'] / 1e6:.0f}"] for kind in ("write", "read") for k, v in io[kind].items()]
-    lines += [table(io_rows, ["path", "MB/s"]), "",
+    lines += ["```", table(io_rows, ["path", "MB/s"]), "```", "",
               f"ours / dd: mapped write {io['write_ratio_mapped_dd']['median']:.2f}, pwrite "
               f"{io['write_ratio_pwrite_dd']['median']:.2f}, mapped read {io['read_ratio_mapped_dd']['median']:.2f}, "
               f"pread {io['read_ratio_pread_dd']['median']:.2f}.", "", f"DeepSpeed ZeRO-Infinity: {r['deepspeed']}.", ""]
