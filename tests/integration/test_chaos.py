@@ -65,7 +65,7 @@ def test_corrupt_and_truncated_newest_checkpoints_fall_back(tmp_path, reference)
     assert any("step 6" in m and "truncated" in m for m in messages), messages
     assert any("step 4" in m and "corrupted" in m for m in messages), messages
     assert [e["message"] for e in events if e["event"] == "warning"][:2] == messages[:2]
-    assert {"event": "restart", "attempt": 0, "from_step": 2} in events
+    assert {"event": "restart", "attempt": 0, "from_step": 2, "rejected": [6, 4]} in events
     assert losses(events) == {k: v for k, v in reference.items() if k > 2}
 
 

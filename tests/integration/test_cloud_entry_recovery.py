@@ -59,7 +59,7 @@ def test_all_incomplete_checkpoints_start_fresh_with_a_warning_on_a_cpu_instance
     assert {e["rank"] for e in ev if e["event"] == "memory"} == {0, 1}
     assert [e["step"] for e in ev if e["event"] == "step"] == [1, 2, 3, 4]
     restart = [e for e in ev if e["event"] == "restart"]
-    assert restart and restart[0]["from_step"] == 0
+    assert restart and restart[0]["from_step"] == 0 and restart[0]["rejected"] == [4]  # the run's record of it
     warnings = [e["message"] for e in ev if e["event"] == "warning"]
     assert any("step 4" in w and "incomplete or corrupt" in w for w in warnings), warnings
     assert any("starting from step 0" in w for w in warnings), warnings

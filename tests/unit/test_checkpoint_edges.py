@@ -108,7 +108,8 @@ def test_every_checkpoint_corrupt_refuses_unless_fresh_is_asked(tmp_path, capsys
     events = []
     with pytest.warns(UserWarning, match="no complete checkpoint"):
         train(tiny(tmp_path), events.append, resume=RESUME_OR_FRESH)
-    assert {"event": "restart", "attempt": 0, "from_step": 0} in events and len(losses(events)) == STEPS
+    assert {"event": "restart", "attempt": 0, "from_step": 0, "rejected": [4, 2]} in events
+    assert len(losses(events)) == STEPS
 
 
 def test_a_store_that_refuses_directory_renames_saves_retains_and_resumes(tmp_path):

@@ -109,6 +109,7 @@ class Checkpointer:
         self.every_steps = int(cfg.get("every_steps", 0))
         self.every_s = float(cfg.get("every_minutes", 0.0)) * 60.0
         self.keep = int(cfg.get("keep", 3))
+        self.rejected_steps: list[int] = []  # steps restore() skipped as incomplete or corrupt
         self.async_save = bool(cfg.get("async_save", False))
         self.module = modules[0] if len(modules) == 1 else union_module(modules)
         self.names = saved_names(modules)  # a tied copy/head saved as the embedding: one weight
@@ -314,6 +315,7 @@ class Checkpointer:
             self._warn("resume requested but checkpoint.uri is not set; starting from step 0")
             return 0
         rejected = []
+        self.rejected_steps = []
         for step in self._broadcast(self.store.committed_steps() if self.rank == 0 else None):
             # Only rank 0's view need hold the manifest (per-node folders before a sync).
             manifest, problem = self._broadcast(manifest_or_problem(self.store, step) if self.rank == 0 else None)
@@ -321,6 +323,7 @@ class Checkpointer:
             problems = sorted({p for part in self._gather(problems) for p in part})
             if problems:
                 rejected.append((step, "; ".join(problems[:3])))
+                self.rejected_steps.append(step)
                 self._warn(f"checkpoint step {step} under {self.uri} is incomplete or corrupt "
                            f"({rejected[-1][1]}); falling back to the previous complete checkpoint")
                 continue
@@ -329,6 +332,7 @@ class Checkpointer:
             problems = self._load_step(step, manifest)
             if problems:  # forged or planted files that passed size and CRC-32: the load is what finds them
                 rejected.append((step, "; ".join(problems[:3])))
+                self.rejected_steps.append(step)
                 self._warn(f"checkpoint step {step} under {self.uri} could not be loaded ({rejected[-1][1]}); "
                            "falling back to the previous complete checkpoint")
                 continue

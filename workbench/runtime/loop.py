@@ -243,7 +243,10 @@ def _loop(run: _Run, spec: JobSpec, ckpt, sink: Sink, should_stop: Callable[[], 
     t, rank = spec.train, run.ctx.rank
     first = ckpt.restore(or_fresh=resume == RESUME_OR_FRESH) + 1 if resume else 1
     if resume and rank == 0:
-        sink({"event": "restart", "attempt": attempt, "from_step": first - 1})
+        restart = {"event": "restart", "attempt": attempt, "from_step": first - 1}
+        if ckpt.rejected_steps:  # skipped as incomplete or corrupt (a warning event each says why)
+            restart["rejected"] = ckpt.rejected_steps
+        sink(restart)
     step, loss_value, status = first - 1, float("nan"), "completed"
     for step in range(first, t.steps + 1):
         loss_value = _step(run, step, first, sink)
