@@ -145,7 +145,8 @@ class Parallelism:
     # Where things live.
     @property
     def offload_to(self) -> str | None:
-        """None, "host memory" (cpu: every model state) or "files" (nvme: master and moments)."""
+        """None, "host memory" (cpu: every model state) or "files" (nvme: the fp32 master and the moments;
+        at zero 2/3 FSDP2's fp32 shards, which are the parameters or their master: parallel/offload.py)."""
         return {"none": None, "cpu": "host memory", "nvme": "files"}[self.offload]
 
     @property

@@ -277,7 +277,7 @@ def _layout(a: _Args, raw: dict, notes: Notes, launcher_dp: int | None) -> None:
         raw["layout"]["zero"] = 1
     if a.get("--optimizer-cpu-offload"):
         notes.unmapped("--optimizer-cpu-offload", True, "Megatron keeps the optimizer step on the CPU beside a "
-                       "distributed optimizer (zero=1); offload here is FSDP2's (zero 2/3) or nvme files (zero 0/1)")
+                       "distributed optimizer (zero=1); offload here is FSDP2's (zero 2/3) or nvme files (any zero)")
 
 
 def _precision(a: _Args, raw: dict, notes: Notes) -> None:
