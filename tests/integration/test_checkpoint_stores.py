@@ -72,7 +72,7 @@ def test_s3_write_list_retain_resume_and_skip_a_corrupt_step(bucket, reference):
     resumed = []
     with pytest.warns(CheckpointWarning, match="step 3 .*CRC-32 mismatch"):
         train(tiny(uri, every_steps=1, keep=2), resumed.append, resume=True)
-    assert {"event": "restart", "attempt": 0, "from_step": 2} in resumed
+    assert {"event": "restart", "attempt": 0, "from_step": 2, "rejected": [3]} in resumed
     assert losses(resumed) == reference[2:]
 
 

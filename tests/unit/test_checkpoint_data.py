@@ -201,7 +201,7 @@ def test_a_forged_newest_step_falls_back_to_the_intact_one_on_the_same_curve(tra
     events = []
     with pytest.warns(UserWarning, match="checkpoint step 4 under .* (could not be loaded|not plain)"):
         train(four, events.append, resume=True)
-    assert {"event": "restart", "attempt": 0, "from_step": 2} in events
+    assert {"event": "restart", "attempt": 0, "from_step": 2, "rejected": [4]} in events
     assert [(e["step"], e["loss"]) for e in events if e["event"] == "step"] == [(3, trained4[1][2]), (4, trained4[1][3])]
     assert not marker.exists()
 
