@@ -381,6 +381,8 @@ class _Bench:
 
     def gemms(self, dtypes: list, model_shapes: list, cubes: list) -> list:
         """(dtype, m, n, k, seconds): the model's shapes first, then a grid, until the budget is spent."""
+        from workbench.parallel.precision import DTYPES
+
         torch = self.torch
         F = torch.nn.functional
         grid = [(c, c, c) for c in cubes] + [(4 * c, c, c) for c in cubes[1:-1]] + [(c, 4 * c, c) for c in cubes[1:-1]]
@@ -390,7 +392,7 @@ class _Bench:
             shapes = [s for s in shapes if 2 * s[0] * s[1] * s[2] <= limit]
             self.note(f"GEMMs, {group}: {len(shapes)} shapes x {', '.join(dtypes)}")
             for dtype in dtypes:
-                dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+                dt = DTYPES[dtype]
                 for m, n, k in shapes:
                     if self.spent_s > self.gemm_budget_s:
                         self.note(f"GEMM time budget ({self.gemm_budget_s:g} s) spent; {len(out)} points measured")
@@ -406,6 +408,8 @@ class _Bench:
         """(kind, dtype, m, n, k, seconds) of the backward GEMMs of each forward (m, n, k) of the model
         as autograd runs them (dgrad: dY (m x n) @ W (n x k); wgrad: dY^T (n x m) @ X (m x k)), then
         of a few cubes, until the GEMM budget (spent again from zero) is spent."""
+        from workbench.parallel.precision import DTYPES
+
         torch = self.torch
         shapes = sorted(tuple(s) for s in forward_shapes) + [(c, c, c) for c in cubes[1:-1]]
         limit = 2e11 if self.dev.type == "cpu" else 1e15
@@ -414,7 +418,7 @@ class _Bench:
         self.spent_s = 0.0
         out: list = []
         for dtype in dtypes:
-            dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+            dt = DTYPES[dtype]
             for m, n, k in shapes:
                 if self.spent_s > self.gemm_budget_s:
                     self.note(f"backward GEMM budget spent; {len(out)} points measured")
@@ -429,8 +433,10 @@ class _Bench:
     def memory_bw(self, elements: int, dtype: str = "fp32") -> float:
         """Bytes/s of c = a + b on tensors far larger than the caches (two reads and a write)."""
         self.note(f"memory bandwidth ({dtype})")
+        from workbench.parallel.precision import DTYPES
+
         torch = self.torch
-        dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        dt = DTYPES[dtype]
         a, b, c = (torch.rand(elements, device=self.dev).to(dt) for _ in range(3))
         return 3 * a.element_size() * elements / self.time(lambda: torch.add(a, b, out=c))
 
