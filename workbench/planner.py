@@ -209,14 +209,37 @@ def plan(spec, prices=None, top: int | None = None, profile=None) -> PlanResult:
                           "gives the model states per rank.")
     shape = spec.model.shape()
     dev = get_device(spec.resources.gpu)
-    world, gpn = spec.resources.num_gpus, spec.resources.gpus_per_node
-    hw = hardware(dev, gpn, profile)
-    usable = dev.memory_bytes
-    host_usable = dev.host_memory_bytes * HOST_USABLE_FRACTION
+    hw = hardware(dev, spec.resources.gpus_per_node, profile)
     dev_prices = load_prices(prices).get(dev.name, {})
+    fitting, misses, searched, truncated = _search(spec, shape, dev, hw, dev_prices)
+    fitting.sort(key=lambda c: (-c.tokens_per_s, c.peak_bytes))
+    notes = _notes(dev, fitting, truncated)
+    if not fitting:
+        misses.sort(key=lambda x: x[0])
+        fitting = [_candidate(shape, lay, hw, spec, peak, False, dev_prices) for peak, lay in misses[:10]]
+        notes.append("nothing fits: these are the smallest peaks; add GPUs, lower micro_batch or seq_len")
+    if not dev_prices:
+        notes.append(f"no price known for {dev.name}: pass prices= or set WORKBENCH_PRICES")
+    result = fitting[:top] if top else fitting
+    for c in result[:max(top or 0, 20)]:
+        _check_runnable(spec, c)
+    given, given_error = _given(spec, shape, hw, dev_prices)
+    return PlanResult(result, spec.resources.num_gpus, dev.name, searched, time.perf_counter() - t0, notes, given, given_error,
+                      source=hw.source)
+
+
+def _fits(dev, lay: Layout, peak: int, host: int) -> bool:
+    """The allocated peak plus what CUDA adds fits the device, and offloaded states fit the host."""
+    host_ok = lay.offload == "none" or not dev.host_memory_bytes or host <= dev.host_memory_bytes * HOST_USABLE_FRACTION
+    return device_used(peak, lay) <= dev.memory_bytes and host_ok
+
+
+def _search(spec, shape, dev, hw: Hardware, dev_prices: dict):
+    """(fitting candidates, (peak, layout) of the misses, layouts searched, search truncated)."""
     fitting: list[Candidate] = []
     misses: list[tuple[int, Layout]] = []
     searched, truncated = 0, False
+    world, gpn = spec.resources.num_gpus, spec.resources.gpus_per_node
     for nvme in (False, True):  # ZeRO-Infinity (files) only when nothing fits in device + host memory
         if fitting or truncated:
             break
@@ -227,39 +250,27 @@ def plan(spec, prices=None, top: int | None = None, profile=None) -> PlanResult:
             for lay in options:
                 searched += 1
                 peak, host = _peak(shape, lay)
-                host_ok = lay.offload == "none" or not dev.host_memory_bytes or host <= host_usable
-                if device_used(peak, lay) <= usable and host_ok:
+                if _fits(dev, lay, peak, host):
                     fitting.append(_candidate(shape, lay, hw, spec, peak, True, dev_prices))
                     break
                 misses.append((peak, lay))
-    if fitting and fitting[0].layout["offload"] == "nvme":
-        notes_nvme = ["nothing fits in device and host memory: these layouts keep the fp32 shards and optimizer "
-                      "state in files (offload=nvme, ZeRO-Infinity)"]
-    else:
-        notes_nvme = []
-    fitting.sort(key=lambda c: (-c.tokens_per_s, c.peak_bytes))
+    return fitting, misses, searched, truncated
+
+
+def _notes(dev, fitting: list[Candidate], truncated: bool) -> list[str]:
     notes = [f"fits = the allocated peak + the allocator's reserve, CUDA context and NCCL buffers <= "
              f"{dev.memory_bytes / 2**30:.1f} GiB (workbench/memory/estimate.py: device_used)"]
     if dev.host_memory_bytes:
         notes.append(f"offload=cpu fits when the offloaded states <= {HOST_USABLE_FRACTION:.0%} of "
                      f"{dev.host_memory_bytes / 2**30:.0f} GiB host memory per GPU")
-    notes += notes_nvme
+    if fitting and fitting[0].layout["offload"] == "nvme":
+        notes.append("nothing fits in device and host memory: these layouts keep the fp32 shards and optimizer "
+                     "state in files (offload=nvme, ZeRO-Infinity)")
     if truncated:
         notes.append(f"search stopped after {MAX_SEARCHED:,} layouts (the bound on one plan's work; tp, pp and "
                      "micro-batch sizes are searched in ascending order): fewer GPUs or a global_batch with fewer "
                      "divisors search everything")
-    if not fitting:
-        misses.sort(key=lambda x: x[0])
-        fitting = [_candidate(shape, lay, hw, spec, peak, False, dev_prices) for peak, lay in misses[:10]]
-        notes.append("nothing fits: these are the smallest peaks; add GPUs, lower micro_batch or seq_len")
-    if not dev_prices:
-        notes.append(f"no price known for {dev.name}: pass prices= or set WORKBENCH_PRICES")
-    result = fitting[:top] if top else fitting
-    for c in result[:max(top or 0, 20)]:
-        _check_runnable(spec, c)
-    given, given_error = _given(spec, shape, hw, usable, host_usable, dev_prices)
-    return PlanResult(result, world, dev.name, searched, time.perf_counter() - t0, notes, given, given_error,
-                      source=hw.source)
+    return notes
 
 
 def hardware(dev, gpus_per_node: int, profile=None) -> Hardware:
@@ -277,7 +288,7 @@ def hardware(dev, gpus_per_node: int, profile=None) -> Hardware:
     return Hardware(dev, gpus_per_node, profile)
 
 
-def _given(spec, shape, hw, usable: float, host_usable: float, dev_prices: dict):
+def _given(spec, shape, hw, dev_prices: dict):
     """(the spec's own layout scored like a candidate, None) or (None, why it breaks a rule)."""
     from workbench.errors import ConfigError
     from workbench.memory import layout_from_spec
@@ -289,8 +300,7 @@ def _given(spec, shape, hw, usable: float, host_usable: float, dev_prices: dict)
         return None, str(e)
     lay = layout_from_spec(spec)
     peak, host = _peak(shape, lay)
-    host_ok = lay.offload == "none" or not hw.dev.host_memory_bytes or host <= host_usable
-    c = _candidate(shape, lay, hw, spec, peak, device_used(peak, lay) <= usable and host_ok, dev_prices)
+    c = _candidate(shape, lay, hw, spec, peak, _fits(hw.dev, lay, peak, host), dev_prices)
     _check_runnable(spec, c)
     return c, None
 

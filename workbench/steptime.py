@@ -456,100 +456,32 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
     s, m, tp = shape.seq_len, lay.num_micro, lay.tp
     tokens = lay.micro_batch * s
     model_fpt, _ = flops_per_token(shape)
-    blocks, has_head, has_embedding = _rank_work(shape, lay.pp, lay.chunks)
-    fused = attention == "flash" or hw.cpu
-
-    fwd_block, bwd_block, attn_fwd, mem = _block_work(hw, shape, tokens, tp, lay.sequence_parallel, lay.dtype, fused)
-    re_dense, re_attn = recomputed_forward(lay.activation_checkpointing, blocks, lay.checkpoint_every)
-    recompute = fwd_block * re_dense if lay.activation_checkpointing == "full" else attn_fwd * re_attn
-    head = _edge_work(hw, shape, tokens, tp, lay.dtype, has_head, has_embedding)
-
+    blocks, fwd_block, bwd_block, re_dense, head_and_recompute, mem = _compute(hw, shape, lay, tokens, attention)
     fwd_all, bwd_all = fwd_block * blocks, bwd_block * blocks
-    compute = fwd_all + bwd_all + recompute + head
+    compute = fwd_all + bwd_all + head_and_recompute
     # Gradient accumulation: every micro-batch after the first adds into the gradients.
     accumulate = _Work(hw.memory_s(params_per_rank * 3 * (4 if lay.fsdp else w)), 1) if m > 1 else _Work()
 
-    # Tensor parallel: per block 2 all-reduces forward, 2 backward, 2 more per recomputed block,
-    # of the micro-batch's activations (with sequence parallelism the same bytes as all-gather +
-    # reduce-scatter, and backward gathers the saved sequence shard again for each column-parallel
-    # linear: wq, wk, wv, w1 (+ w3), parallel/sequence_parallel.py).
     act_bytes = tokens * shape.hidden * w
-    tp_one = regather = 0.0
-    if tp > 1:
-        if lay.sequence_parallel:
-            gather = hw.collective_s("all_gather", tp, act_bytes, 1)
-            tp_one = gather + hw.collective_s("reduce_scatter", tp, act_bytes, 1)
-            regather = (4 + (shape.family == "llama")) * gather
-        else:
-            tp_one = hw.collective_s("all_reduce", tp, act_bytes, 1)
-    tp_micro = (4 * blocks + 2 * re_dense) * tp_one + blocks * regather
-    if engine.tp_comm:  # overlapped with the GEMMs around them (Megatron-Core --tp-comm-overlap)
-        gemm_time = (fwd_all + bwd_all).device_s
-        tp_micro = max(0.0, tp_micro - hw.overlap * gemm_time)
-    tp_ops = (4 * blocks + 2 * re_dense) * (1 + lay.sequence_parallel) if tp > 1 else 0
+    tp_micro, tp_ops = _tp_comm(hw, shape, lay, act_bytes, blocks, re_dense, (fwd_all + bwd_all).device_s, engine)
+    fsdp_micro = _fsdp_comm(hw, shape, lay, params_per_rank / max(1, blocks), w, blocks, fwd_block, bwd_block, engine)
+    p2p_micro, tied_s = _pp_comm(hw, shape, lay, act_bytes, w)
+    bubble = _bubble(lay.pp_schedule, lay.pp, m, lay.chunks)
 
-    # ZeRO-2/3 (FSDP): each block's parameters are all-gathered in forward (and, zero 3, again in
-    # backward) and its gradients reduce-scattered, every micro-batch; prefetch hides a block's
-    # collectives behind at most one block's compute.
-    dp_stride = tp
-    block_params = params_per_rank / max(1, blocks)
-    fsdp_micro = 0.0
-    if lay.grad_sync == "fsdp":
-        k = _block_tensor_count(shape) if engine.per_tensor else 1
-        gather = k * hw.collective_s("all_gather", lay.dp, block_params * w / k, dp_stride)
-        scatter = k * hw.collective_s("reduce_scatter", lay.dp, block_params * 4 / k, dp_stride)
-        backward = scatter + (gather if lay.reshard_after_forward else 0.0)
-        hide_f = hw.overlap * fwd_block.device_s if engine.prefetch else 0.0
-        hide_b = hw.overlap * bwd_block.device_s if engine.prefetch and engine.grad_reduce else 0.0
-        per_block = max(0.0, gather - hide_f) + max(0.0, backward - hide_b)
-        fsdp_micro = blocks * per_block + gather  # the first block's gather has nothing to hide behind
-
-    # Pipeline: the bubble per schedule, one activation send per stage boundary per micro-batch and
-    # direction (virtual stages add boundaries); not overlapped.
-    p, v = lay.pp, lay.chunks
-    p2p_micro = tied_s = 0.0
-    if p > 1:
-        pp_stride = lay.dp * tp
-        p2p_micro = 2 * v * hw.collective_s("p2p", p, act_bytes / tp if lay.sequence_parallel else act_bytes,
-                                            pp_stride)
-        if shape.tie_embeddings:  # the tied embedding's gradient, summed by the first and last stage (parallel/tied.py)
-            tied_s = hw.collective_s("all_reduce", 2, shape.vocab * shape.hidden / tp * w, pp_stride * (p - 1))
-    bubble = _bubble(lay.pp_schedule, p, m, v)
-
-    # Host dispatch: a GPU runs ahead of the host, a CPU rank's one thread does both.
-    def timed(work: _Work, comm: float, comm_ops: float = 0) -> float:
-        host = (work.ops + comm_ops) * hw.launch_s
-        return work.device_s + host + comm if hw.cpu else max(work.device_s + comm, host)
-
-    micro = timed(compute + accumulate, tp_micro + fsdp_micro + p2p_micro, tp_ops)
+    micro = _timed(hw, compute + accumulate, tp_micro + fsdp_micro + p2p_micro, tp_ops)
     per_micro = (compute + accumulate).device_s
     pipelined = m * micro / (1 - bubble)
 
-    # Data parallel with ZeRO 0/1: one all-reduce of the gradients after the last micro-batch
-    # (fp32 buckets with tp or pp, parallel/grad_sync.py); DDP hides its buckets behind that
-    # micro-batch's backward, the last bucket never. ZeRO-1 then all-gathers the updated weights.
-    exposed_dp = dp_comm = 0.0
-    if lay.grad_sync in ("ddp", "all-reduce"):
-        grad_bytes = params_per_rank * (4 if lay.grad_sync == "all-reduce" else w)
-        reduce = "reduce_scatter" if engine.distributed_optimizer and lay.zero == 1 else "all_reduce"
-        dp_comm = hw.collective_s(reduce, lay.dp, grad_bytes, dp_stride)
-        last_bucket = hw.collective_s(reduce, lay.dp, min(grad_bytes, lay.bucket_mb * 2**20), dp_stride)
-        hidden = hw.overlap * bwd_all.device_s if engine.grad_reduce else 0.0
-        exposed_dp = max(0.0, dp_comm - hidden) + last_bucket
-        if lay.zero == 1 and lay.dp > 1:
-            gather = hw.collective_s("all_gather", lay.dp, params_per_rank * w, dp_stride)
-            exposed_dp += max(0.0, gather - hw.overlap * fwd_all.device_s) if engine.param_gather else gather
+    exposed_dp, dp_comm = _dp_comm(hw, lay, params_per_rank, w, fwd_all, bwd_all, engine)
 
-    n_tensors = _tensors(shape, tp, lay.pp, lay.chunks)
-    optimizer = _optimizer_time(lay, hw, shard_per_rank, params_per_rank, w, n_tensors)
+    optimizer = _optimizer_time(lay, hw, shard_per_rank, params_per_rank, w, _tensors(shape, tp, lay.pp, lay.chunks))
     # What the runtime's step costs beyond this work (hooks, wrappers, the loop's own collectives and
     # events), as a calibrated profile measured it for the layout's strategy family; 0 otherwise.
     per_step, per_block = hw.overhead(lay)
     runtime_s = per_step + m * blocks * per_block
     total = pipelined + tied_s + exposed_dp + optimizer + runtime_s
     tokens_per_s = global_batch * s / total
-    peak = dev.compute_flops[lay.dtype]
-    mfu = None if hw.cpu else tokens_per_s * model_fpt / (lay.world_size * peak)
+    mfu = None if hw.cpu else tokens_per_s * model_fpt / (lay.world_size * dev.compute_flops[lay.dtype])
     exposed = m * (tp_micro + fsdp_micro + p2p_micro) + tied_s + exposed_dp
     detail = {"flops_per_token": model_fpt, "efficiency": gemm_efficiency(dev, shape.hidden / tp, tokens),
               "gemm_s": m * (fwd_all + bwd_all).device_s, "memory_bound_s": m * mem * blocks,
@@ -558,6 +490,104 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
               "dp_comm_s": dp_comm, "p2p_s": m * p2p_micro + tied_s, "bubble_s": pipelined - m * micro, "runtime_overhead_s": runtime_s,
               "source": hw.source}
     return StepTime(total, tokens_per_s, mfu, m * per_micro, bubble, exposed, optimizer, detail)
+
+
+def _compute(hw: Hardware, shape, lay, tokens: int, attention: str):
+    """The rank's compute per micro-batch: (blocks, one block's forward, its backward, blocks
+    recomputed, head + embedding + recomputation work, one block's memory-bound seconds)."""
+    blocks, has_head, has_embedding = _rank_work(shape, lay.pp, lay.chunks)
+    fused = attention == "flash" or hw.cpu
+    fwd_block, bwd_block, attn_fwd, mem = _block_work(hw, shape, tokens, lay.tp, lay.sequence_parallel, lay.dtype,
+                                                      fused)
+    re_dense, re_attn = recomputed_forward(lay.activation_checkpointing, blocks, lay.checkpoint_every)
+    recompute = fwd_block * re_dense if lay.activation_checkpointing == "full" else attn_fwd * re_attn
+    head = _edge_work(hw, shape, tokens, lay.tp, lay.dtype, has_head, has_embedding)
+    return blocks, fwd_block, bwd_block, re_dense, recompute + head, mem
+
+
+def _timed(hw: Hardware, work: _Work, comm: float, comm_ops: float = 0) -> float:
+    """Host dispatch: a GPU runs ahead of the host, a CPU rank's one thread does both."""
+    host = (work.ops + comm_ops) * hw.launch_s
+    return work.device_s + host + comm if hw.cpu else max(work.device_s + comm, host)
+
+
+def _tp_comm(hw: Hardware, shape, lay, act_bytes: float, blocks: int, re_dense: float, gemm_s: float,
+             engine: Engine) -> tuple[float, float]:
+    """(seconds, collective count) of tensor parallelism per micro-batch.
+
+    Per block 2 all-reduces forward, 2 backward, 2 more per recomputed block, of the micro-batch's
+    activations (with sequence parallelism the same bytes as all-gather + reduce-scatter, and
+    backward gathers the saved sequence shard again for each column-parallel linear: wq, wk, wv,
+    w1 (+ w3), parallel/sequence_parallel.py).
+    """
+    tp = lay.tp
+    if tp == 1:
+        return 0.0, 0
+    regather = 0.0
+    if lay.sequence_parallel:
+        gather = hw.collective_s("all_gather", tp, act_bytes, 1)
+        tp_one = gather + hw.collective_s("reduce_scatter", tp, act_bytes, 1)
+        regather = (4 + (shape.family == "llama")) * gather
+    else:
+        tp_one = hw.collective_s("all_reduce", tp, act_bytes, 1)
+    tp_micro = (4 * blocks + 2 * re_dense) * tp_one + blocks * regather
+    if engine.tp_comm:  # overlapped with the GEMMs around them (Megatron-Core --tp-comm-overlap)
+        tp_micro = max(0.0, tp_micro - hw.overlap * gemm_s)
+    return tp_micro, (4 * blocks + 2 * re_dense) * (1 + lay.sequence_parallel)
+
+
+def _fsdp_comm(hw: Hardware, shape, lay, block_params: float, w: int, blocks: int, fwd_block: _Work,
+               bwd_block: _Work, engine: Engine) -> float:
+    """Exposed seconds of ZeRO-2/3 (FSDP) collectives per micro-batch: each block's parameters are
+    all-gathered in forward (and, zero 3, again in backward) and its gradients reduce-scattered;
+    prefetch hides a block's collectives behind at most one block's compute."""
+    if lay.grad_sync != "fsdp":
+        return 0.0
+    k = _block_tensor_count(shape) if engine.per_tensor else 1
+    gather = k * hw.collective_s("all_gather", lay.dp, block_params * w / k, lay.tp)
+    scatter = k * hw.collective_s("reduce_scatter", lay.dp, block_params * 4 / k, lay.tp)
+    backward = scatter + (gather if lay.reshard_after_forward else 0.0)
+    hide_f = hw.overlap * fwd_block.device_s if engine.prefetch else 0.0
+    hide_b = hw.overlap * bwd_block.device_s if engine.prefetch and engine.grad_reduce else 0.0
+    per_block = max(0.0, gather - hide_f) + max(0.0, backward - hide_b)
+    return blocks * per_block + gather  # the first block's gather has nothing to hide behind
+
+
+def _pp_comm(hw: Hardware, shape, lay, act_bytes: float, w: int) -> tuple[float, float]:
+    """(seconds per micro-batch, seconds per step) of the pipeline's sends: one activation send per
+    stage boundary per micro-batch and direction (virtual stages add boundaries), not overlapped;
+    and the tied embedding's gradient, summed by the first and last stage (parallel/tied.py)."""
+    p, tp = lay.pp, lay.tp
+    if p == 1:
+        return 0.0, 0.0
+    pp_stride = lay.dp * tp
+    p2p_micro = 2 * lay.chunks * hw.collective_s("p2p", p, act_bytes / tp if lay.sequence_parallel else act_bytes,
+                                                 pp_stride)
+    tied_s = 0.0
+    if shape.tie_embeddings:
+        tied_s = hw.collective_s("all_reduce", 2, shape.vocab * shape.hidden / tp * w, pp_stride * (p - 1))
+    return p2p_micro, tied_s
+
+
+def _dp_comm(hw: Hardware, lay, params_per_rank: float, w: int, fwd_all: _Work, bwd_all: _Work,
+             engine: Engine) -> tuple[float, float]:
+    """(exposed seconds, total collective seconds) of data parallel with ZeRO 0/1: one all-reduce of
+    the gradients after the last micro-batch (fp32 buckets with tp or pp, parallel/grad_sync.py);
+    DDP hides its buckets behind that micro-batch's backward, the last bucket never. ZeRO-1 then
+    all-gathers the updated weights."""
+    if lay.grad_sync not in ("ddp", "all-reduce"):
+        return 0.0, 0.0
+    dp_stride = lay.tp
+    grad_bytes = params_per_rank * (4 if lay.grad_sync == "all-reduce" else w)
+    reduce = "reduce_scatter" if engine.distributed_optimizer and lay.zero == 1 else "all_reduce"
+    dp_comm = hw.collective_s(reduce, lay.dp, grad_bytes, dp_stride)
+    last_bucket = hw.collective_s(reduce, lay.dp, min(grad_bytes, lay.bucket_mb * 2**20), dp_stride)
+    hidden = hw.overlap * bwd_all.device_s if engine.grad_reduce else 0.0
+    exposed_dp = max(0.0, dp_comm - hidden) + last_bucket
+    if lay.zero == 1 and lay.dp > 1:
+        gather = hw.collective_s("all_gather", lay.dp, params_per_rank * w, dp_stride)
+        exposed_dp += max(0.0, gather - hw.overlap * fwd_all.device_s) if engine.param_gather else gather
+    return exposed_dp, dp_comm
 
 
 def _bubble(schedule: str, p: int, m: int, v: int) -> float:
