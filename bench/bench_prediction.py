@@ -201,7 +201,7 @@ def _write(rows: list, source: str, profile, args, partial: bool) -> str:
     result = {"profile": {"path": str(args.profile or PROFILE), "label": profile.label(),
                           "gemm_fp32_flops": profile.gemm_flops("fp32"), "memory_bw": profile.memory_bw,
                           "op_overhead_s": profile.op_overhead_s,
-                          "overheads": {f: {"per_step_s": a, "per_block_s": b} for f, a, b in profile.overheads}},
+            "overheads": {f: {"per_step_s": a, "per_block_s": b, "per_block_param_s": c} for f, a, b, c in profile.overheads}},
               "source": source, "warmup": args.warmup, "partial": partial, "rows": rows,
               "spearman": spearman(pred, meas) if len(scored) >= 2 else None,
               "discordant": discordant([r["layout"] for r in scored], pred, meas),

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from workbench.errors import ConfigError, WorkerError
 from workbench.hwprofile import HardwareProfile, default_profile_path, profile_from_dict, save_profile
+from workbench.memory.params import block_numel
 from workbench.spec import JobSpec, load_spec
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -35,6 +36,9 @@ _PLANS = {
 PROBE_MODEL = {"family": "gpt", "hidden": 64, "heads": 8, "vocab": 128, "seq_len": 32, "tie_embeddings": False}
 PROBE_LAYERS = (2, 6)
 PROBE_MICRO_BATCH, PROBE_MICROS = 2, 2
+# The largest model a probe trains at the spec's own width: on CPU seconds per step at most; on a
+# GPU 2e9 parameters (6 blocks of a 13B model's width) fit one device with Adam in mixed precision.
+PROBE_MAX_PARAMS = {"cpu": 50_000_000, "gpu": 2_000_000_000}
 _GPU_ELEMENTS = 256 << 20  # 1 GiB fp32 per tensor: well past any GPU's caches
 _TIMEOUT_S = {"quick": 300, "full": 1200}
 
@@ -64,8 +68,10 @@ def _options(spec: JobSpec, quick: bool) -> dict:
 
 
 def probe_specs(spec: JobSpec) -> list[list]:
-    """[family, spec dict] of each strategy probe: the runtime's step for that family's layout on
-    PROBE_MODEL, over every rank of the spec's resources (one rank: `single`), at each PROBE_LAYERS."""
+    """[family, spec dict] of each strategy probe: the runtime's step for that family's layout over
+    every rank of the spec's resources (one rank: `single`), at each PROBE_LAYERS, on PROBE_MODEL and
+    on the spec's own model (`probe_model`): the near-empty model gives the costs per step and per
+    block, the spec's the part of the per-block cost that grows with the block's parameters."""
     world, per_node = spec.resources.num_gpus, spec.resources.gpus_per_node
     tp = max((d for d in (8, 4, 2) if world % d == 0 and d <= per_node), default=1)
     layouts: list[tuple[str, dict]] = [("single", {"dp": 1})]
@@ -76,39 +82,67 @@ def probe_specs(spec: JobSpec) -> list[list]:
             layouts.append(("tp", {"dp": world // tp, "tp": tp}))
         if world % 2 == 0:
             layouts.append(("pp", {"dp": world // 2, "pp": 2, "pp_schedule": "1f1b"}))
+    models = [dict(PROBE_MODEL)]
+    own = probe_model(spec)
+    if own is not None and all(own["heads"] % lay.get("tp", 1) == 0 for _, lay in layouts):
+        models.append(own)
     out = []
     for family, layout in layouts:
-        for layers in PROBE_LAYERS:
-            ranks = layout["dp"] * layout.get("tp", 1) * layout.get("pp", 1)
-            out.append([family, probe_spec(spec, layers, layout, ranks)])
+        for model in models:
+            for layers in PROBE_LAYERS:
+                ranks = layout["dp"] * layout.get("tp", 1) * layout.get("pp", 1)
+                out.append([family, probe_spec(spec, {**model, "layers": layers}, layout, ranks)])
     return out
 
 
-def probe_spec(spec: JobSpec, layers: int, layout: dict, ranks: int) -> dict:
-    """The spec of one probe (its own resources: `ranks` of the spec's device on one node)."""
-    batch = PROBE_MICRO_BATCH * PROBE_MICROS * layout["dp"]
-    return {"name": f"probe-{layers}", "model": {**PROBE_MODEL, "layers": layers},
+def probe_model(spec: JobSpec) -> dict | None:
+    """The spec's own model shape (width, heads, vocabulary, sequence; random weights) for the
+    probes, or None when it has no shape (`params`, a factory), its blocks are within 4x of
+    PROBE_MODEL's, or it would hold more than PROBE_MAX_PARAMS at PROBE_LAYERS' deepest."""
+    if spec.model.params is not None or spec.model.factory is not None:
+        return None
+    shape = spec.model.shape()
+    fields = ("family", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len", "tie_embeddings",
+              "qkv_bias", "out_bias", "mlp_bias")
+    model = {k: getattr(shape, k) for k in fields}
+    params = max(PROBE_LAYERS) * block_numel(shape, 1) + 2 * shape.vocab * shape.hidden
+    near_empty = block_numel(load_spec({"model": {**PROBE_MODEL, "layers": 1}}, layout=False).model.shape(), 1)
+    # A per-parameter cost read off two sizes closer than 4x would be mostly the probes' noise.
+    if params > PROBE_MAX_PARAMS["cpu" if spec.resources.gpu == "cpu" else "gpu"] or block_numel(shape, 1) < 4 * near_empty:
+        return None
+    return model
+
+
+def probe_spec(spec: JobSpec, model: dict, layout: dict, ranks: int) -> dict:
+    """The spec of one probe of `model` (its own resources: `ranks` of the spec's device on one node):
+    PROBE_MODEL at PROBE_MICRO_BATCH in fp32, the spec's model at its micro-batch and dtype."""
+    own = model["hidden"] != PROBE_MODEL["hidden"] or model["vocab"] != PROBE_MODEL["vocab"]
+    micro = spec.train.micro_batch if own else PROBE_MICRO_BATCH
+    return {"name": f"probe-{model['layers']}", "model": model,
             "data": {"source": "synthetic", "seed": 0},
-            "train": {"steps": 100, "global_batch": batch, "micro_batch": PROBE_MICRO_BATCH, "optimizer": "adamw",
-                      "lr": 1e-4, "seed": 0},
-            "layout": layout, "precision": {"dtype": "fp32"},
+            "train": {"steps": 100, "global_batch": micro * PROBE_MICROS * layout["dp"], "micro_batch": micro,
+                      "optimizer": spec.train.optimizer, "lr": 1e-4, "seed": 0},
+            "layout": layout, "precision": {"dtype": spec.precision.dtype if own else "fp32"},
             "resources": {"gpu": spec.resources.gpu, "gpus_per_node": ranks, "nodes": 1},
             "backend": {"name": "local"}}
 
 
 def derive_overheads(profile: HardwareProfile, measured: list) -> HardwareProfile:
     """The profile with `overheads` and `probes`: each probe's measured step against what the step-time
-    model predicts for it from this profile's other figures, and per family the straight line through
-    the (blocks, extra seconds) of its two depths: the slope is the cost per block and micro-batch
-    (per-module hooks, wrapper dispatch), the rest the cost per step (the loop's own collectives,
-    events, the optimizer's bookkeeping). A negative figure (noise) is taken as 0."""
+    model predicts for it from this profile's other figures, and per family and probe model the
+    straight line through the (blocks, extra seconds) of its two depths: the slope is the cost per
+    block and micro-batch (per-module hooks, wrapper dispatch), the rest the cost per step (the
+    loop's own collectives, events, the optimizer's bookkeeping). Where a family was probed on two
+    models, the slopes' difference over their blocks' parameters is the cost per parameter (FSDP2's
+    and the fp32 master's per-parameter work), and the near-empty model's line the rest. A negative
+    figure (noise) is taken as 0."""
     import dataclasses
 
     from workbench.planner import plan
 
     base = dataclasses.replace(profile, overheads=(), probes=())
     probes: list = []
-    points: dict[str, list] = {}
+    points: dict[str, dict[int, list]] = {}
     for family, raw, seconds in measured:
         spec = load_spec(raw)
         got = plan(spec, profile=base).given
@@ -119,16 +153,24 @@ def derive_overheads(profile: HardwareProfile, measured: list) -> HardwareProfil
         layers = spec.model.layers or 1
         probes.append((family, lay.dp, lay.tp, lay.pp, layers, micros, seconds, got.step_time_s))
         # blocks on the busiest rank x micro-batches: the unit the per-block cost is charged in
-        points.setdefault(family, []).append((layers / lay.pp * micros, seconds - got.step_time_s))
+        block_params = block_numel(spec.model.shape(), lay.tp)
+        points.setdefault(family, {}).setdefault(block_params, []).append(
+            (layers / lay.pp * micros, seconds - got.step_time_s))
     overheads = []
-    for family, pts in points.items():
-        pts.sort()
-        (x0, y0), (x1, y1) = pts[0], pts[-1]
-        slope = max(0.0, (y1 - y0) / (x1 - x0)) if x1 > x0 else 0.0
-        overheads.append((family, max(0.0, min(y0 - slope * x0, y1 - slope * x1) if slope else (y0 + y1) / 2),
-                          slope))
-    overheads = [(f, max(0.0, a), b) for f, a, b in overheads]
+    for family, by_size in points.items():
+        lines = sorted((size, _line(pts)) for size, pts in by_size.items())
+        (small, (per_step, slope)), (large, (_, large_slope)) = lines[0], lines[-1]
+        per_param = max(0.0, (large_slope - slope) / (large - small)) if large > small else 0.0
+        overheads.append((family, per_step, max(0.0, slope - per_param * small), per_param))
     return dataclasses.replace(profile, overheads=tuple(overheads), probes=tuple(probes))
+
+
+def _line(pts: list) -> tuple[float, float]:
+    """(intercept, slope) through the first and last of (x, y) points, both >= 0."""
+    pts = sorted(pts)
+    (x0, y0), (x1, y1) = pts[0], pts[-1]
+    slope = max(0.0, (y1 - y0) / (x1 - x0)) if x1 > x0 else 0.0
+    return max(0.0, min(y0 - slope * x0, y1 - slope * x1) if slope else (y0 + y1) / 2), slope
 
 
 def model_gemm_shapes(spec: JobSpec) -> list[list[int]]:
@@ -255,12 +297,14 @@ def summary(profile: HardwareProfile, model_shapes: list | None = None) -> str:
               + "".join(f", {d} {bw / 1e9:.2f} GB/s" for d, bw in profile.memory_bw_dtype),
               f"per-op overhead            {profile.op_overhead_s * 1e6:.1f} us", ""]
     if profile.overheads:
-        lines += ["runtime step beyond the modelled work (a near-empty model through the runtime's own step)",
-                  "  family    per step   per block and micro-batch   probes: blocks x micro-batches -> "
-                  "measured / modelled s"]
-        for fam, per_step, per_block in profile.overheads:
+        lines += ["runtime step beyond the modelled work (a near-empty model and the spec's through the runtime's "
+                  "own step)",
+                  "  family    per step   per block and micro-batch   + per M block params   probes: blocks x "
+                  "micro-batches -> measured / modelled s"]
+        for fam, per_step, per_block, per_param in profile.overheads:
             shown = ", ".join(f"{p[4] // p[3]}x{p[5]} -> {p[6]:.4f}/{p[7]:.4f}" for p in profile.probes if p[0] == fam)
-            lines.append(f"  {fam:<8} {per_step * 1e3:7.1f} ms  {per_block * 1e3:18.2f} ms        {shown}")
+            lines.append(f"  {fam:<8} {per_step * 1e3:7.1f} ms  {per_block * 1e3:18.2f} ms  "
+                         f"{per_param * 1e9:16.2f} ms        {shown}")
         if profile.cpu_cores:
             lines.append(f"  ({profile.nodes * profile.ranks_per_node} ranks on {profile.cpu_cores} logical CPUs)")
         lines.append("")

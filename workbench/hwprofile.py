@@ -139,7 +139,8 @@ class HardwareProfile:
     # bytes/s of elementwise work per dtype other than fp32 (a CPU without bf16 units moves half the bytes)
     memory_bw_dtype: tuple = ()  # ((dtype, bytes/s), ...)
     # per strategy family, what the runtime's step costs beyond the modelled work: (family,
-    # seconds per step, seconds per block and micro-batch), from `probes`
+    # seconds per step, seconds per block and micro-batch, seconds per block, micro-batch and
+    # parameter of the block), from `probes`
     overheads: tuple = ()
     # the runtime steps it was read off: (family, dp, tp, pp, layers, micro-batches, measured s, modelled s)
     probes: tuple = ()
@@ -187,12 +188,13 @@ class HardwareProfile:
         """Bytes/s of elementwise work in `dtype` (memory_bw for fp32 and unmeasured dtypes)."""
         return dict(self.memory_bw_dtype).get(dtype, self.memory_bw)
 
-    def overhead(self, family: str) -> tuple[float, float] | None:
+    def overhead(self, family: str, block_params: float = 0.0) -> tuple[float, float] | None:
         """(seconds per step, seconds per block and micro-batch) the runtime's `family` step costs
-        beyond the modelled work, or None when this profile did not measure it."""
-        for fam, per_step, per_block in self.overheads:
+        beyond the modelled work for blocks of `block_params` parameters on the rank, or None when
+        this profile did not measure it."""
+        for fam, per_step, per_block, per_param in self.overheads:
             if fam == family:
-                return per_step, per_block
+                return per_step, per_block + per_param * block_params
         return None
 
     # -- collectives --------------------------------------------------------------------------
@@ -274,7 +276,8 @@ class HardwareProfile:
                 "op_overhead_s": self.op_overhead_s,
                 "gemm": [list(p) for p in self.gemm], "collectives": [list(p) for p in self.collectives],
                 "memory_bw_dtype": {d: bw for d, bw in self.memory_bw_dtype},
-                "overheads": {f: {"per_step_s": a, "per_block_s": b} for f, a, b in self.overheads},
+                "overheads": {f: {"per_step_s": a, "per_block_s": b, **({"per_block_param_s": c} if c else {})}
+                              for f, a, b, c in self.overheads},
                 "probes": [list(p) for p in self.probes], "cpu_cores": self.cpu_cores,
                 "gemm_grad": [list(p) for p in self.gemm_grad]}
 
@@ -388,10 +391,12 @@ def profile_from_dict(raw, where: str = "(dict)") -> HardwareProfile:
     for fam, costs in over.items():
         name = f"overheads {clip(str(fam), 40)}"
         _choice(fam, name, where, FAMILIES)
-        if not isinstance(costs, dict) or set(costs) != {"per_step_s", "per_block_s"}:
-            raise _fail(where, name, f"{{per_step_s: seconds, per_block_s: seconds}}, not {clip(repr(costs), 80)}")
-        overheads.append((fam, _pos(costs["per_step_s"], f"{name} per_step_s", where, allow_zero=True),
-                          _pos(costs["per_block_s"], f"{name} per_block_s", where, allow_zero=True)))
+        if not isinstance(costs, dict) or not {"per_step_s", "per_block_s"} <= set(costs) <= {
+                "per_step_s", "per_block_s", "per_block_param_s"}:
+            raise _fail(where, name, "{per_step_s: seconds, per_block_s: seconds, per_block_param_s: seconds "
+                        f"(optional)}}, not {clip(repr(costs), 80)}")
+        overheads.append((fam, *(_pos(costs.get(k, 0.0), f"{name} {k}", where, allow_zero=True)
+                                 for k in ("per_step_s", "per_block_s", "per_block_param_s"))))
     probes = []
     if raw.get("probes"):
         for i, row in enumerate(_rows(raw["probes"], "probes", where, 8)):

@@ -30,6 +30,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from workbench.memory.nvme import nvme_transfer_s
+from workbench.memory.params import block_numel
 
 if TYPE_CHECKING:
     from workbench.catalog import Device
@@ -177,13 +178,14 @@ class Hardware:
             return nbytes / self.profile.elementwise_bw(dtype)
         return nbytes / (self.dev.hbm_bw * HBM_EFFICIENCY)
 
-    def overhead(self, lay) -> tuple[float, float]:
+    def overhead(self, lay, block_params: float) -> tuple[float, float]:
         """(seconds per step, seconds per block and micro-batch) that the runtime's step for this
-        layout's strategy family costs beyond the modelled work: measured by `workbench calibrate`
-        (the runtime's own step on a near-empty model); (0, 0) from the catalog or an older profile."""
+        layout's strategy family costs beyond the modelled work, for blocks of `block_params`
+        parameters on the rank: measured by `workbench calibrate` (the runtime's own step on a
+        near-empty model and on the spec's model); (0, 0) from the catalog or an older profile."""
         if self.profile is None:
             return 0.0, 0.0
-        return self.profile.overhead(overhead_family(lay)) or (0.0, 0.0)
+        return self.profile.overhead(overhead_family(lay), block_params) or (0.0, 0.0)
 
     @property
     def launch_s(self) -> float:
@@ -477,7 +479,7 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
     optimizer = _optimizer_time(lay, hw, shard_per_rank, params_per_rank, w, _tensors(shape, tp, lay.pp, lay.chunks))
     # What the runtime's step costs beyond this work (hooks, wrappers, the loop's own collectives and
     # events), as a calibrated profile measured it for the layout's strategy family; 0 otherwise.
-    per_step, per_block = hw.overhead(lay)
+    per_step, per_block = hw.overhead(lay, block_numel(shape, tp))
     runtime_s = per_step + m * blocks * per_block
     total = pipelined + tied_s + exposed_dp + optimizer + runtime_s
     tokens_per_s = global_batch * s / total

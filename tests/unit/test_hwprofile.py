@@ -222,7 +222,7 @@ def test_where_profiles_are_found(tmp_path, monkeypatch):
 
 
 def test_runtime_overheads_round_trip_and_older_profiles_still_load(tmp_path):
-    p = _profile(memory_bw_dtype=(("bf16", 2.5e9),), overheads=(("ddp", 0.01, 0.002), ("zero3", 0.03, 0.0)),
+    p = _profile(memory_bw_dtype=(("bf16", 2.5e9),), overheads=(("ddp", 0.01, 0.002, 0.0), ("zero3", 0.03, 0.0, 1e-9)),
                  probes=(("ddp", 2, 1, 1, 2, 2, 0.05, 0.03), ("ddp", 2, 1, 1, 6, 2, 0.07, 0.034)), cpu_cores=2,
                  gemm_grad=tuple(("dgrad", d, m, n, k, t) for d, m, n, k, t in _gemm_points("bf16", RATE / 20))
                  + tuple(("wgrad", d, m, n, k, t) for d, m, n, k, t in _gemm_points("bf16", RATE / 4)))
@@ -230,6 +230,7 @@ def test_runtime_overheads_round_trip_and_older_profiles_still_load(tmp_path):
     save_profile(p, path)
     back = load_profile(path)
     assert back == p and back.overhead("ddp") == (0.01, 0.002) and back.overhead("tp") is None
+    assert back.overhead("zero3", 2e6) == pytest.approx((0.03, 0.002))  # 1 ns per block parameter
     assert back.elementwise_bw("bf16") == 2.5e9 and back.elementwise_bw("fp32") == back.elementwise_bw("fp16") == 5e9
     # backward GEMMs fitted apart from the forward's: here dgrad at a fifth of bf16's forward rate
     assert back.grad_gemm_s("dgrad", 256, 256, 256, "bf16") == pytest.approx(
@@ -242,16 +243,20 @@ def test_runtime_overheads_round_trip_and_older_profiles_still_load(tmp_path):
     assert load_profile(path).overheads == () and load_profile(path).overhead("ddp") is None
     for bad, says in (({"ddpp": {"per_step_s": 0.1, "per_block_s": 0.0}}, "Did you mean .ddp."),
                       ({"ddp": {"per_step_s": -1, "per_block_s": 0.0}}, "per_step_s"),
-                      ({"ddp": 0.1}, "per_block_s")):
+                      ({"ddp": 0.1}, "per_block_s"),
+                      ({"ddp": {"per_step_s": 0.1, "per_block_s": 0.0, "per_block_param_s": -1e-9}}, "per_block_param_s"),
+                      ({"ddp": {"per_step_s": 0.1, "per_block_s": 0.0, "per_param": 0.0}}, "per_block_param_s")):
         path.write_text(yaml.safe_dump({**old, "overheads": bad}))
         with pytest.raises(ConfigError, match=says):
             load_profile(path)
 
 
-def test_calibrate_reads_per_step_and_per_block_costs_off_the_probes():
-    """derive_overheads: measured = modelled + a + b x blocks x micro-batches gives back (a, b) per family;
-    a family measured faster than modelled costs nothing extra."""
-    from workbench.calibrate import derive_overheads, probe_specs
+def test_calibrate_reads_per_step_per_block_and_per_parameter_costs_off_the_probes():
+    """derive_overheads: measured = modelled + a + (b + c x block params) x blocks x micro-batches on the
+    near-empty probe model and on the spec's own gives back (a, b, c) per family; a family measured
+    faster than modelled costs nothing extra."""
+    from workbench.calibrate import PROBE_MODEL, derive_overheads, probe_specs
+    from workbench.memory.params import block_numel
     from workbench.planner import plan
     from workbench.spec import load_spec
 
@@ -259,17 +264,26 @@ def test_calibrate_reads_per_step_and_per_block_costs_off_the_probes():
                       "resources": {"gpu": "cpu", "gpus_per_node": 2}}, layout=False)
     probes = probe_specs(spec)
     assert sorted({f for f, _ in probes}) == ["ddp", "pp", "single", "tp", "zero1", "zero2", "zero3"]
+    widths = {raw["model"]["hidden"] for _, raw in probes}
+    assert widths == {PROBE_MODEL["hidden"], 256}  # the near-empty model and gpt-mini's own width
+    assert all(raw["precision"]["dtype"] == "fp32" for _, raw in probes)
     base = _profile()
-    cost = {"ddp": (0.012, 0.0015), "zero3": (0.02, 0.004), "tp": (0.0, 0.006)}
+    cost = {"ddp": (0.012, 0.0015, 0.0), "zero3": (0.02, 0.004, 2e-9), "tp": (0.0, 0.006, 1e-9)}
     measured = []
     for family, raw in probes:
         s = load_spec(raw)
         modelled = plan(s, profile=base).given.step_time_s
-        a, b = cost.get(family, (-0.001, 0.0))  # the others: measured a little faster than modelled
+        a, b, c = cost.get(family, (-0.001, 0.0, 0.0))  # the others: measured a little faster than modelled
         micros = s.train.global_batch // (s.layout.dp * s.train.micro_batch)
-        measured.append((family, raw, modelled + a + b * s.model.layers / s.layout.pp * micros))
+        per_block = b + c * block_numel(s.model.shape(), s.layout.tp)
+        measured.append((family, raw, modelled + a + per_block * s.model.layers / s.layout.pp * micros))
     got = derive_overheads(base, measured)
-    for family, (a, b) in cost.items():
-        assert got.overhead(family) == pytest.approx((a, b), abs=1e-9)
+    for family, abc in cost.items():
+        assert dict((f, rest) for f, *rest in got.overheads)[family] == pytest.approx(list(abc), abs=1e-9)
+    mini = block_numel(spec.model.shape(), 1)
+    assert got.overhead("zero3", mini) == pytest.approx((0.02, 0.004 + 2e-9 * mini))
     assert got.overhead("zero1") == (0.0, 0.0) and got.overhead("single") == (0.0, 0.0)
     assert len(got.probes) == len(probes) and got.probes[0][0] == "single"
+    # a model larger than a probe may train, or one given by its size, is probed near-empty only
+    big = load_spec({**spec.to_dict(), "model": {"preset": "llama-7b"}}, layout=False)
+    assert {raw["model"]["hidden"] for _, raw in probe_specs(big)} == {PROBE_MODEL["hidden"]}

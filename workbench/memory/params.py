@@ -261,8 +261,12 @@ def fsdp_shard_numel(tensors, n: int) -> int:
 
 
 @lru_cache(maxsize=1024)
+def block_numel(shape, tp: int) -> int:
+    """Elements of one transformer block's parameters on a rank of a tp group."""
+    return sum(numel(t) for t in block_tensors(shape, tp))
+
+
+@lru_cache(maxsize=1024)
 def largest_block_numel(shape, tp: int) -> int:
     """Elements of the largest unit FSDP gathers at once (one block, or the embedding/head)."""
-    block = sum(numel(t) for t in block_tensors(shape, tp))
-    emb = sum(numel(t) for t in embedding_tensors(shape, tp))
-    return max(block, emb)
+    return max(block_numel(shape, tp), sum(numel(t) for t in embedding_tensors(shape, tp)))
