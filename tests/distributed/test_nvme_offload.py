@@ -1,6 +1,7 @@
-"""ZeRO-Infinity at zero 2/3 on 2 gloo ranks (issue 37): FSDP2's fp32 shards and the Adam moments
-in files reproduce the single-process run (tied GPT, activation checkpointing, gradient
-accumulation); bf16 matches the same layout without offload; the memory events measure the
+"""ZeRO-Infinity at zero 2/3 on 2 and 4 gloo ranks (issue 37): FSDP2's fp32 shards and the Adam
+moments in files reproduce the single-process run (dp2: gpt-tiny, untied, with gradient
+accumulation; dp4: gpt-tiny with tied embeddings; activation checkpointing); bf16 matches the same
+layout without offload; the memory events measure the
 shards resident after the step (none) and the file sizes; checkpoints resume from and into nvme
 layouts across ZeRO stages."""
 import functools
@@ -20,7 +21,19 @@ CASES = {  # name: (layout, precision)
     "zero2-nvme": ({"zero": 2, "offload": "nvme"}, "fp32"),
     "zero3-nvme-bf16": ({"zero": 3, "offload": "nvme", "activation_checkpointing": "full"}, "bf16"),
     "zero3-bf16": ({"zero": 3, "activation_checkpointing": "full"}, "bf16"),  # the same without offload
+    # dp4 ("dp4-" names run the TIED model): one micro-batch per rank, the shards a quarter of the
+    # model, the tied embedding/head one parameter of FSDP2's root; full activation checkpointing.
+    "dp4-zero3-nvme-full": ({"dp": 4, "zero": 3, "offload": "nvme", "activation_checkpointing": "full"}, "fp32"),
+    "dp4-zero2-nvme-full": ({"dp": 4, "zero": 2, "offload": "nvme", "activation_checkpointing": "full"}, "fp32"),
+    "dp4-zero3-nvme-bf16": ({"dp": 4, "zero": 3, "offload": "nvme", "activation_checkpointing": "full"}, "bf16"),
+    "dp4-zero2-nvme-bf16": ({"dp": 4, "zero": 2, "offload": "nvme", "activation_checkpointing": "full"}, "bf16"),
+    "dp4-zero3-bf16": ({"dp": 4, "zero": 3, "activation_checkpointing": "full"}, "bf16"),
 }
+TIED = {"preset": "gpt-tiny", "tie_embeddings": True}
+
+
+def model_of(name: str) -> dict:
+    return TIED if name.startswith("dp4-") else BASE["model"]
 
 
 def losses(events):
@@ -44,6 +57,17 @@ def reference():
 
 
 @pytest.fixture(scope="module")
+def reference_tied():
+    events = []
+    result = train({**BASE, "model": TIED}, events.append, gather_state=True)
+    return losses(events), result["state"]
+
+
+def reference_of(name: str, request):
+    return request.getfixturevalue("reference_tied" if model_of(name) is TIED else "reference")
+
+
+@pytest.fixture(scope="module")
 def runs(spawn_pools, tmp_path_factory):
     done, specs = {}, {}
 
@@ -51,8 +75,9 @@ def runs(spawn_pools, tmp_path_factory):
         if name not in done:
             layout, dtype = CASES[name]
             tmp = tmp_path_factory.mktemp(name)
-            spec = {**BASE, "layout": {"dp": 2, **layout, "nvme_path": str(tmp)}, "precision": {"dtype": dtype}}
-            done[name] = spawn_pools.get(2).run(spec, fn=train_with_state, timeout_s=240)
+            spec = {**BASE, "model": model_of(name), "layout": {"dp": 2, **layout, "nvme_path": str(tmp)},
+                    "precision": {"dtype": dtype}}
+            done[name] = spawn_pools.get(spec["layout"]["dp"]).run(spec, fn=train_with_state, timeout_s=240)
             specs[name] = spec
         return done[name]
 
@@ -61,9 +86,12 @@ def runs(spawn_pools, tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("name", ["zero3-nvme-full", "zero2-nvme"])
-def test_nvme_layout_reproduces_single_process(name, runs, reference):
-    events = runs(name)
+@pytest.mark.parametrize("name", ["zero3-nvme-full", "zero2-nvme", "dp4-zero3-nvme-full", "dp4-zero2-nvme-full"])
+def test_nvme_layout_reproduces_single_process(name, runs, request):
+    events, reference = runs(name), reference_of(name, request)
+    # Every rank ran with its shards in files (its memory event measures them on disk).
+    on_disk = {e["rank"] for e in events if e["event"] == "memory" and e["measured"].get("params_on_disk")}
+    assert on_disk == set(range(runs.specs[name]["layout"]["dp"])), on_disk
     torch.testing.assert_close(losses(events), reference[0], rtol=1e-4, atol=0)
     state = final_state(events)
     assert set(state) == set(reference[1])
@@ -71,8 +99,11 @@ def test_nvme_layout_reproduces_single_process(name, runs, reference):
         torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
 
 
-def test_bf16_nvme_matches_bf16_without_offload(runs, reference):
-    nvme, plain = runs("zero3-nvme-bf16"), runs("zero3-bf16")
+@pytest.mark.parametrize("name,plain_name", [("zero3-nvme-bf16", "zero3-bf16"),
+                                             ("dp4-zero3-nvme-bf16", "dp4-zero3-bf16"),
+                                             ("dp4-zero2-nvme-bf16", "dp4-zero3-bf16")])  # zero 2 vs 3: same numbers
+def test_bf16_nvme_matches_bf16_without_offload(name, plain_name, runs, request):
+    nvme, plain, reference = runs(name), runs(plain_name), reference_of(name, request)
     # Same FSDP2 mixed precision; the update is torch's functional adamw (nvme) vs torch.optim.AdamW.
     torch.testing.assert_close(losses(nvme), losses(plain), rtol=1e-5, atol=0)
     torch.testing.assert_close(losses(nvme), reference[0], rtol=2e-2, atol=0)  # the documented bf16 tolerance

@@ -17,6 +17,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -133,6 +134,10 @@ def _rank() -> int:
 PAGE = mmap.PAGESIZE
 PREFETCH_BLOCKS = 2  # blocks whose shards are read ahead of the running one (forward and backward)
 IO_THREADS = 2  # moment reads of the next chunk and writes of the previous one, beside the update
+# Dirty page-cache bytes allowed before the step syncs its files: a memory cgroup (v1) cannot reclaim
+# dirty file pages, and the kernel's dirty limits are global, so a step that wrote its whole shard
+# before one fdatasync held ~12 bytes x shard in dirty cache and was OOM-killed under a cap.
+SYNC_BYTES = 32 * 2**20
 
 
 def _fadvise(fd: int, offset: int, length: int, advice: int) -> None:
@@ -245,6 +250,8 @@ class NvmeShards:
                 for fp in g.fsdp_params:
                     self._move(fp, at)
                     at += fp._sharded_param_data.numel()
+                os.fdatasync(self.file.fd)  # a group at a time: the dirty cache stays one group
+                self.file.evict(g.offset, g.nbytes)
         self.flush_and_evict()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvme-prefetch")
         self._hooks: list = []
@@ -365,6 +372,8 @@ class NvmeShardOptimizer:
                 hi = min(lo + chunk, n)
                 self.chunks.append((i, lo, hi, at + lo))
         self._pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="nvme-io")
+        self._unsynced = 0  # bytes written since the last fdatasync (shards and moments)
+        self._sync_lock = threading.Lock()
 
     def bind(self, num_moments: int) -> None:
         self.num_moments = num_moments
@@ -385,6 +394,14 @@ class NvmeShardOptimizer:
             done = 0
             while done < len(view):
                 done += os.pwrite(f.fd, view[done:], at * 4 + done)
+        with self._sync_lock:  # the chunk's shard (updated through the mapping) and its moments
+            self._unsynced += n * 4 * (1 + len(self.moments))
+            if self._unsynced < SYNC_BYTES:
+                return
+            self._unsynced = 0
+            # fdatasync writes the mapping's dirty pages too (the kernel tracks them per file).
+            for fd in (self.shards.file.fd, *(f.fd for f in self.moments)):
+                os.fdatasync(fd)
 
     def step(self, update, grad_coef: float) -> None:
         """One optimizer step over this rank's shards (no collective: FSDP2 already reduce-scattered)."""

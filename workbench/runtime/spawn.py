@@ -10,7 +10,9 @@ import glob
 import itertools
 import os
 import queue
+import signal
 import tempfile
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -80,21 +82,39 @@ class SpawnPool:
         for p in self._procs:
             p.start()
 
+    @property
+    def pids(self) -> list[int]:
+        """The ranks' process ids, in rank order (e.g. to put them in a memory cgroup)."""
+        return [p.pid for p in self._procs]
+
     def run(self, spec: dict, fn=None, timeout_s: float = 300) -> list[dict]:
         """Run `fn(spec, sink)` (default: the training loop) on every rank; return all events.
 
         Raises:
-            WorkerError: a rank failed (its traceback is in the message) or the job timed out.
+            WorkerError: a rank failed (its traceback is in the message), a rank's process died
+                (killed by a signal, e.g. SIGKILL from the OOM killer: named at once, the other
+                ranks, stuck in a collective with it, are killed), or the job timed out.
         """
         for q in self._jobs:
             q.put((fn, spec))
         events, errors = [], []
+        deadline = time.monotonic() + timeout_s
         for _ in range(self.world):
-            try:
-                rank, rank_events, error = self._results.get(timeout=timeout_s)
-            except queue.Empty:
-                self.close()
-                raise WorkerError(f"spawned job did not finish within {timeout_s} s") from None
+            while True:
+                try:
+                    # Short waits: a rank killed by a signal never puts its result, so between
+                    # waits the processes are checked instead of waiting out the whole timeout.
+                    wait = min(1.0, max(deadline - time.monotonic(), 0.0))
+                    rank, rank_events, error = self._results.get(timeout=wait)
+                    break
+                except queue.Empty:
+                    dead = self._dead()
+                    if dead:
+                        self._abort()
+                        raise WorkerError(dead) from None
+                    if time.monotonic() >= deadline:
+                        self.close()
+                        raise WorkerError(f"spawned job did not finish within {timeout_s} s") from None
             events.extend(rank_events)
             if error:
                 errors.append(f"rank {rank}: {error}")
@@ -102,6 +122,30 @@ class SpawnPool:
             self.close()
             raise WorkerError("\n".join(errors))
         return events
+
+    def _dead(self) -> str:
+        """What ended the pool's processes that are gone ("" when all live): a worker only exits
+        on _STOP, so during a job any exit is a failure."""
+        out = []
+        for rank, p in enumerate(self._procs):
+            code = p.exitcode
+            if code is None:
+                continue
+            if code < 0:
+                name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+                hint = (" (the kernel's OOM killer sends SIGKILL when memory runs out: see dmesg, or the "
+                        "memory limit of the job's cgroup)") if -code == signal.SIGKILL else ""
+                out.append(f"rank {rank} (pid {p.pid}) was killed by {name} while running a job{hint}")
+            else:
+                out.append(f"rank {rank} (pid {p.pid}) exited with code {code} while running a job")
+        return "; ".join(out)
+
+    def _abort(self) -> None:
+        """Kill every process now: the live ranks wait in a collective on the dead one."""
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        self.close()
 
     def close(self) -> None:
         for q, p in zip(self._jobs, self._procs):
