@@ -44,7 +44,7 @@ def _deepspeed_reason(build: bool = True) -> str | None:
 
     The op is the one DeepSpeed's accelerator picks (CPU here: deepspeed/ops/op_builder/cpu), built
     by JIT on first use and cached in TORCH_EXTENSIONS_DIR: 12 C++ files at -O0 against torch's
-    headers, more than 15 minutes on this 2-core host under load. `build=False` checks libaio only."""
+    headers, about 20 minutes on this 2-core host under load. `build=False` checks libaio only."""
     try:
         from deepspeed.accelerator import get_accelerator
 
