@@ -205,7 +205,7 @@ def build_model_meta(spec: JobSpec) -> nn.Module:
     with torch.device("meta"):
         model = GPT(m.shape())
     if m.init != "random":
-        # Read by runtime.materialize: each rank then loads its own slices of these weights.
+        # Read by parallel.materialize: each rank then loads its own slices of these weights.
         model.init_source = (m.init, m.path)
     return model
 
