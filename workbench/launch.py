@@ -130,7 +130,7 @@ def run(spec: JobSpec | dict | str, metrics_out: str | None = None, resume: bool
             out.close()
     result = RunResult(end["status"], end["step"], events, status.message)
     if report:
-        from workbench.ui.report import write_report
+        from workbench.report.run_report import write_report
 
         write_report(events, spec, report)
     if result.status == "failed":

@@ -3,7 +3,7 @@ import pytest
 
 pytest.importorskip("plotly")
 
-from workbench.ui import figures  # noqa: E402
+from workbench.report import figures  # noqa: E402
 
 GiB = 2**30
 

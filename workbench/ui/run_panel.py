@@ -17,7 +17,7 @@ from pathlib import Path
 import ipywidgets as w
 
 from workbench.errors import ConfigError, WorkerError
-from workbench.ui import figures
+from workbench.report import figures
 from workbench.ui.live import FigureBox, note_html
 from workbench.ui.state import WorkbenchState
 
@@ -185,7 +185,7 @@ class RunPanel:
 
     def export_report(self) -> Path | None:
         """Write the shown run as a self-contained HTML report next to the notebook."""
-        from workbench.ui.report import write_report
+        from workbench.report.run_report import write_report
 
         spec, events = self.state.spec, self.state.snapshot()
         if spec is None or not events:

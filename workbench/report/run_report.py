@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from workbench.errors import ConfigError
-from workbench.ui import figures
+from workbench.report import figures
 
 _CSS = """body{font-family:'DejaVu Sans',Arial,sans-serif;margin:24px auto;max-width:1200px;color:#222}
 h1{font-size:22px;margin-bottom:4px} h2{font-size:16px;margin-top:28px;border-bottom:1px solid #ddd}
