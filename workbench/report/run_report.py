@@ -71,7 +71,7 @@ def write_report(events: list[dict], spec, path: str | Path) -> Path:
     if spec.train.schedule != "constant" or spec.train.warmup_steps:  # a flat line says nothing
         sections.append(("Learning rate", figures.lr_figure(spec.train, events, height=260)))
     if any(e.get("event") == "timeline" for e in events):
-        sections.append(("Pipeline timeline", figures.timeline_figure(events)))
+        sections.append(("Pipeline timeline", figures.measured_timeline_figure(events)))
     parts = [_header(spec, summary)]
     for i, (title, fig) in enumerate(sections):
         # plotly.js goes into the first figure only; the others reuse it.

@@ -239,7 +239,7 @@ class RunPanel:
         self.predicted.value = prediction_html(self.prediction, steps[self._carried:], self.run_spec) \
             if self.run_spec is not None and st.run_state != "idle" else ""
         has_timeline = any(e.get("event") == "timeline" for e in events)
-        self.timeline_box.show(figures.timeline_figure(events) if has_timeline else None)
+        self.timeline_box.show(figures.measured_timeline_figure(events) if has_timeline else None)
         self.log.value = _log_html(events)
 
     def _progress_line(self, last: dict | None, first: dict | None, running: bool) -> str:
