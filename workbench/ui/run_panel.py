@@ -334,19 +334,12 @@ class RunPanel:
         spec = self.state.spec
         if spec is None or not spec.checkpoint.uri:
             return None, None
-        from workbench.runtime.checkpoint import manifest_run_id
-        from workbench.runtime.checkpoint_store import Store, manifest_or_problem
+        from workbench.launch import checkpoint_version, newest_checkpoint_owner
 
         try:
-            store = Store(spec.checkpoint.uri)
-            steps = tuple(store.committed_steps())
-            # the newest manifest too: another run may re-write a step this run wrote
-            newest = (manifest_or_problem(store, steps[0])[0] if steps else None) or {}
-            key = (spec.checkpoint.uri, steps, newest.get("created_unix"), manifest_run_id(newest))
+            key = checkpoint_version(spec.checkpoint.uri)
             if self._checkpoints is None or self._checkpoints[0] != key:
-                manifest, _ = store.newest_complete()
-                found = None if manifest is None else (int(manifest["step"]), manifest_run_id(manifest))
-                self._checkpoints = (key, found)
+                self._checkpoints = (key, newest_checkpoint_owner(spec.checkpoint.uri))
         except (OSError, ValueError, ImportError):  # unreachable or unknown store: nothing to resume from here
             return None, None
         found = self._checkpoints[1]
