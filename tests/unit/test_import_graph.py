@@ -138,7 +138,7 @@ def layer_of(module: str, members: dict[str, list[str]]) -> list[str]:
         for entry in entries:
             name = module_name(entry)
             package = entry.endswith("/")
-            if module == name or (package and module.startswith(name + ".")):
+            if (module == name or (package and module.startswith(name + "."))) and layer not in found:
                 found.append(layer)
     return found
 
