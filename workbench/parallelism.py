@@ -41,7 +41,7 @@ class Parallelism:
     zero: int = 0
     offload: str = "none"  # none | cpu (FSDP2 CPUOffloadPolicy) | nvme (master + moments in files)
     activation_checkpointing: str = "none"  # none | full | selective
-    activation_checkpoint_every: int = 1  # full: every k-th block recomputed (the spec's layout.checkpoint_every)
+    checkpoint_every: int = 1
     pp_schedule: str = "1f1b"
     virtual_stages: int = 2
     sequence_parallel: bool = False
@@ -54,7 +54,7 @@ class Parallelism:
         """The parallelism of a JobSpec's layout and precision."""
         lay = spec.layout
         return cls(dp=lay.dp, tp=lay.tp, pp=lay.pp, zero=lay.zero, offload=lay.offload,
-                   activation_checkpointing=lay.activation_checkpointing, activation_checkpoint_every=lay.checkpoint_every,
+                   activation_checkpointing=lay.activation_checkpointing, checkpoint_every=lay.checkpoint_every,
                    pp_schedule=lay.pp_schedule, virtual_stages=lay.virtual_stages,
                    sequence_parallel=lay.sequence_parallel, dtype=spec.precision.dtype, bucket_mb=lay.bucket_mb,
                    nvme_path=lay.nvme_path)

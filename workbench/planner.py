@@ -164,7 +164,7 @@ def _layouts(spec, shape, world: int, gpn: int, nvme: bool = False):
                             # Checkpointing modes from fastest to leanest: the planner keeps
                             # the first that fits (the others are slower and add nothing).
                             yield [Layout(dp=dp, tp=tp, pp=pp, zero=zero, offload=off, activation_checkpointing=ckpt,
-                                          activation_checkpoint_every=spec.layout.checkpoint_every, pp_schedule=sched,
+                                          checkpoint_every=spec.layout.checkpoint_every, pp_schedule=sched,
                                           virtual_stages=v,
                                           sequence_parallel=tp > 1 and shape.seq_len % tp == 0,
                                           micro_batch=mb, num_micro=m,

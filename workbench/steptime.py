@@ -460,7 +460,7 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
     fused = attention == "flash" or hw.cpu
 
     fwd_block, bwd_block, attn_fwd, mem = _block_work(hw, shape, tokens, tp, lay.sequence_parallel, lay.dtype, fused)
-    re_dense, re_attn = recomputed_forward(lay.activation_checkpointing, blocks, lay.activation_checkpoint_every)
+    re_dense, re_attn = recomputed_forward(lay.activation_checkpointing, blocks, lay.checkpoint_every)
     recompute = fwd_block * re_dense if lay.activation_checkpointing == "full" else attn_fwd * re_attn
     head = _edge_work(hw, shape, tokens, tp, lay.dtype, has_head, has_embedding)
 

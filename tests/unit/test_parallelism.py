@@ -56,7 +56,7 @@ def test_from_spec_keeps_every_knob():
     lay = spec.layout
     assert (par.dp, par.tp, par.pp, par.zero, par.offload, par.sequence_parallel, par.dtype) == \
         (lay.dp, lay.tp, lay.pp, lay.zero, lay.offload, lay.sequence_parallel, spec.precision.dtype)
-    assert (par.activation_checkpointing, par.activation_checkpoint_every, par.nvme_path, par.bucket_mb) == \
+    assert (par.activation_checkpointing, par.checkpoint_every, par.nvme_path, par.bucket_mb) == \
         ("full", 2, lay.nvme_path, lay.bucket_mb)
 
 

@@ -80,7 +80,7 @@ def _chunk_activation_bytes(shape, lay: Layout, stage: int, num_stages: int, blo
     tokens = lay.micro_batch * shape.seq_len
     full = act.block_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel, lay.device)
     edge = act.boundary_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
-    n_ckpt = act.checkpointed_blocks(blocks, lay.activation_checkpointing, lay.activation_checkpoint_every)
+    n_ckpt = act.checkpointed_blocks(blocks, lay.activation_checkpointing, lay.checkpoint_every)
     if lay.activation_checkpointing == "selective":
         full -= act.attention_core_bytes_per_token(shape, lay.tp)
     per_token = n_ckpt * edge + (len(blocks) - n_ckpt) * full
@@ -97,7 +97,7 @@ def _chunk_activation_bytes(shape, lay: Layout, stage: int, num_stages: int, blo
 def _activations(shape, lay: Layout, pp_index: int) -> float:
     return _activations_cached(shape, lay.tp, lay.pp, lay.chunks, lay.sequence_parallel, lay.micro_batch,
                                lay.num_micro, lay.pp_schedule, lay.activation_checkpointing,
-                               lay.activation_checkpoint_every, lay.dtype, pp_index, lay.global_batch, lay.device)
+                               lay.checkpoint_every, lay.dtype, pp_index, lay.global_batch, lay.device)
 
 
 @lru_cache(maxsize=65536)
@@ -106,7 +106,7 @@ def _activations_cached(shape, tp, pp, chunks, sp, micro_batch, num_micro, sched
     # Only the knobs that change activations are in the key (not zero, offload or dp).
     lay = Layout(tp=tp, pp=pp, virtual_stages=chunks, pp_schedule=schedule, sequence_parallel=sp,
                  micro_batch=micro_batch, num_micro=num_micro, activation_checkpointing=ckpt,
-                 activation_checkpoint_every=every, dtype=dtype, device=device)
+                 checkpoint_every=every, dtype=dtype, device=device)
     num_stages = lay.pp * lay.chunks
     split = prm.stage_blocks(shape, num_stages)
     stages = lay.stage_indices(pp_index)
@@ -119,7 +119,7 @@ def _activations_cached(shape, tp, pp, chunks, sp, micro_batch, num_micro, sched
     if pp_index == 0:
         batch = global_batch if pp == 1 else micro_batch * num_micro
         total += act.token_batch_bytes(batch, shape.seq_len)
-    if shape.family == "llama" and not (lay.activation_checkpointing == "full" and lay.activation_checkpoint_every == 1):
+    if shape.family == "llama" and not (lay.activation_checkpointing == "full" and lay.checkpoint_every == 1):
         # Rotary cos/sin tables, cached by the model (checkpointed blocks do not save them).
         total += shape.seq_len * shape.head_dim * 4
     return total

@@ -82,7 +82,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, par: Parallelism, *, 
             apply_tp(m, mesh["tp"], sequence_parallel=par.sequence_parallel)
         out.loss_context = loss_parallel
     for m in out.modules:
-        apply_activation_checkpointing(m, par.activation_checkpointing, every=par.activation_checkpoint_every)
+        apply_activation_checkpointing(m, par.activation_checkpointing, every=par.checkpoint_every)
     init_device = _apply_fsdp(out, dp_mesh, par, device)
     for m in out.modules:
         materialize(m, init_device, seed=seed)
