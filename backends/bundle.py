@@ -222,12 +222,12 @@ def build_bundle(spec: JobSpec, root: str | Path | None = None) -> Bundle:
         ConfigError: a named file is missing or outside the project, or the bundle would be too large.
     """
     import backends
-    import workbench
+    from workbench import errors  # its folder is the workbench package's (the facade is not imported by name)
 
     root = Path(root or os.getcwd()).resolve()
     bundle = Bundle(allow=set(spec.backend.secrets_allowlist))
-    for pkg in (workbench, backends):
-        pkg_dir = Path(pkg.__file__).resolve().parent
+    for pkg_file in (errors.__file__, backends.__file__):
+        pkg_dir = Path(pkg_file).resolve().parent
         collect(pkg_dir, prefix=f"{pkg_dir.name}/", bundle=bundle)
     ckpt = spec.checkpoint.uri  # a local checkpoint folder never travels, even inside a named one
     skip = {(root / ckpt).resolve()} if ckpt and "://" not in ckpt else set()

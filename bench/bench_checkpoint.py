@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from workbench.data import build_token_source
+from workbench.parallel.materialize import build_model
 from workbench.runtime.checkpoint import Checkpointer
 from workbench.runtime.checkpoint_store import Store
-from workbench.runtime.materialize import build_model
 from workbench.spec import load_spec
 
 

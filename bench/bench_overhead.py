@@ -98,8 +98,8 @@ def components(cfg: dict) -> dict:
     import torch
     import torch.nn.functional as F
 
+    from workbench.parallel.materialize import build_model
     from workbench.runtime.loop import MEMORY_EVERY
-    from workbench.runtime.materialize import build_model
     from workbench.runtime.meter import MemoryMeter
     from workbench.spec import load_spec
 

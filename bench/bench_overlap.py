@@ -31,8 +31,8 @@ def _overlap_job(cfg: dict, sink) -> None:
     import torch.nn.functional as F
 
     from workbench.parallel.ddp import apply_ddp
+    from workbench.parallel.materialize import build_model
     from workbench.parallel.mesh import build_mesh
-    from workbench.runtime.materialize import build_model
     from workbench.spec import load_spec
 
     torch.manual_seed(0)

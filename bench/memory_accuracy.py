@@ -1,6 +1,6 @@
 """Regenerate docs/memory-accuracy.md: predicted vs measured memory for every runnable layout.
 
-Runs gpt-tiny and gpt-mini under each layout of workbench.memory.accuracy.LAYOUTS that the
+Runs gpt-tiny and gpt-mini under each layout of bench.memory_compare.LAYOUTS that the
 runtime accepts, on 2-4 spawned gloo ranks, and compares each component of each rank with
 `workbench memory`. Writes the table, a plot (docs/memory-accuracy.png, matplotlib) and the
 raw rows (docs/memory-accuracy.json).  Run: python bench/memory_accuracy.py
@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from workbench.memory.accuracy import THRESHOLDS, measure  # noqa: E402
+from bench.memory_compare import THRESHOLDS, measure  # noqa: E402
 
 NOTES = [
     "FSDP2 (zero 2/3) all-gathers parameters that the layers then save for backward; they are "
@@ -127,7 +127,7 @@ def main() -> int:
     import time
 
     if args.replot:
-        from workbench.memory.accuracy import Row
+        from bench.memory_compare import Row
 
         out = Path(args.out)
         fields = ("model", "layout", "rank", "component", "predicted", "measured")

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file by torchrun
 
 from workbench.data import build_token_source  # noqa: E402
-from workbench.runtime.materialize import build_model  # noqa: E402
+from workbench.parallel.materialize import build_model  # noqa: E402
 from workbench.spec import JobSpec, load_spec  # noqa: E402
 
 

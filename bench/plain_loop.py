@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.data import build_token_source
-from workbench.runtime.materialize import build_model
+from workbench.parallel.materialize import build_model
 from workbench.spec import load_spec
 
 

@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # Lazy public API: each import pulls its heavy dependencies only when first used.
     if name == "build_model":
-        from workbench.runtime.materialize import build_model
+        from workbench.parallel.materialize import build_model
 
         return build_model
     if name == "estimate_memory":

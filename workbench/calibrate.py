@@ -531,13 +531,14 @@ class _Bench:
             from workbench.parallelism import Parallelism
             from workbench.runtime.meter import MemoryMeter
 
-            par = parallelize(build_model_meta(spec), None, Parallelism.from_spec(spec), device=self.dev,
-                              seed=spec.train.seed)
+            parallelized = parallelize(build_model_meta(spec), None, Parallelism.from_spec(spec), device=self.dev,
+                                       seed=spec.train.seed)
             meter = MemoryMeter(self.dev)
-            meter.watch_params(par.modules)
+            meter.watch_params(parallelized.modules)
             ctx = loop.RankContext(0, 1, self.dev)
-            run = loop._Run(spec, ctx, None, loop.coords(None), par, loop.build_train_step(par, spec, self.dev, None),
-                            build_token_source(spec), meter, None, None)
+            step_fn = loop.build_train_step(parallelized, spec, self.dev, None)
+            run = loop._Run(spec, ctx, None, loop.coords(None), parallelized, step_fn, build_token_source(spec), meter,
+                            None, None)
         for step in range(1, steps + 1):
             loop._step(run, step, 1, sink)
         return events

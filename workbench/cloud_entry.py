@@ -278,7 +278,7 @@ def run_on_ray(spec, ckpt: str | None, strict: bool = False) -> int:
     and print its metrics events as JSON lines as they come (they are the job's log)."""
     import ray
 
-    from workbench.launch import start
+    from backends.local_start import start
     from workbench.runtime.preemption import forward_signal
 
     if not ray.is_initialized():

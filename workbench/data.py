@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.errors import ConfigError
+from workbench.shards import check_regions, open_token_data
 
 DEFAULT_TEXT = Path(__file__).parent / "assets" / "public_domain.txt"
 _FOLLOW_PROB = 0.9  # synthetic stream: chance that the next token follows the hidden rule
@@ -60,43 +61,13 @@ class TokenSource:
                 raise ConfigError(f"data.source=text uses a byte-level tokenizer (256 tokens) but model.vocab={vocab}. Use vocab >= 256.")
             if not self.path.is_file():
                 raise ConfigError(f"data.path: {str(self.path)!r} does not exist. Point it at a local text file.")
-            self._check_regions(len(self.tokens), "bytes", str(self.path))
+            check_regions(len(self.tokens), "bytes", str(self.path), seq_len, val_fraction)
         elif source == "tokens":
-            from workbench.shards import TokenShards
-
-            if not path:
-                raise ConfigError("data.source=tokens needs data.path: the directory or URI of the token shards "
-                                  "(make them with `workbench data prepare FILES --out DIR`).")
-            self.shards = TokenShards(path)
-            if self.shards.vocab_size > vocab:
-                raise ConfigError(f"data.path {path}: the shards' tokenizer has {self.shards.vocab_size} tokens but "
-                                  f"model.vocab={vocab}. Set model.vocab >= {self.shards.vocab_size}.")
+            self.shards = open_token_data(path, vocab, seq_len, val_fraction, packing)
             self.masked = self.shards.masked
             self.by_example = self.masked and not packing
-            if self.by_example:
-                self._check_examples(path)
-            else:
-                self._check_regions(len(self.shards), "tokens", path)
             eos = self.shards.index.get("eos_id")
             self.pad_id = eos if eos is not None else 0
-
-    def _check_regions(self, total: int, unit: str, where: str) -> None:
-        n = self.seq_len + 2
-        val = int(total * self.val_fraction)
-        if total - val < n or 0 < val < n:
-            raise ConfigError(
-                f"data.path: {where} has {total} {unit}: {total - val} for training and {val} held out "
-                f"(val_fraction={self.val_fraction}), but each part needs at least seq_len+2 = {n}. "
-                "Use more data, a shorter seq_len or another val_fraction.")
-
-    def _check_examples(self, where: str) -> None:
-        total = self.shards.num_examples
-        val = int(total * self.val_fraction)
-        if total - val < 1 or (self.val_fraction > 0 and val < 1):
-            raise ConfigError(
-                f"data.path: {where} has {total} examples: {total - val} for training and {val} held out "
-                f"(val_fraction={self.val_fraction}); each part needs at least one. Use more examples or another "
-                "val_fraction.")
 
     @cached_property
     def tokens(self) -> torch.Tensor:
@@ -228,11 +199,8 @@ def rank_micro_batches(batch: torch.Tensor, dp_rank: int, dp: int, micro_batch: 
 
 
 def build_token_source(spec) -> TokenSource:
-    m = spec.model
-    if m.factory is not None:
-        vocab, seq_len = m.vocab, m.seq_len
-    else:
-        shape = m.shape()
-        vocab, seq_len = shape.vocab, shape.seq_len
+    from workbench.validate import token_dims
+
+    vocab, seq_len = token_dims(spec.model)
     d = spec.data
     return TokenSource(d.source, vocab, seq_len, d.seed, d.path, d.val_fraction, packing=d.packing)

@@ -8,7 +8,8 @@ Like transformers' `trust_remote_code`, naming a callable in a spec runs it, so:
   the standard library, builtins, workbench itself or an installed tool that runs commands (pip,
   setuptools, pexpect, torch.hub, ...), never through a private name, and only a function or class
   defined there (not a re-export such as `from os import system`).
-The origin checks need no import of the factory's module (torch-free, docs/architecture.md).
+The origin checks need no import of the factory's module (torch-free, docs/architecture.md); torch
+is imported only by the functions that call a factory, which planning reaches only when trusted.
 """
 from __future__ import annotations
 
@@ -18,8 +19,12 @@ import inspect
 import os
 import sys
 import sysconfig
+from typing import TYPE_CHECKING
 
 from workbench.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch.nn as nn
 
 OPT_IN = "--trust-factory (or --set model.trust_factory=true, or model.trust_factory=True in a spec built in Python)"
 _OWN = {"workbench", "backends"}  # ours: no model factories, and their functions act (run, dispatch, write)
@@ -114,3 +119,33 @@ def planning_refusal(path: str) -> ConfigError:
     return ConfigError(f"model.factory {path!r} is code: counting its parameters means importing and calling it, "
                        f"which planning does only when you opt in. Give the model's size instead (model.params: N, "
                        f"e.g. 1.3e9), or, if you trust this spec, set {OPT_IN}.")
+
+
+def call_factory(path: str, kwargs: dict) -> nn.Module:
+    """Call a model factory under the trust rules above and check what it returns."""
+    import torch.nn as nn
+
+    fn = resolve(path)
+    try:
+        inspect.signature(fn).bind(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"model.factory {path!r} does not take model.kwargs {sorted(kwargs)}: {e}.") from None
+    except ValueError:
+        pass  # no signature to check (some classes defined in C)
+    model = fn(**kwargs)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model.factory {path!r} returned {type(model).__name__}, not a torch.nn.Module. A factory "
+                          "returns the model (forward(tokens) -> logits), built from model.kwargs.")
+    if not any(True for _ in model.parameters()):
+        raise ConfigError(f"model.factory {path!r} returned a {type(model).__name__} without parameters: nothing "
+                          "would train. Return the model whose forward(tokens) gives logits.")
+    return model
+
+
+def build_factory_meta(path: str, kwargs: dict) -> nn.Module:
+    """The factory's model with its parameters on the meta device (no memory): what the runtime
+    parallelizes, and what planning counts for a trusted factory."""
+    import torch
+
+    with torch.device("meta"):
+        return call_factory(path, kwargs)

@@ -2,7 +2,7 @@
 `model: {init: checkpoint, path: ...}` (a workbench checkpoint or a state_dict file of our model).
 
 Planning reads DIR/config.json alone (`config_fields`). Loading happens in
-runtime.materialize: every rank reads, for each parameter it holds, only its slice (its tensor-
+parallel.materialize: every rank reads, for each parameter it holds, only its slice (its tensor-
 parallel rows or columns, its pipeline stage's blocks, its FSDP shard), through safetensors'
 lazy `get_slice`, and converts HF's naming and conventions into ours with export.py's links (the
 same table the export writes with, read backwards). No rank ever holds the whole model.

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from backends.local_start import check_resume_from_checkpoint, start  # noqa: F401 - re-exported: the API
 from workbench.errors import WorkerError
-from workbench.runtime.checkpoint_store import RESUME_OR_FRESH
 from workbench.runtime.preemption import EXIT_PREEMPTED, forward_signal
 from workbench.spec import JobSpec, load_spec
 from workbench.validate import check_runnable
@@ -36,52 +35,29 @@ class RunResult:
         return [e["loss"] for e in self.events if e["event"] == "step"]
 
 
-def start(spec, on_event: Callable[[dict], None] | None = None, resume: bool = False):
-    """Start `spec` on local Ray in the background and return its handle (non-blocking).
+def checkpoint_version(uri: str) -> tuple:
+    """What changes when a checkpoint under `uri` is committed or re-written: the committed steps,
+    and the newest one's write time and run id. Cheap: the store is listed and one manifest read,
+    no file verified. Raises OSError / ValueError / ImportError for an unreachable or unknown store."""
+    from workbench.runtime.checkpoint import manifest_run_id
+    from workbench.runtime.checkpoint_store import Store, manifest_or_problem
 
-    The handle has `.events`, `.follow()`, `.wait()`, `.status()`, `.cancel()`. The job's driver
-    thread delivers each event as it arrives: `on_event` is called from that thread (keep it
-    quick: rank 0 waits for each step event's delivery), and `follow()` / `wait()` yield them.
-    `cancel()` stops every rank after the same step, at most one step after the newest step
-    delivered when it was called.
-
-    Starting Ray itself (the first run of a process) is bounded and retried (backends/ray_start.py):
-    each retry arrives as a `warning` event and a start still under way as a `note` (through
-    `on_event`; on stderr without it); after the last attempt RayStartError (a WorkerError; the CLI
-    exits 69) names what timed out, the load and what to try, among which the Ray-free route.
-    """
-    from backends.local_ray import LocalRayBackend, ensure_ray
-
-    spec = load_spec(spec)
-    check_runnable(spec)
-    if spec.checkpoint.uri:
-        from workbench.runtime.checkpoint_lease import check_lease_free
-
-        check_lease_free(spec.checkpoint.uri)  # a second writer of the URI: exit 2 before any worker starts
-    if resume:
-        check_resume_from_checkpoint(spec, or_fresh=resume == RESUME_OR_FRESH)
-    note = None if on_event is None else (lambda kind, message: on_event({"event": kind, "message": message}))
-    ensure_ray(note=note, fallback=f"python -m workbench.cloud_entry --spec SPEC (torchrun with {spec.world_size} ranks "
-               "running the same per-rank runtime; metrics as JSON lines on stdout, the same exit codes)")
-    return LocalRayBackend().submit(spec, on_event=on_event, resume=resume)
+    store = Store(uri)
+    steps = tuple(store.committed_steps())
+    # the newest manifest too: another run may re-write a step this run wrote
+    newest = (manifest_or_problem(store, steps[0])[0] if steps else None) or {}
+    return (uri, steps, newest.get("created_unix"), manifest_run_id(newest))
 
 
-def check_resume_from_checkpoint(spec: JobSpec, or_fresh: bool = False) -> None:
-    """Before any worker starts: ConfigError if the newest complete checkpoint's spec is
-    incompatible, or if there are checkpoints and every one is corrupt or holds anything but data
-    (a planted pickle) (unless `or_fresh`). The workers resume from that same step: they skip the
-    same ones, and also those whose tensors do not load."""
-    if not spec.checkpoint.uri:
-        return
-    from workbench.runtime.checkpoint_safe import scan_step
-    from workbench.runtime.checkpoint_store import Store, all_rejected, manifest_spec
-    from workbench.validate import check_resume
+def newest_checkpoint_owner(uri: str) -> tuple[int, str | None] | None:
+    """(step, run id) of the newest complete checkpoint under `uri` (every file verified, size and
+    CRC-32, as a resume does before any worker starts), or None. The run id is None for a
+    checkpoint written before runs had one. Nothing is loaded or deleted."""
+    from workbench.runtime.checkpoint import manifest_run_id
+    from workbench.runtime.checkpoint_store import Store
 
-    manifest, rejected = Store(spec.checkpoint.uri).newest_complete(check=scan_step)
-    if manifest is not None:
-        check_resume(spec, manifest_spec(manifest, spec.checkpoint.uri))
-    elif rejected and not or_fresh:
-        raise all_rejected(spec.checkpoint.uri, rejected)
+    manifest, _ = Store(uri).newest_complete()
+    return None if manifest is None else (int(manifest["step"]), manifest_run_id(manifest))
 
 
 def run(spec: JobSpec | dict | str, metrics_out: str | None = None, resume: bool = False, progress: bool = True,
@@ -130,7 +106,7 @@ def run(spec: JobSpec | dict | str, metrics_out: str | None = None, resume: bool
             out.close()
     result = RunResult(end["status"], end["step"], events, status.message)
     if report:
-        from workbench.ui.report import write_report
+        from workbench.report.run_report import write_report
 
         write_report(events, spec, report)
     if result.status == "failed":

@@ -195,8 +195,9 @@ def build_model_meta(spec: JobSpec) -> nn.Module:
     """The model with parameters on the meta device (no memory), ready to be parallelized."""
     m = spec.model
     if m.factory is not None:
-        with torch.device("meta"):
-            return call_factory(m.factory, m.kwargs)
+        from workbench.factory import build_factory_meta
+
+        return build_factory_meta(m.factory, m.kwargs)
     if m.params is not None:
         raise ConfigError(
             f"model: {{params: {m.params:g}}} is a size alone, for planning (workbench memory/plan). "
@@ -205,7 +206,7 @@ def build_model_meta(spec: JobSpec) -> nn.Module:
     with torch.device("meta"):
         model = GPT(m.shape())
     if m.init != "random":
-        # Read by runtime.materialize: each rank then loads its own slices of these weights.
+        # Read by parallel.materialize: each rank then loads its own slices of these weights.
         model.init_source = (m.init, m.path)
     return model
 
@@ -219,26 +220,3 @@ def canonical_name(name: str) -> str:
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
     return name
-
-
-def call_factory(path: str, kwargs: dict) -> nn.Module:
-    """Call a model factory under the trust rules of workbench/factory.py and check what it returns."""
-    import inspect
-
-    from workbench.factory import resolve
-
-    fn = resolve(path)
-    try:
-        inspect.signature(fn).bind(**kwargs)
-    except TypeError as e:
-        raise ConfigError(f"model.factory {path!r} does not take model.kwargs {sorted(kwargs)}: {e}.") from None
-    except ValueError:
-        pass  # no signature to check (some classes defined in C)
-    model = fn(**kwargs)
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model.factory {path!r} returned {type(model).__name__}, not a torch.nn.Module. A factory "
-                          "returns the model (forward(tokens) -> logits), built from model.kwargs.")
-    if not any(True for _ in model.parameters()):
-        raise ConfigError(f"model.factory {path!r} returned a {type(model).__name__} without parameters: nothing "
-                          "would train. Return the model whose forward(tokens) gives logits.")
-    return model

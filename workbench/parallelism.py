@@ -41,7 +41,7 @@ class Parallelism:
     zero: int = 0
     offload: str = "none"  # none | cpu (FSDP2 CPUOffloadPolicy) | nvme (master + moments in files)
     activation_checkpointing: str = "none"  # none | full | selective
-    checkpoint_every: int = 1
+    checkpoint_every: int = 1  # activation checkpointing (full): every k-th block recomputed; no checkpoint save
     pp_schedule: str = "1f1b"
     virtual_stages: int = 2
     sequence_parallel: bool = False

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pydantic import BaseModel
 
 from workbench.errors import ConfigError, did_you_mean
-
-if TYPE_CHECKING:
-    from workbench.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -174,7 +171,23 @@ SHAPE_FIELDS = ("family", "layers", "hidden", "heads", "kv_heads", "ffn_hidden",
 _LLAMA_ONLY = ("rope_theta", "rope_scaling", "sliding_window")
 
 
-def resolve_shape(m: ModelSpec) -> ModelShape:
+class ModelFields(Protocol):
+    """What `resolve_shape` reads of a model spec besides SHAPE_FIELDS: spec.ModelSpec is one. A
+    protocol, not the class, because shapes sits below spec (spec.py imports this module)."""
+
+    @property
+    def preset(self) -> str | None: ...
+    @property
+    def params(self) -> float | None: ...
+    @property
+    def factory(self) -> str | None: ...
+    @property
+    def init(self) -> str: ...
+    @property
+    def path(self) -> str | None: ...
+
+
+def resolve_shape(m: ModelFields) -> ModelShape:
     """Merge a preset (or, with init: hf, the folder's config.json) with explicit fields into a
     full ModelShape.
 
@@ -243,7 +256,7 @@ def resolve_shape(m: ModelSpec) -> ModelShape:
     return ModelShape(**base)
 
 
-def _check_overrides(base: dict, given: dict, m) -> None:
+def _check_overrides(base: dict, given: dict, m: ModelFields) -> None:
     """Beside init hf/checkpoint only the training choices may be set; an architecture field that
     disagrees with the weights' own would load them into another model."""
     free = {"seq_len", "pad_vocab_to"}

@@ -624,3 +624,43 @@ class TokenShards:
                               "Mi characters: not a tokenizer.json workbench wrote. Make the shards again.")
         return tokenizer_from_str(text, self.index.get("tokenizer", "json"))
 
+
+
+def open_token_data(path: str | None, vocab: int, seq_len: int, val_fraction: float, packing: bool) -> TokenShards:
+    """The shards of data.source=tokens, checked against the model before anything trains: they
+    exist, their tokenizer fits model.vocab, and the training and held-out parts each hold a sample
+    (one example each for fine-tuning shards read by example, seq_len+2 tokens otherwise).
+
+    Raises:
+        ConfigError: no path, no index, a larger vocabulary, or too little data for the split.
+    """
+    if not path:
+        raise ConfigError("data.source=tokens needs data.path: the directory or URI of the token shards "
+                          "(make them with `workbench data prepare FILES --out DIR`).")
+    shards = TokenShards(path)
+    if shards.vocab_size > vocab:
+        raise ConfigError(f"data.path {path}: the shards' tokenizer has {shards.vocab_size} tokens but "
+                          f"model.vocab={vocab}. Set model.vocab >= {shards.vocab_size}.")
+    if shards.masked and not packing:
+        total = shards.num_examples
+        val = int(total * val_fraction)
+        if total - val < 1 or (val_fraction > 0 and val < 1):
+            raise ConfigError(
+                f"data.path: {path} has {total} examples: {total - val} for training and {val} held out "
+                f"(val_fraction={val_fraction}); each part needs at least one. Use more examples or another "
+                "val_fraction.")
+    else:
+        check_regions(len(shards), "tokens", path, seq_len, val_fraction)
+    return shards
+
+
+def check_regions(total: int, unit: str, where: str, seq_len: int, val_fraction: float) -> None:
+    """ConfigError unless `total` tokens (or bytes) leave seq_len+2 for training and, when any are
+    held out (val_fraction), seq_len+2 for evaluation."""
+    n = seq_len + 2
+    val = int(total * val_fraction)
+    if total - val < n or 0 < val < n:
+        raise ConfigError(
+            f"data.path: {where} has {total} {unit}: {total - val} for training and {val} held out "
+            f"(val_fraction={val_fraction}), but each part needs at least seq_len+2 = {n}. "
+            "Use more data, a shorter seq_len or another val_fraction.")

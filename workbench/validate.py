@@ -12,7 +12,7 @@ from workbench.errors import ConfigError, did_you_mean
 from workbench.parallelism import Parallelism
 
 if TYPE_CHECKING:
-    from workbench.spec import JobSpec
+    from workbench.spec import JobSpec, ModelSpec
 
 
 def _factorizations(n: int) -> str:
@@ -71,9 +71,7 @@ def _check_model(spec: JobSpec) -> None:
         from workbench.factory import check_origin
 
         check_origin(m.factory)  # finds the module without running any of its code
-        if m.vocab is None or m.seq_len is None:
-            raise ConfigError("model.factory: also give vocab and seq_len so the data pipeline can feed the model, "
-                              "e.g. model: {factory: 'mypkg.models:build', vocab: 256, seq_len: 64}.")
+        token_dims(m)  # a factory gives vocab and seq_len itself
         return
     if m.params is not None:
         return
@@ -183,9 +181,25 @@ def check_runnable(spec: JobSpec) -> None:
     _check_dp_combinations(spec)
     _check_model_parallel_runnable(spec)
     if spec.data.source == "tokens":  # the shards exist, fit the vocabulary and the split
-        from workbench.data import build_token_source
+        from workbench.shards import open_token_data
 
-        build_token_source(spec)
+        d = spec.data
+        open_token_data(d.path, *token_dims(spec.model), d.val_fraction, d.packing)
+
+
+def token_dims(m: ModelSpec) -> tuple[int, int]:
+    """(vocab, seq_len) the data must fit: a factory's own fields, else the resolved shape's.
+
+    Raises:
+        ConfigError: a factory without vocab or seq_len, or a shape that does not resolve.
+    """
+    if m.factory is not None:
+        if m.vocab is None or m.seq_len is None:
+            raise ConfigError("model.factory: also give vocab and seq_len so the data pipeline can feed the model, "
+                              "e.g. model: {factory: 'mypkg.models:build', vocab: 256, seq_len: 64}.")
+        return m.vocab, m.seq_len
+    shape = m.shape()
+    return shape.vocab, shape.seq_len
 
 
 def _check_dp_combinations(spec: JobSpec) -> None:

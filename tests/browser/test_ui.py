@@ -341,7 +341,7 @@ def test_random_edit_sequences_match_the_cli(lab, tmp_path):
             assert root.locator(".wb-note-error").count() == 1, cli.stderr
             continue
         assert cli.returncode == 0, cli.stderr
-        from workbench.ui import figures
+        from workbench.report import figures
 
         fig = figures.memory_figure(json.loads(cli.stdout))
         want = {"title": fig.layout.title.text, "shapes": len(fig.layout.shapes or ()),
@@ -457,7 +457,7 @@ def test_a_model_folder_sets_the_model(lab, shots, tmp_path):
     cli = subprocess.run([sys.executable, "-m", "workbench.cli", "memory", str(spec), "--json"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert cli.returncode == 0, cli.stderr
-    from workbench.ui import figures
+    from workbench.report import figures
 
     want = figures.memory_figure(json.loads(cli.stdout)).layout.title.text
     wait_until(lab, lambda: (lab.evaluate(PLOT, "Memory per rank (") or {}).get("title") == want,

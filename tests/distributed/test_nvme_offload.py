@@ -112,7 +112,7 @@ def test_bf16_nvme_matches_bf16_without_offload(name, plain_name, runs, request)
 
 
 def test_memory_events_measure_files_not_memory(runs):
-    from workbench.memory.accuracy import THRESHOLDS, compare
+    from bench.memory_compare import THRESHOLDS, compare
 
     num = sum(p.numel() for p in build_model(BASE).parameters())
     for name, key in (("zero3-nvme-full", "params"), ("zero3-nvme-bf16", "master")):

@@ -3,7 +3,7 @@ all-gather it again in backward, so a block's activations are divided by tp (Kor
 2022) and the memory model's prediction is what the runtime measures; losses match one process."""
 import pytest
 
-from workbench.memory.accuracy import build_spec, compare
+from bench.memory_compare import build_spec, compare
 from workbench.runtime.loop import train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]

@@ -50,7 +50,7 @@ def test_selective_recomputes_the_attention_core_only(family):
 
     from workbench.memory import activations as act
     from workbench.models import GPT, resolve_shape
-    from workbench.runtime.materialize import materialize
+    from workbench.parallel.materialize import materialize
     from workbench.spec import ModelSpec
 
     shape = resolve_shape(ModelSpec(family=family, layers=2, hidden=64, heads=4, kv_heads=2, vocab=256, seq_len=32,

@@ -3,7 +3,7 @@ import pytest
 
 pytest.importorskip("plotly")
 
-from workbench.ui import figures  # noqa: E402
+from workbench.report import figures  # noqa: E402
 
 GiB = 2**30
 
@@ -110,14 +110,14 @@ def test_run_figure_is_empty_before_the_first_step_and_marks_restarts():
     assert [s.x0 for s in fig.layout.shapes if s.type == "line"] == [1, 1, 1]  # one per panel
 
 
-def test_timeline_figure_draws_forward_and_backward_per_rank():
+def test_measured_timeline_figure_draws_forward_and_backward_per_rank():
     items = [{"microbatch": 0, "kind": "F", "start_s": 10.0, "end_s": 10.1},
              {"microbatch": 0, "kind": "B", "start_s": 10.3, "end_s": 10.5}]
     later = [{"microbatch": 0, "kind": "F", "start_s": 10.1, "end_s": 10.2},
              {"microbatch": 0, "kind": "B", "start_s": 10.2, "end_s": 10.3}]
     events = [{"event": "timeline", "step": 2, "rank": 0, "items": items},
               {"event": "timeline", "step": 2, "rank": 1, "items": later}]
-    fig = figures.timeline_figure(events)
+    fig = figures.measured_timeline_figure(events)
     fwd, bwd = fig.data
     assert fwd.name == "forward" and list(fwd.y) == ["rank 0", "rank 1"]
     assert fwd.base == pytest.approx((0.0, 0.1)) and fwd.x == pytest.approx((0.1, 0.1))

@@ -12,8 +12,8 @@ from tests.helpers.hf_models import SEQ, hf_loss, hf_spec, make_hf_model
 from workbench.errors import ConfigError
 from workbench.export import hf_state_dict
 from workbench.models import GPT, rope_frequencies
+from workbench.parallel.materialize import build_model
 from workbench.runtime.loop import train
-from workbench.runtime.materialize import build_model
 from workbench.shapes import resolve_shape
 from workbench.spec import ModelSpec, load_spec
 

@@ -1,10 +1,17 @@
-"""The package's import graph has no cycles, counting imports inside functions too (a cycle hidden
-in a function-level import still decides what loads what, and in which order)."""
+"""The layer table of docs/architecture.md ("Which package imports which") is the import graph.
+
+The test reads the table from the document, so the two cannot drift: every module is in one row,
+and imports (inside functions and under `if TYPE_CHECKING:` too) reach only the layers its row
+allows. The imports that run (top-level and function-level) have no cycle: a cycle hidden in a
+function-level import still decides what loads what, and in which order.
+"""
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("workbench", "backends")
+TABLE_DOC = ROOT / "docs" / "architecture.md"
 
 
 def modules() -> dict[str, Path]:
@@ -22,13 +29,14 @@ def _type_checking_only(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The package modules `name` imports anywhere in its body (not under `if TYPE_CHECKING:`)."""
+def imports_of(name: str, path: Path, known: dict[str, Path], typing: bool = False) -> set[str]:
+    """The package modules `name` imports anywhere in its body; with `typing`, those imported
+    under `if TYPE_CHECKING:` too (names for annotations, which load nothing)."""
     is_package = path.name == "__init__.py"
     out: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _type_checking_only(node):
+        if isinstance(node, ast.If) and _type_checking_only(node) and not typing:
             for child in node.orelse:
                 visit(child)
             return
@@ -95,3 +103,90 @@ def test_the_package_has_no_import_cycles():
     graph = {name: imports_of(name, path, known) for name, path in known.items()}
     assert graph["workbench.cli"], "the graph found no imports: the walker is broken"
     assert cycles(graph) == []
+
+
+# -- the layer table ------------------------------------------------------------------------------
+
+def layer_table(text: str) -> tuple[list[str], dict[str, list[str]], dict[str, set[str]]]:
+    """(layers bottom-up, the modules named in each row, the layers each row may import) from the
+    markdown table under "## Which package imports which"."""
+    section = text.split("## Which package imports which", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| layer ")]
+    order: list[str] = []
+    members: dict[str, list[str]] = {}
+    allowed: dict[str, set[str]] = {}
+    for row in rows:
+        layer, mods, may = (cell.strip() for cell in row.strip().strip("|").split("|"))
+        order.append(layer)
+        members[layer] = re.findall(r"`([^`]+)`", mods)
+        allowed[layer] = {part.strip() for part in may.split(";")[0].split(",")}
+    return order, members, allowed
+
+
+def module_name(entry: str) -> str:
+    """A table entry as a module (or package) name: `spec`, `memory/`, `backends/`, `__init__`."""
+    if entry == "__init__":
+        return "workbench"
+    entry = entry.rstrip("/")
+    return entry if entry in PACKAGES else f"workbench.{entry}"
+
+
+def layer_of(module: str, members: dict[str, list[str]]) -> list[str]:
+    """Every layer whose row names `module` or a package above it (the test wants exactly one)."""
+    found = []
+    for layer, entries in members.items():
+        for entry in entries:
+            name = module_name(entry)
+            package = entry.endswith("/")
+            if (module == name or (package and module.startswith(name + "."))) and layer not in found:
+                found.append(layer)
+    return found
+
+
+def check_layers(graph: dict[str, set[str]], members: dict[str, list[str]],
+                 allowed: dict[str, set[str]]) -> list[str]:
+    """One line per module outside the table (or in two rows) and per import the table forbids."""
+    problems = []
+    where = {}
+    for module in sorted(graph):
+        layers = layer_of(module, members)
+        if len(layers) != 1:
+            problems.append(f"{module}: in {len(layers)} rows of the layer table ({', '.join(layers) or 'none'})")
+        else:
+            where[module] = layers[0]
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if module in where and target in where and where[target] not in allowed[where[module]]:
+                problems.append(f"{module} ({where[module]}) imports {target} ({where[target]})")
+            if module.startswith("workbench.parallel.") and target.startswith("workbench.runtime."):
+                problems.append(f"{module} imports {target}: parallel/ imports no runtime/ module")
+    return problems
+
+
+def test_the_layer_table_names_each_layer_once_and_only_layers_below_or_its_own():
+    order, members, allowed = layer_table(TABLE_DOC.read_text())
+    assert order[:2] == ["core", "report"] and order[-1] == "entry points", order
+    for i, layer in enumerate(order):  # dependencies point one way: down the table
+        assert layer in allowed[layer] and allowed[layer] <= set(order[: i + 1]), (layer, allowed[layer])
+
+
+def test_check_layers_finds_upward_and_unlisted_imports():
+    members = {"core": ["spec", "memory/"], "runtime": ["runtime/", "parallel/"]}
+    allowed = {"core": {"core"}, "runtime": {"core", "runtime"}}
+    graph = {"workbench.spec": set(), "workbench.memory.states": {"workbench.runtime.loop"},
+             "workbench.runtime.loop": {"workbench.spec"}, "workbench.parallel.zero": {"workbench.runtime.loop"},
+             "workbench.ui.app": set()}
+    assert check_layers(graph, members, allowed) == [
+        "workbench.ui.app: in 0 rows of the layer table (none)",
+        "workbench.memory.states (core) imports workbench.runtime.loop (runtime)",
+        "workbench.parallel.zero imports workbench.runtime.loop: parallel/ imports no runtime/ module",
+    ]
+
+
+def test_every_import_follows_the_layer_table():
+    """Every module is in one row; imports inside functions and for annotations count."""
+    _, members, allowed = layer_table(TABLE_DOC.read_text())
+    known = modules()
+    graph = {name: imports_of(name, path, known, typing=True) for name, path in known.items()}
+    assert graph["workbench.launch"], "the graph found no imports: the walker is broken"
+    assert check_layers(graph, members, allowed) == []

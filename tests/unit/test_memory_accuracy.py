@@ -1,7 +1,7 @@
 """Predicted memory against the runtime's measured memory events, on 2 gloo ranks."""
 import pytest
 
-from workbench.memory.accuracy import LAYOUTS, THRESHOLDS, build_spec, compare, runnable
+from bench.memory_compare import LAYOUTS, THRESHOLDS, build_spec, compare, runnable
 
 # A few layouts; the ones the runtime does not run yet are reported, not silently passed.
 CHOSEN = ("dp2", "dp2 zero1 bf16", "dp2 zero3", "dp2 full ckpt", "dp2 zero3 offload cpu", "tp2 bf16", "pp2 1f1b bf16")

@@ -5,7 +5,7 @@ import torch
 from workbench.memory import Layout, estimate_stage
 from workbench.memory import activations as act
 from workbench.models import GPT, resolve_shape
-from workbench.runtime.materialize import materialize
+from workbench.parallel.materialize import materialize
 from workbench.spec import ModelSpec
 
 SHAPES = {

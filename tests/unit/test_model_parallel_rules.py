@@ -81,7 +81,7 @@ def test_model_parallel_examples_are_runnable(path):
 def test_tied_last_stage_copies_the_embedding():
     import torch
 
-    from workbench.runtime.materialize import materialize, param_name
+    from workbench.parallel.materialize import materialize, param_name
 
     model = build_model_meta(spec({}, model={"preset": "gpt-tiny", "tie_embeddings": True}))
     last = split_stage(model, range(2, 4), first=False, last=True)

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("plotly")
 
-from workbench.ui.report import summarize, write_report  # noqa: E402
+from workbench.report.run_report import summarize, write_report  # noqa: E402
 
 SPEC = {"name": "report-test", "model": {"preset": "gpt-tiny"}, "train": {"steps": 4, "global_batch": 8,
         "micro_batch": 4}, "layout": {"dp": 2}, "resources": {"gpu": "cpu"}}

@@ -12,8 +12,8 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
 from workbench.memory import estimate_memory  # noqa: E402
+from workbench.report import figures  # noqa: E402
 from workbench.spec import load_spec  # noqa: E402
-from workbench.ui import figures  # noqa: E402
 from workbench.ui.app import Workbench  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -213,7 +213,8 @@ def test_resume_is_offered_for_a_complete_checkpoint_and_its_curve_continues(tmp
 
 
 def test_step_time_per_rank_names_the_slowest_rank():
-    from workbench.ui import figures, run_panel
+    from workbench.report import figures
+    from workbench.ui import run_panel
 
     events = [{"event": "memory", "step": 5, "rank": r, "step_time_s": t, "cpu_s": t / 2, "measured": {}}
               for r, t in ((0, 0.020), (1, 0.030), (2, 0.021))]

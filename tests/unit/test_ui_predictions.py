@@ -10,7 +10,8 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
 from workbench.planner import plan  # noqa: E402
-from workbench.ui import figures, run_panel  # noqa: E402
+from workbench.report import figures  # noqa: E402
+from workbench.ui import run_panel  # noqa: E402
 from workbench.ui.app import Workbench  # noqa: E402
 from workbench.ui.memory_panel import MemoryPanel, given_html  # noqa: E402
 

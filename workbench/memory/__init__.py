@@ -149,13 +149,12 @@ def model_of(spec):
     if spec.model.params is not None:
         return float(spec.model.params)
     if spec.model.factory is not None:
-        from workbench.factory import planning_refusal
-        from workbench.models import build_model_meta
+        from workbench.factory import build_factory_meta, planning_refusal
 
         if not spec.model.trust_factory:
             raise planning_refusal(spec.model.factory)
 
-        model = build_model_meta(spec)
+        model = build_factory_meta(spec.model.factory, spec.model.kwargs)
         return float(sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()))
     return spec.model.shape()
 

@@ -40,8 +40,9 @@ def zero1(p: float, shard: float, n: int, dtype: str, optimizer: str) -> States:
 
 
 def zero1_flat(p: float, shard: float, n: int, dtype: str, optimizer: str) -> States:
-    """Our sharded optimizer (parallel/zero.py): each rank owns a flat ceil(P/N) range and keeps
-    its fp32 master (in fp32 too: it steps an fp32 copy and all-gathers the result)."""
+    """Our sharded optimizer (MasterOptimizer, parallel/master.py; zero.py builds it sharded): each
+    rank owns a flat ceil(P/N) range and keeps its fp32 master (in fp32 too: it steps an fp32 copy
+    and all-gathers the result)."""
     w, g, m, o = _bytes(dtype, optimizer)
     rng = -(-p // n)
     return States(w * p, g * p, 4 * rng, o * rng, f"ZeRO-1: flat 1/dp({n}) range of fp32 master and optimizer state")

@@ -21,12 +21,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from workbench.parallel.activation_checkpointing import apply_activation_checkpointing
 from workbench.parallel.ddp import apply_ddp
 from workbench.parallel.master import MasterOptimizer
+from workbench.parallel.materialize import materialize
 from workbench.parallel.offload import build_file_store, cpu_offload_policy
 from workbench.parallel.precision import apply_precision, mixed_precision_policy
 from workbench.parallel.tied import is_tied
 from workbench.parallel.zero import apply_fsdp, build_master
 from workbench.parallelism import Parallelism
-from workbench.runtime.materialize import materialize
 
 
 def _no_op() -> None:

@@ -490,7 +490,7 @@ def attach_nvme(module: nn.Module, directory: str, *, reshard_after_forward: boo
     """zero 2/3 with offload=nvme on a fully_shard'ed, materialized `module`: its shards into a
     file, the prefetch hooks, and the optimizer that steps them with moments in files."""
     from workbench.parallel.master import chunk_size
-    from workbench.runtime.materialize import param_name
+    from workbench.parallel.materialize import param_name
 
     blocks = getattr(module, "blocks", None)
     groups = [(f"blocks.{k}", b) for k, b in blocks.items()] if isinstance(blocks, nn.ModuleDict) else []

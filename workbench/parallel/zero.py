@@ -49,7 +49,7 @@ def build_master(model: nn.Module, dp_mesh: DeviceMesh | None, *, sharded: bool,
         sharded: shard the master and the optimizer state over dp_mesh.
         make_store: where master and moments live (default in memory; offload.build_file_store for nvme).
     """
-    from workbench.runtime.materialize import param_name
+    from workbench.parallel.materialize import param_name
 
     group = dp_mesh.get_group() if sharded and dp_mesh is not None else None
     # Canonical names per stage module (a ModuleList of pipeline stages adds no prefix): the

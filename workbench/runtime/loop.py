@@ -311,7 +311,7 @@ def _step(run: _Run, step: int, first: int, sink: Sink) -> float:
 
 def _gather_state(run: _Run) -> dict:
     """The full fp32 trained weights by canonical name, on rank 0 (collective; for parity tests)."""
-    from workbench.runtime.materialize import param_name
+    from workbench.parallel.materialize import param_name
 
     named = [(param_name(m, n), p) for m in run.par.modules for n, p in m.named_parameters()]
     state = _gather_tp_shards(run.step_fn.full_state(named), named)

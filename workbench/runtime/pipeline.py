@@ -31,7 +31,7 @@ class PipelineEngine:
     """Runs one optimizer step's micro-batches through the pipeline schedule.
 
     Args:
-        par: the Parallelized model (its `modules` are this rank's stages, materialized).
+        parallelized: the Parallelized model (its `modules` are this rank's stages, materialized).
         mesh: the ("pp", "dp", "tp") mesh.
         schedule: layout.pp_schedule.
         num_microbatches: micro-batches per dp rank per step.
@@ -41,24 +41,24 @@ class PipelineEngine:
             before the schedule's backward.
     """
 
-    def __init__(self, par, mesh, *, schedule: str, num_microbatches: int, device: torch.device,
+    def __init__(self, parallelized, mesh, *, schedule: str, num_microbatches: int, device: torch.device,
                  dtype: str = "fp32", scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
-        self.loss_context = par.loss_context
+        self.loss_context = parallelized.loss_context
         self.pp_group = mesh.get_group("pp")
         pp = mesh["pp"].size()
         # The last stage's global index is num_stages - 1; with looped placement it lives on
         # pipeline rank (num_stages - 1) % pp.
-        self.last_pp_rank = (par.num_stages - 1) % pp
-        self.has_last = any(i == par.num_stages - 1 for i in par.stage_indices)
+        self.last_pp_rank = (parallelized.num_stages - 1) % pp
+        self.has_last = any(i == parallelized.num_stages - 1 for i in parallelized.stage_indices)
         self.device, self.dtype, self._scale_loss = device, dtype, scale_loss
         self._losses: list[torch.Tensor] = []
         self._pending_loss = False
         self._scale = 1.0
         self.num_microbatches = num_microbatches
         self.schedule, self.stages = build_schedule(
-            par.modules, par.stage_indices, par.num_stages, mesh["pp"], schedule=schedule,
+            parallelized.modules, parallelized.stage_indices, parallelized.num_stages, mesh["pp"], schedule=schedule,
             num_microbatches=num_microbatches, loss_fn=self._loss, device=device)
-        self._param_ptrs = {_param_ptr(p) for m in par.modules for p in m.parameters()}
+        self._param_ptrs = {_param_ptr(p) for m in parallelized.modules for p in m.parameters()}
         self._meter: MemoryMeter | None = None
         self._saved: dict[tuple[int, int], dict[int, int]] = {}  # (stage, mb) -> {storage: bytes}
         self._current: tuple[int, int] | None = None

@@ -1,7 +1,7 @@
 """The notebook UI: `Workbench(spec)` displays the layout form, memory, run and dispatch panels.
 
-`Workbench` loads ipywidgets on first use, so `workbench.ui.report` and `workbench.ui.figures`
-(plotly only) work without the widget stack, e.g. for `workbench run --report`.
+`Workbench` loads ipywidgets on first use. The charts and the HTML report it shows live below it,
+in `workbench.report` (plotly only), which `workbench run --report` uses without any widget.
 """
 __all__ = ["Workbench"]
 

@@ -273,7 +273,7 @@ def _folder_shape(spec) -> dict:
 
 
 def _lr_figure(train):
-    from workbench.ui.figures import lr_figure
+    from workbench.report.figures import lr_figure
 
     fig = lr_figure(train, height=170)
     fig.update_layout(margin=dict(l=50, r=10, t=40, b=36), title_font_size=12)

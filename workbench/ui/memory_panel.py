@@ -9,7 +9,7 @@ import html
 
 import ipywidgets as w
 
-from workbench.ui import figures
+from workbench.report import figures
 from workbench.ui.live import FigureBox, note_html
 from workbench.ui.state import WorkbenchState
 

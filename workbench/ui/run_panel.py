@@ -17,7 +17,7 @@ from pathlib import Path
 import ipywidgets as w
 
 from workbench.errors import ConfigError, WorkerError
-from workbench.ui import figures
+from workbench.report import figures
 from workbench.ui.live import FigureBox, note_html
 from workbench.ui.state import WorkbenchState
 
@@ -185,7 +185,7 @@ class RunPanel:
 
     def export_report(self) -> Path | None:
         """Write the shown run as a self-contained HTML report next to the notebook."""
-        from workbench.ui.report import write_report
+        from workbench.report.run_report import write_report
 
         spec, events = self.state.spec, self.state.snapshot()
         if spec is None or not events:
@@ -239,7 +239,7 @@ class RunPanel:
         self.predicted.value = prediction_html(self.prediction, steps[self._carried:], self.run_spec) \
             if self.run_spec is not None and st.run_state != "idle" else ""
         has_timeline = any(e.get("event") == "timeline" for e in events)
-        self.timeline_box.show(figures.timeline_figure(events) if has_timeline else None)
+        self.timeline_box.show(figures.measured_timeline_figure(events) if has_timeline else None)
         self.log.value = _log_html(events)
 
     def _progress_line(self, last: dict | None, first: dict | None, running: bool) -> str:
@@ -334,19 +334,12 @@ class RunPanel:
         spec = self.state.spec
         if spec is None or not spec.checkpoint.uri:
             return None, None
-        from workbench.runtime.checkpoint import manifest_run_id
-        from workbench.runtime.checkpoint_store import Store, manifest_or_problem
+        from workbench.launch import checkpoint_version, newest_checkpoint_owner
 
         try:
-            store = Store(spec.checkpoint.uri)
-            steps = tuple(store.committed_steps())
-            # the newest manifest too: another run may re-write a step this run wrote
-            newest = (manifest_or_problem(store, steps[0])[0] if steps else None) or {}
-            key = (spec.checkpoint.uri, steps, newest.get("created_unix"), manifest_run_id(newest))
+            key = checkpoint_version(spec.checkpoint.uri)
             if self._checkpoints is None or self._checkpoints[0] != key:
-                manifest, _ = store.newest_complete()
-                found = None if manifest is None else (int(manifest["step"]), manifest_run_id(manifest))
-                self._checkpoints = (key, found)
+                self._checkpoints = (key, newest_checkpoint_owner(spec.checkpoint.uri))
         except (OSError, ValueError, ImportError):  # unreachable or unknown store: nothing to resume from here
             return None, None
         found = self._checkpoints[1]

@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from workbench.errors import ConfigError
-from workbench.ui import figures
+from workbench.report import figures
 
 _CSS = """body{font-family:'DejaVu Sans',Arial,sans-serif;margin:24px auto;max-width:1200px;color:#222}
 h1{font-size:22px;margin-bottom:4px} h2{font-size:16px;margin-top:28px;border-bottom:1px solid #ddd}
@@ -71,7 +71,7 @@ def write_report(events: list[dict], spec, path: str | Path) -> Path:
     if spec.train.schedule != "constant" or spec.train.warmup_steps:  # a flat line says nothing
         sections.append(("Learning rate", figures.lr_figure(spec.train, events, height=260)))
     if any(e.get("event") == "timeline" for e in events):
-        sections.append(("Pipeline timeline", figures.timeline_figure(events)))
+        sections.append(("Pipeline timeline", figures.measured_timeline_figure(events)))
     parts = [_header(spec, summary)]
     for i, (title, fig) in enumerate(sections):
         # plotly.js goes into the first figure only; the others reuse it.

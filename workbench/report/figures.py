@@ -143,11 +143,6 @@ def _measured_as_estimate(measured: dict[int, dict], device_memory: int | None) 
     return {"world_size": len(rows), "device_memory": device_memory or 0, "fits": True, "per_rank": rows}
 
 
-def empty_estimate() -> dict:
-    """A one-rank all-zero estimate: the placeholder a widget starts from."""
-    return _measured_as_estimate({}, None)
-
-
 def latest_measured(events: list[dict]) -> dict[int, dict]:
     """The newest ``measured`` breakdown per rank from a run's memory events."""
     out: dict[int, dict] = {}
@@ -279,8 +274,9 @@ def lr_figure(train, events: list[dict] | None = None, height: int = 180, max_po
     return _base_layout(fig, f"Learning rate: {train.schedule}, {train.lr:.2g}{floor}{warm}", height)
 
 
-def timeline_figure(events: list[dict], height: int = 260) -> go.Figure:
-    """Measured pipeline timeline: per rank, forward (F), backward (B) and weight-gradient (W) work.
+def measured_timeline_figure(events: list[dict], height: int = 260) -> go.Figure:
+    """A run's measured pipeline timeline: per rank, forward (F), backward (B) and weight-gradient
+    (W) work (`workbench.timeline.timeline_figure` draws the simulated schedule).
 
     Args:
         events: metrics events; the newest "timeline" event per rank is drawn.
