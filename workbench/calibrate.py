@@ -18,6 +18,7 @@ from pathlib import Path
 
 from workbench.errors import ConfigError, WorkerError
 from workbench.hwprofile import HardwareProfile, default_profile_path, profile_from_dict, save_profile
+from workbench.parallelism import Parallelism
 from workbench.spec import JobSpec, load_spec
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -115,7 +116,7 @@ def derive_overheads(profile: HardwareProfile, measured: list) -> HardwareProfil
         if got is None:
             continue
         lay = spec.layout
-        micros = spec.train.global_batch // (lay.dp * spec.train.micro_batch)
+        micros = Parallelism.from_spec(spec).num_micro
         layers = spec.model.layers or 1
         probes.append((family, lay.dp, lay.tp, lay.pp, layers, micros, seconds, got.step_time_s))
         # blocks on the busiest rank x micro-batches: the unit the per-block cost is charged in
@@ -484,16 +485,16 @@ class _Bench:
             from workbench.data import build_token_source
             from workbench.models import build_model_meta
             from workbench.parallel.apply import parallelize
-            from workbench.parallelism import Parallelism
             from workbench.runtime.meter import MemoryMeter
 
-            par = parallelize(build_model_meta(spec), None, Parallelism.from_spec(spec), device=self.dev,
-                              seed=spec.train.seed)
+            parallelism = Parallelism.from_spec(spec)
+            par = parallelize(build_model_meta(spec), None, parallelism, device=self.dev, seed=spec.train.seed)
             meter = MemoryMeter(self.dev)
             meter.watch_params(par.modules)
             ctx = loop.RankContext(0, 1, self.dev)
-            run = loop._Run(spec, ctx, None, loop.coords(None), par, loop.build_train_step(par, spec, self.dev, None),
-                            build_token_source(spec), meter, None, None)
+            step_fn = loop.build_train_step(par, spec, parallelism, self.dev, None)
+            run = loop._Run(spec, parallelism, ctx, None, loop.coords(None), par, step_fn, build_token_source(spec),
+                            meter, None, None)
         for step in range(1, steps + 1):
             loop._step(run, step, 1, sink)
         return events
