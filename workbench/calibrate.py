@@ -287,7 +287,7 @@ def _size(nbytes: int) -> str:
 
 # -- ranks ----------------------------------------------------------------------------------
 def calibrate_rank(spec: dict, sink, *, options: dict, should_stop=lambda: False, resume=False, attempt=0) -> None:
-    """One rank's part (started by backends/local_ray.py's `_rank_main`): every benchmark with all
+    """One rank's part (started by backends/ray_relay.py's `_rank_main`): every benchmark with all
     ranks at once, the slowest rank's time; rank 0 sends {"event": "calibration", "profile": ...}."""
     import os
 
