@@ -11,6 +11,7 @@ import math
 from typing import TYPE_CHECKING
 
 from workbench.errors import ConfigError
+from workbench.parallelism import Parallelism
 from workbench.validate import check_runnable
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ def describe(old: JobSpec, new: JobSpec, groups: int) -> str:
     t = old.train
 
     def micro(s):
-        return t.global_batch // (s.layout.dp * t.micro_batch)
+        return Parallelism.from_spec(s).num_micro
 
     return (f"backend.elastic: the nodes left hold {groups} group(s) of tp({old.layout.tp}) ranks; continuing from "
             f"the last checkpoint at dp={new.layout.dp} (was {old.layout.dp}), {new.world_size} ranks, "

@@ -1,14 +1,15 @@
-"""The `local` backend: an embedded Ray cluster, one actor per rank (the `ray` backend's job runs
-the same on an existing cluster).
+"""The `local` backend's job, the driver side: an embedded Ray cluster, one relay actor per rank
+(the `ray` backend's job runs the same on an existing cluster).
 
-Each actor (`RankRelay`) takes a fraction of a CPU (gloo: 4-8 ranks run on a 2-core machine) or
-one GPU (NCCL), starts its rank in a child process with torchrun's variables, as torchrun's agent
-does, and relays: the rank's process has no Ray in it, and the cluster's own processes yield the
-CPU to the ranks (`control_plane_setup`). A driver thread long-polls the relays: a rank's events
-reach whoever follows the job as they arrive, and rank 0 waits for the driver's acknowledgement
-of each step, which carries the stop request (so Stop ends the run within one step of the step
-seen when it was pressed: `_rank_main`). On a failure it
-tears the group down and starts it again from the last checkpoint (`backend.max_failures`).
+Each relay (backends/ray_relay.py) takes a fraction of a CPU (gloo: 4-8 ranks run on a 2-core
+machine) or one GPU (NCCL), starts its rank in a child process with torchrun's variables, as
+torchrun's agent does, and relays: the rank's process has no Ray in it, and the cluster's own
+processes yield the CPU to the ranks (backends/embedded_ray.py, `control_plane_setup`). A driver
+thread here long-polls the relays: a rank's events reach whoever follows the job as they arrive,
+and rank 0 waits for the driver's acknowledgement of each step, which carries the stop request (so
+Stop ends the run within one step of the step seen when it was pressed: `ray_relay._rank_main`).
+On a failure it tears the group down and starts it again from the last checkpoint
+(`backend.max_failures`).
 
 Plain actors rather than Ray Train: Ray Train adds five helper actors (controller, synchronization,
 placement-group cleaner, dataset manager, autoscaling coordinator), each woken ~100 times a second,
@@ -17,306 +18,25 @@ section a), and ~20 s of start-up.
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 
 from backends.base import JobState, JobStatus
 from backends.elastic import describe, groups_that_fit, shrink
+from backends.embedded_ray import ensure_ray
+from backends.ray_relay import relay_class
 from workbench.errors import WorkerError
+
+__all__ = ["LocalRayBackend", "LocalRayJob", "ensure_ray", "rank_env", "rank_order"]
 
 _POLL_S = 0.2  # how often the driver thread looks for a cancel while it waits for placement or events
 _LONG_POLL_S = 0.5  # the most a relay holds the driver's request for events when there are none
 _PLACEMENT_WARN_S = 30.0
-
-
-def _package_root() -> str:
-    # backends/ and workbench/ install side by side (pyproject: one distribution, both packages),
-    # so their common parent puts both on the workers' path; no `import workbench` (an import cycle).
-    return str(Path(__file__).resolve().parent.parent)
-
-
-def ensure_ray(num_cpus: int | None = None, note: Callable[[str, str], None] | None = None, fallback: str = ""):
-    """Start (or reuse) the embedded Ray cluster; workers import workbench from this checkout.
-
-    The start survives a busy machine (backends/ray_start.py): each attempt runs in a folder of its
-    own under `<ray temp dir>/workbench/`, bounded by WORKBENCH_RAY_START_TIMEOUT_S; a failed
-    attempt's processes and folder are removed before the next; after the last, RayStartError
-    (exit 69) says what timed out, the load seen and what to try (`fallback`: the Ray-free route).
-    `note(kind, line)` gets a warning for each retry and a note while a start is under way (default:
-    printed on stderr). The folder is removed
-    when this process exits.
-
-    Safe from any thread: Ray forks its gcs_server and raylet with PR_SET_PDEATHSIG, which Linux
-    fires when the *thread* that forked them exits, and the driver dies 60 s later ("Failed to
-    connect to GCS"). Off the main thread (the notebook's Run button) the cluster is therefore
-    started by a thread that lives as long as the process.
-    """
-    import ray
-
-    from backends.ray_start import start_ray
-
-    if not ray.is_initialized():
-        def say(kind: str, line: str) -> None:
-            print(f"{kind}: {line}", file=sys.stderr, flush=True)
-
-        start_ray(functools.partial(_init_ray, num_cpus), ray.shutdown, note=note or say,
-                  on_owner_thread=threading.current_thread() is not threading.main_thread(), fallback=fallback)
-    return ray
-
-
-def _init_ray(num_cpus: int | None, temp_dir: str) -> None:
-    import ray
-
-    root = _package_root()
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    ray.init(
-        # "local": always an embedded cluster, never one a `ray start` left running
-        # (that is the `ray` backend's job).
-        address="local",
-        num_cpus=num_cpus or os.cpu_count() or 1,
-        include_dashboard=False,
-        logging_level="ERROR",
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": path},
-                     "worker_process_setup_hook": "backends.local_ray.control_plane_setup"},
-        # Ray runs workers at nice 15 so that its own daemons stay responsive; here
-        # the workers are the job and should not yield to every daemon wake-up (no
-        # measurable change on a 2-core VM: docs/benchmarks.md, section a).
-        _system_config={"worker_niceness": 0},
-        _temp_dir=temp_dir,  # this attempt's own folder: what it started is known by it (ray_start.py)
-    )
-
-
-_CHILD = "import sys; from backends.local_ray import _rank_main; _rank_main(int(sys.argv[1]))"
-
-
-def _die_with_parent() -> None:
-    """SIGKILL this process when the thread that started it exits (Linux): a rank must not
-    outlive its Ray worker, whether Ray killed the worker or the worker crashed."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the rank exits when it finds the pipe closed
-        pass
-
-
-def _set_policy(policy_name: str) -> None:
-    """Put every thread of this process under the Linux scheduling policy `policy_name`
-    ("SCHED_BATCH", "SCHED_IDLE", "SCHED_OTHER"); a no-op where the OS has none."""
-    policy = getattr(os, policy_name, None)
-    if policy is None or not os.path.isdir("/proc/self/task"):
-        return
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
-        except OSError:  # the thread has exited, or a sandbox forbids it: only slower
-            pass
-
-
-def _normal_priority() -> None:
-    """Nice 0 for this process, where the OS allows it. Ray starts its workers at nice 15 (its
-    `worker_niceness`; the embedded cluster sets 0, a `ray start` cluster keeps 15) and a rank
-    inherits its worker's. At nice 15 a rank weighs 36 against a nice-0 process's 1024: beside one
-    busy process per core it got ~3 % of a core. Lowering the value needs CAP_SYS_NICE (root, as in
-    a training container); without it the rank keeps Ray's. Linux keeps nice per thread: call this
-    before the rank starts any thread, so that they all inherit it."""
-    try:
-        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
-            os.setpriority(os.PRIO_PROCESS, 0, 0)
-    except (OSError, AttributeError):  # not permitted, or not a POSIX OS: only slower under load
-        pass
-
-
-def control_plane_setup() -> None:
-    """Every Ray worker process of the embedded cluster runs SCHED_BATCH (its runtime_env's
-    worker_process_setup_hook): Ray's core worker wakes each actor process ~100 times a second,
-    and a batch process does not preempt a rank when it wakes; it runs on a CPU the ranks leave
-    idle (waiting on a collective) or at the next tick. The ranks switch back to SCHED_OTHER
-    (`_rank_main`).
-
-    A relay goes further, to SCHED_IDLE, once its rank has started (a rank forked from an idle
-    process cannot leave SCHED_IDLE without privileges, so the hook cannot): it then runs only on
-    CPU time the ranks leave idle."""
-    _set_policy("SCHED_BATCH")
-
-
-def _rank_main(fd: int) -> None:
-    """The rank's process: run the per-rank loop, events out and the stop request in over `fd`.
-
-    Stop within one step: after each step event it sends, the rank waits (in the loop's
-    `should_stop`, before the ranks agree on stopping) for the driver's acknowledgement, sent once
-    the event has reached whoever follows the job, with the stop request as it stood then. So a
-    cancel made while step N was the newest step seen stops every rank after step N + 1 at the
-    latest. Only rank 0 reports steps, so only rank 0 waits; the others wait for it anyway, in the
-    stop decision's all-reduce (Checkpointer.poll)."""
-    import traceback
-    from multiprocessing.connection import Connection
-
-    parent = os.getppid()
-    _set_policy("SCHED_OTHER")  # a rank is not control plane (control_plane_setup)
-    _normal_priority()
-    _die_with_parent()
-    if os.getppid() != parent:  # the worker died before the line above
-        sys.exit(1)
-    conn = Connection(fd)
-    config = conn.recv()
-    stop, sent, acked = False, 0, 0  # sent / acked: the newest step reported / acknowledged
-
-    def sink(event: dict) -> None:
-        nonlocal sent
-        conn.send(("event", event))
-        if event["event"] == "step":
-            sent = event["step"]
-
-    def should_stop() -> bool:
-        nonlocal stop, acked
-        try:
-            while not stop and (acked < sent or conn.poll()):
-                message = conn.recv()
-                if message == "stop":
-                    stop = True
-                elif message[0] == "ack":  # ("ack", step, stop requested when that step was delivered)
-                    acked, stop = max(acked, message[1]), message[2]
-        except EOFError:  # the worker is gone: nobody left to report to
-            os._exit(1)
-        return stop
-
-    from workbench.runtime.loop import train
-
-    train = config.get("entry") or train  # `workbench calibrate`: its microbenchmarks on the ranks a run gets
-    try:
-        train(config["spec"], sink, should_stop=should_stop, resume=config["resume"], attempt=config["attempt"])
-    except BaseException as e:  # noqa: BLE001 - every failure goes to the relay, then the driver
-        traceback.print_exc()
-        conn.send(("failed", f"{type(e).__name__}: {e}"))
-        sys.exit(1)
-    conn.send(("done", None))
-
-
-def _send_quietly(conn, message) -> None:
-    try:
-        conn.send(message)
-    except OSError:  # the rank has already exited: nothing left to stop
-        pass
-
-
-@functools.cache  # one class per driver process, not one per restart of the group
-def _relay_class():
-    import ray
-
-    @ray.remote(max_concurrency=4)  # `run`, the driver's long poll `events`, and `ack` / `stop`
-    class RankRelay:
-        """One Ray actor per rank, as torchrun's agent per node: it starts the rank in a process of
-        its own, hands the rank's events to the driver as soon as they arrive (a long poll) and
-        passes the driver's acknowledgements and the stop request on to the rank."""
-
-        def __init__(self):
-            self._pending: list[dict] = []
-            self._arrived = threading.Condition()  # guards _pending, _conn, _stop, _ended
-            self._conn = None
-            self._stop = False
-            self._ended = False
-            self._store = None
-
-        def where(self) -> dict:
-            """The node and the GPUs Ray gave this actor: the driver orders the ranks from them."""
-            ctx = ray.get_runtime_context()
-            return {"node": ctx.get_node_id(), "gpus": [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])]}
-
-        def serve_store(self) -> tuple[str, int]:
-            """Rank 0's relay serves the TCPStore the ranks' process group starts from, as torchrun's
-            agent does (TORCHELASTIC_USE_AGENT_STORE); it lives as long as this actor."""
-            from torch.distributed import TCPStore
-
-            host = ray.util.get_node_ip_address()
-            self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-            return host, self._store.port
-
-        def run(self, config: dict, env: dict) -> str | None:
-            """Start the rank's process and relay its events until it exits: None when it finished
-            the run, else what went wrong."""
-            try:
-                return self._run(config, env)
-            finally:
-                with self._arrived:
-                    self._ended = True
-                    self._arrived.notify_all()
-
-        def _run(self, config: dict, env: dict) -> str | None:
-            import subprocess
-            from multiprocessing import Pipe
-
-            conn, child_end = Pipe()
-            conn.send(config)  # first, so that it is what the rank reads first even if a stop follows at once
-            path = os.pathsep.join(p for p in sys.path if p)  # this actor's: the job's code, wherever Ray put it
-            proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(child_end.fileno())],
-                                    pass_fds=[child_end.fileno()], env={**os.environ, "PYTHONPATH": path, **env})
-            child_end.close()
-            with self._arrived:
-                self._conn = conn
-                if self._stop:
-                    _send_quietly(conn, "stop")
-            _set_policy("SCHED_IDLE")  # from here this process only relays (control_plane_setup)
-            self._put({"event": "worker", "rank": int(env["RANK"]), "pid": os.getpid(), "rank_pid": proc.pid,
-                       "attempt": config["attempt"], "world_size": int(env["WORLD_SIZE"]),
-                       "node": ray.get_runtime_context().get_node_id(),
-                       "master": f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"})
-            outcome = None
-            while True:
-                try:
-                    kind, payload = conn.recv()
-                except (EOFError, OSError):  # the process exited (and closed its end)
-                    break
-                if kind == "event":
-                    self._put(payload)
-                else:
-                    outcome = (kind, payload)
-            code = proc.wait()
-            if outcome is not None and outcome[0] == "failed":
-                return outcome[1]
-            if outcome is None or code != 0:
-                how = f"signal {-code}" if code < 0 else f"code {code}"
-                return f"the rank's process (pid {proc.pid}) exited with {how} before the run ended"
-            return None
-
-        def _put(self, event: dict) -> None:
-            with self._arrived:
-                self._pending.append(event)
-                self._arrived.notify_all()
-
-        def events(self, timeout_s: float) -> list[dict]:
-            """The driver's long poll: the rank's events as soon as there are any (or none after
-            `timeout_s`, or once the rank's process has ended)."""
-            with self._arrived:
-                self._arrived.wait_for(lambda: self._pending or self._ended, timeout=timeout_s)
-                out, self._pending = self._pending, []
-            return out
-
-        def ack(self, step: int, stop: bool) -> None:
-            """Tell the rank that its step `step` has been delivered, and whether a stop was asked by then."""
-            with self._arrived:
-                if self._conn is not None:
-                    _send_quietly(self._conn, ("ack", step, stop))
-
-        def stop(self) -> None:
-            """Pass the stop request to the rank (now, or as soon as it starts)."""
-            with self._arrived:
-                if not self._stop:
-                    self._stop = True
-                    if self._conn is not None:
-                        _send_quietly(self._conn, "stop")
-
-    return RankRelay
 
 
 def rank_order(where: list[dict]) -> list[int]:
@@ -435,7 +155,7 @@ class LocalRayJob:
         world, tp, bundle = spec.world_size, spec.layout.tp, self._per_rank
         relays, runs = [], {}
         try:
-            relay = _relay_class()
+            relay = relay_class()
             relays = [relay.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, i // tp)).remote()
                       for i in range(world)]
@@ -560,7 +280,7 @@ class LocalRayJob:
         return failure
 
     def _take(self, relay, ref) -> None:
-        """Deliver one relay's events, then acknowledge its newest step (see `_rank_main`)."""
+        """Deliver one relay's events, then acknowledge its newest step (see `ray_relay._rank_main`)."""
         import ray
 
         try:

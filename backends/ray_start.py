@@ -293,7 +293,7 @@ def start_ray(init: Callable[[str], None], shutdown: Callable[[], None], *, note
         shutdown: ray.shutdown.
         note: called with a line of progress (a retry, a start still under way).
         on_owner_thread: run `init` on a thread that then lives as long as the process (Ray's
-            daemons die with the thread that started them: local_ray.ensure_ray).
+            daemons die with the thread that started them: embedded_ray.ensure_ray).
         fallback: how to run without Ray, named in the final message.
     Returns:
         The session folder of the cluster that started; it is removed when this process exits.

@@ -19,6 +19,7 @@ from pathlib import Path
 from workbench.errors import ConfigError, WorkerError
 from workbench.hwprofile import HardwareProfile, default_profile_path, profile_from_dict, save_profile
 from workbench.memory.params import block_numel
+from workbench.parallelism import Parallelism
 from workbench.spec import JobSpec, load_spec
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -149,7 +150,7 @@ def derive_overheads(profile: HardwareProfile, measured: list) -> HardwareProfil
         if got is None:
             continue
         lay = spec.layout
-        micros = spec.train.global_batch // (lay.dp * spec.train.micro_batch)
+        micros = Parallelism.from_spec(spec).num_micro
         layers = spec.model.layers or 1
         probes.append((family, lay.dp, lay.tp, lay.pp, layers, micros, seconds, got.step_time_s))
         # blocks on the busiest rank x micro-batches: the unit the per-block cost is charged in
@@ -330,7 +331,7 @@ def _size(nbytes: int) -> str:
 
 # -- ranks ----------------------------------------------------------------------------------
 def calibrate_rank(spec: dict, sink, *, options: dict, should_stop=lambda: False, resume=False, attempt=0) -> None:
-    """One rank's part (started by backends/local_ray.py's `_rank_main`): every benchmark with all
+    """One rank's part (started by backends/ray_relay.py's `_rank_main`): every benchmark with all
     ranks at once, the slowest rank's time; rank 0 sends {"event": "calibration", "profile": ...}."""
     import os
 
@@ -528,17 +529,16 @@ class _Bench:
             from workbench.data import build_token_source
             from workbench.models import build_model_meta
             from workbench.parallel.apply import parallelize
-            from workbench.parallelism import Parallelism
             from workbench.runtime.meter import MemoryMeter
 
-            parallelized = parallelize(build_model_meta(spec), None, Parallelism.from_spec(spec), device=self.dev,
-                                       seed=spec.train.seed)
+            parallelism = Parallelism.from_spec(spec)
+            parallelized = parallelize(build_model_meta(spec), None, parallelism, device=self.dev, seed=spec.train.seed)
             meter = MemoryMeter(self.dev)
             meter.watch_params(parallelized.modules)
             ctx = loop.RankContext(0, 1, self.dev)
-            step_fn = loop.build_train_step(parallelized, spec, self.dev, None)
-            run = loop._Run(spec, ctx, None, loop.coords(None), parallelized, step_fn, build_token_source(spec), meter,
-                            None, None)
+            step_fn = loop.build_train_step(parallelized, spec, parallelism, self.dev, None)
+            run = loop._Run(spec, parallelism, ctx, None, loop.coords(None), parallelized, step_fn, build_token_source(spec),
+                            meter, None, None)
         for step in range(1, steps + 1):
             loop._step(run, step, 1, sink)
         return events

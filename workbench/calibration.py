@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from workbench.parallelism import Parallelism, num_micro_batches
+
 CALIBRATION_YAML = Path(__file__).with_name("calibration.yaml")
 
 
@@ -41,7 +43,8 @@ class Case:
 
     @property
     def world_size(self) -> int:
-        return self.layout.get("dp", 1) * self.layout.get("tp", 1) * self.layout.get("pp", 1)
+        """GPUs of the published run: its layout's Parallelism.world_size."""
+        return Parallelism(**{axis: self.layout.get(axis, 1) for axis in ("dp", "tp", "pp")}).world_size
 
     def shape(self):
         from workbench.shapes import resolve_shape
@@ -104,8 +107,8 @@ def predict(case: Case):
 
     sh = case.shape()
     dp = case.layout.get("dp", 1)
-    lay = Layout(**case.layout, micro_batch=case.micro_batch, num_micro=case.global_batch // (dp * case.micro_batch),
-                 dtype=case.dtype, device="cuda")
+    lay = Layout(**case.layout, micro_batch=case.micro_batch,
+                 num_micro=num_micro_batches(case.global_batch, dp, case.micro_batch), dtype=case.dtype, device="cuda")
     p, shard = _stage_params(sh, lay.tp, lay.pp, 0, lay.chunks, lay.dp)
     return step_time(sh, lay, get_device(case.gpu), case.global_batch, case.gpus_per_node, p, shard,
                      attention=case.attention, engine=case.engine_overlap())

@@ -177,14 +177,13 @@ def restart_count(env: Mapping[str, str]) -> int:
         return 0
 
 
-def run_ranks(spec, ckpt: str | None, strict: bool = False) -> dict:
-    """This process is one rank: run the per-rank loop, resuming from the newest complete checkpoint
-    in `ckpt` (step 1 when there is none, unless `strict`)."""
+def run_ranks(spec, strict: bool = False) -> dict:
+    """This process is one rank: run the per-rank loop on `spec` (as `main` loaded it, once),
+    resuming from the newest complete checkpoint in its checkpoint.uri (step 1 when there is none,
+    unless `strict`)."""
     from workbench.runtime.loop import train
     from workbench.runtime.preemption import stop_with_parent
 
-    if ckpt:
-        spec = spec.replace(**{"checkpoint.uri": ckpt})
     if launched_per_rank(os.environ):
         stop_with_parent()  # the launcher's death is a preemption notice: never train on unsupervised
     return train(spec, sink=_print_sink(int(os.environ.get("RANK", "0"))), resume=resume_mode(strict),
@@ -319,9 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     from workbench.spec import load_spec
 
     env = os.environ
-    spec = load_spec(args.spec)
     cloud = detect_cloud(env)
     ckpt = checkpoint_dir(cloud, env, args.checkpoint_dir)
+    # Loaded once, pointing at the cloud's checkpoint folder: as a rank, this process runs on it.
+    spec = load_spec(args.spec, [f"checkpoint.uri={json.dumps(ckpt)}"] if ckpt else None)
     if cloud == "ray":
         return run_on_ray(spec, ckpt, args.strict_resume)
     if not launched_per_rank(env) and (spec.world_size > 1 or spec.backend.max_failures):
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         return supervise(cmd)
     if launched_per_rank(env):
         check_world(spec, env)
-    return _exit_code(run_ranks(spec, ckpt, args.strict_resume))
+    return _exit_code(run_ranks(spec, args.strict_resume))
 
 
 def entry(argv: list[str] | None = None) -> int:

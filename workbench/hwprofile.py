@@ -347,48 +347,92 @@ def profile_from_dict(raw, where: str = "(dict)") -> HardwareProfile:
     """A HardwareProfile from its plain-data form, every field checked. Raises ConfigError naming the field."""
     from workbench.catalog import DEVICES
 
+    _check_fields(raw, where)
+    device = _choice(raw["device"], "device", where, tuple(DEVICES))
+    created = _created(raw["created"], where)
+    gemm = _gemm_rows(raw["gemm"], where)
+    colls = _collective_rows(raw["collectives"], where)
+    bw_pairs = _memory_bw_dtype(raw.get("memory_bw_dtype") or {}, where)
+    overheads = _overheads(raw.get("overheads") or {}, where)
+    probes = _probe_rows(raw["probes"], where) if raw.get("probes") else ()
+    cores = raw.get("cpu_cores", 0)
+    grad = _grad_rows(raw["gemm_grad"], where) if raw.get("gemm_grad") else ()
+    return HardwareProfile(
+        gemm_grad=grad,
+        memory_bw_dtype=bw_pairs, overheads=overheads, probes=probes,
+        cpu_cores=_int(cores, "cpu_cores", where, 0, 1 << 20),
+        device=device, created=created, host=_text(raw["host"], "host", where),
+        backend=_choice(raw["backend"], "backend", where, BACKENDS),
+        nodes=_int(raw["nodes"], "nodes", where, 1, MAX_RANKS),
+        ranks_per_node=_int(raw["ranks_per_node"], "ranks_per_node", where, 1, MAX_RANKS),
+        threads_per_rank=_int(raw["threads_per_rank"], "threads_per_rank", where, 1, 1 << 16),
+        gemm=gemm, memory_bw=_pos(raw["memory_bw"], "memory_bw", where),
+        op_overhead_s=_pos(raw["op_overhead_s"], "op_overhead_s", where, allow_zero=True), collectives=colls)
+
+
+_REQUIRED = {"format", "device", "created", "host", "backend", "nodes", "ranks_per_node", "threads_per_rank",
+             "gemm", "memory_bw", "op_overhead_s", "collectives"}
+_KNOWN = _REQUIRED | {"memory_bw_dtype", "overheads", "probes", "cpu_cores", "gemm_grad"}
+
+
+def _check_fields(raw, where: str) -> None:
+    """A mapping of this format's fields: none unknown, none of the required missing."""
     if not isinstance(raw, dict):
         raise _fail(where, "(top level)", f"a mapping of fields, not {type(raw).__name__}")
     if raw.get("format", FORMAT) != FORMAT:
         raise _fail(where, "format", f"{FORMAT!r} (this version reads that), not {clip(repr(raw.get('format')), 80)}")
-    required = {"format", "device", "created", "host", "backend", "nodes", "ranks_per_node", "threads_per_rank",
-                "gemm", "memory_bw", "op_overhead_s", "collectives"}
-    known = required | {"memory_bw_dtype", "overheads", "probes", "cpu_cores", "gemm_grad"}
     for key in raw:
-        if key not in known:
-            raise _fail(where, clip(str(key), 80), "not a field of a hardware profile" + did_you_mean(str(key), known))
-    for key in required - {"format"}:
+        if key not in _KNOWN:
+            raise _fail(where, clip(str(key), 80), "not a field of a hardware profile" + did_you_mean(str(key), _KNOWN))
+    for key in _REQUIRED - {"format"}:
         if key not in raw:
             raise _fail(where, key, "missing")
-    device = _choice(raw["device"], "device", where, tuple(DEVICES))
-    created = _text(raw["created"], "created", where, 64)
+
+
+def _created(raw, where: str) -> str:
+    created = _text(raw, "created", where, 64)
     try:
         datetime.fromisoformat(created.replace("Z", "+00:00"))
     except ValueError:
         raise _fail(where, "created", f"an ISO 8601 time such as 2026-12-02T10:00:00+00:00, not {created!r}") from None
+    return created
+
+
+def _gemm_rows(raw, where: str) -> tuple:
     gemm = []
-    for i, (dtype, m, n, k, t) in enumerate(_rows(raw["gemm"], "gemm", where, 5)):
+    for i, (dtype, m, n, k, t) in enumerate(_rows(raw, "gemm", where, 5)):
         name = f"gemm[{i}]"
         gemm.append((_choice(dtype, f"{name} dtype", where, DTYPES), _int(m, f"{name} m", where, 1, MAX_DIM),
                      _int(n, f"{name} n", where, 1, MAX_DIM), _int(k, f"{name} k", where, 1, MAX_DIM),
                      _pos(t, f"{name} seconds", where)))
+    return tuple(gemm)
+
+
+def _collective_rows(raw, where: str) -> tuple:
+    """Measured collectives; none (an empty list) for a single-rank profile."""
+    if raw == []:
+        return ()
     colls = []
-    if raw["collectives"] != []:
-        for i, (kind, link, ranks, nbytes, t) in enumerate(_rows(raw["collectives"], "collectives", where, 5)):
-            name = f"collectives[{i}]"
-            colls.append((_choice(kind, f"{name} kind", where, KINDS), _choice(link, f"{name} link", where, LINKS),
-                          _int(ranks, f"{name} ranks", where, 2, MAX_RANKS),
-                          _int(nbytes, f"{name} nbytes", where, 1, 1 << 50), _pos(t, f"{name} seconds", where)))
-    bw_dtype = raw.get("memory_bw_dtype") or {}
-    if not isinstance(bw_dtype, dict):
-        raise _fail(where, "memory_bw_dtype", f"a mapping of dtype to bytes/s, not {clip(repr(bw_dtype), 80)}")
-    bw_pairs = tuple((_choice(d, "memory_bw_dtype dtype", where, DTYPES), _pos(bw, f"memory_bw_dtype {d}", where))
-                     for d, bw in bw_dtype.items())
-    over = raw.get("overheads") or {}
-    if not isinstance(over, dict):
-        raise _fail(where, "overheads", f"a mapping of strategy family to costs, not {clip(repr(over), 80)}")
+    for i, (kind, link, ranks, nbytes, t) in enumerate(_rows(raw, "collectives", where, 5)):
+        name = f"collectives[{i}]"
+        colls.append((_choice(kind, f"{name} kind", where, KINDS), _choice(link, f"{name} link", where, LINKS),
+                      _int(ranks, f"{name} ranks", where, 2, MAX_RANKS),
+                      _int(nbytes, f"{name} nbytes", where, 1, 1 << 50), _pos(t, f"{name} seconds", where)))
+    return tuple(colls)
+
+
+def _memory_bw_dtype(raw, where: str) -> tuple:
+    if not isinstance(raw, dict):
+        raise _fail(where, "memory_bw_dtype", f"a mapping of dtype to bytes/s, not {clip(repr(raw), 80)}")
+    return tuple((_choice(d, "memory_bw_dtype dtype", where, DTYPES), _pos(bw, f"memory_bw_dtype {d}", where))
+                 for d, bw in raw.items())
+
+
+def _overheads(raw, where: str) -> tuple:
+    if not isinstance(raw, dict):
+        raise _fail(where, "overheads", f"a mapping of strategy family to costs, not {clip(repr(raw), 80)}")
     overheads = []
-    for fam, costs in over.items():
+    for fam, costs in raw.items():
         name = f"overheads {clip(str(fam), 40)}"
         _choice(fam, name, where, FAMILIES)
         if not isinstance(costs, dict) or not {"per_step_s", "per_block_s"} <= set(costs) <= {
@@ -397,33 +441,28 @@ def profile_from_dict(raw, where: str = "(dict)") -> HardwareProfile:
                         f"(optional)}}, not {clip(repr(costs), 80)}")
         overheads.append((fam, *(_pos(costs.get(k, 0.0), f"{name} {k}", where, allow_zero=True)
                                  for k in ("per_step_s", "per_block_s", "per_block_param_s"))))
+    return tuple(overheads)
+
+
+def _probe_rows(raw, where: str) -> tuple:
     probes = []
-    if raw.get("probes"):
-        for i, row in enumerate(_rows(raw["probes"], "probes", where, 8)):
-            name = f"probes[{i}]"
-            probes.append((_choice(row[0], f"{name} family", where, FAMILIES),
-                           *(_int(x, f"{name} {what}", where, 1, MAX_RANKS)
-                             for x, what in zip(row[1:6], ("dp", "tp", "pp", "layers", "micro-batches"))),
-                           _pos(row[6], f"{name} measured", where), _pos(row[7], f"{name} modelled", where)))
-    cores = raw.get("cpu_cores", 0)
+    for i, row in enumerate(_rows(raw, "probes", where, 8)):
+        name = f"probes[{i}]"
+        probes.append((_choice(row[0], f"{name} family", where, FAMILIES),
+                       *(_int(x, f"{name} {what}", where, 1, MAX_RANKS)
+                         for x, what in zip(row[1:6], ("dp", "tp", "pp", "layers", "micro-batches"))),
+                       _pos(row[6], f"{name} measured", where), _pos(row[7], f"{name} modelled", where)))
+    return tuple(probes)
+
+
+def _grad_rows(raw, where: str) -> tuple:
     grad = []
-    for i, (kind, dtype, m, n, k, t) in enumerate(_rows(raw["gemm_grad"], "gemm_grad", where, 6)
-                                                   if raw.get("gemm_grad") else []):
+    for i, (kind, dtype, m, n, k, t) in enumerate(_rows(raw, "gemm_grad", where, 6)):
         name = f"gemm_grad[{i}]"
         grad.append((_choice(kind, f"{name} kind", where, GRAD_KINDS), _choice(dtype, f"{name} dtype", where, DTYPES),
                      _int(m, f"{name} m", where, 1, MAX_DIM), _int(n, f"{name} n", where, 1, MAX_DIM),
                      _int(k, f"{name} k", where, 1, MAX_DIM), _pos(t, f"{name} seconds", where)))
-    return HardwareProfile(
-        gemm_grad=tuple(grad),
-        memory_bw_dtype=bw_pairs, overheads=tuple(overheads), probes=tuple(probes),
-        cpu_cores=_int(cores, "cpu_cores", where, 0, 1 << 20),
-        device=device, created=created, host=_text(raw["host"], "host", where),
-        backend=_choice(raw["backend"], "backend", where, BACKENDS),
-        nodes=_int(raw["nodes"], "nodes", where, 1, MAX_RANKS),
-        ranks_per_node=_int(raw["ranks_per_node"], "ranks_per_node", where, 1, MAX_RANKS),
-        threads_per_rank=_int(raw["threads_per_rank"], "threads_per_rank", where, 1, 1 << 16),
-        gemm=tuple(gemm), memory_bw=_pos(raw["memory_bw"], "memory_bw", where),
-        op_overhead_s=_pos(raw["op_overhead_s"], "op_overhead_s", where, allow_zero=True), collectives=tuple(colls))
+    return tuple(grad)
 
 
 def load_profile(path) -> HardwareProfile:

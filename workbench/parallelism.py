@@ -14,6 +14,9 @@ PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 # Schedules that run `virtual_stages` looped stages per pipeline rank (torch's
 # Interleaved1F1B and InterleavedZeroBubble).
 MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble")
+# The mesh's axes, outermost first: a rank's number is (pp_index * dp + dp_index) * tp + tp_index.
+# tp varies fastest, so a tp group is consecutive ranks (one node, one Ray placement bundle).
+MESH_AXES = ("pp", "dp", "tp")
 
 
 def is_multi_stage(schedule: str) -> bool:
@@ -27,12 +30,19 @@ def looped_stages(pp_rank: int, pp: int, chunks: int) -> list[int]:
     return [pp_rank + i * pp for i in range(chunks)]
 
 
+def num_micro_batches(global_batch: int, dp: int, micro_batch: int) -> int:
+    """Micro-batches per dp rank per step: global_batch // (dp x micro_batch), at least 1 (a split
+    validate refuses, e.g. under `plan`'s layout-free load, still counts one)."""
+    return max(1, global_batch // (dp * micro_batch))
+
+
 @dataclass(frozen=True)
 class Parallelism:
     """The knobs of a layout and precision, and every fact they imply (as properties).
 
-    Build it with `from_spec`; the memory model's `Layout` extends it with the batch and the
-    optimizer. Facts hold for layouts `validate` accepts (e.g. zero>0 needs dp>=2).
+    Build it with `from_spec`: one per rank, which the training loop runs on; the memory model's
+    `Layout` extends it with the optimizer and the device kind. Facts hold for layouts `validate`
+    accepts (e.g. zero>0 needs dp>=2).
     """
 
     dp: int = 1
@@ -48,21 +58,48 @@ class Parallelism:
     dtype: str = "fp32"  # precision.dtype: the compute dtype
     bucket_mb: float = 25.0
     nvme_path: str = "/tmp/workbench-offload"
+    micro_batch: int = 1  # train.micro_batch: sequences per forward/backward
+    num_micro: int = 1  # micro-batches per dp rank per step (gradient accumulation; the pipeline's count)
 
     @classmethod
     def from_spec(cls, spec) -> Parallelism:
-        """The parallelism of a JobSpec's layout and precision."""
-        lay = spec.layout
+        """The parallelism of a JobSpec's layout, precision and batch split."""
+        lay, t = spec.layout, spec.train
         return cls(dp=lay.dp, tp=lay.tp, pp=lay.pp, zero=lay.zero, offload=lay.offload,
                    activation_checkpointing=lay.activation_checkpointing, checkpoint_every=lay.checkpoint_every,
                    pp_schedule=lay.pp_schedule, virtual_stages=lay.virtual_stages,
                    sequence_parallel=lay.sequence_parallel, dtype=spec.precision.dtype, bucket_mb=lay.bucket_mb,
-                   nvme_path=lay.nvme_path)
+                   nvme_path=lay.nvme_path, micro_batch=t.micro_batch,
+                   num_micro=num_micro_batches(t.global_batch, lay.dp, t.micro_batch))
 
-    # Degrees and stages.
+    # Degrees, ranks and stages.
     @property
     def world_size(self) -> int:
+        """Ranks the layout runs on, dp x tp x pp: the one definition (LayoutSpec.world_size and
+        JobSpec.world_size read it; a RankContext's is the process group's, equal once the mesh is built)."""
         return self.dp * self.tp * self.pp
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The degrees in MESH_AXES order: the DeviceMesh's shape (parallel/mesh.py)."""
+        return tuple(getattr(self, axis) for axis in MESH_AXES)
+
+    def stride(self, axis: str) -> int:
+        """Ranks between neighbours along mesh `axis` (tp 1, dp tp, pp dp x tp)."""
+        shape = self.mesh_shape
+        out = 1
+        for size in shape[MESH_AXES.index(axis) + 1:]:
+            out *= size
+        return out
+
+    def rank_of(self, **coords: int) -> int:
+        """The global rank at mesh coordinates, e.g. rank_of(pp=1, dp=0, tp=1); axes left out are 0."""
+        return sum(coords.get(axis, 0) * self.stride(axis) for axis in MESH_AXES)
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step: dp x micro_batch x num_micro."""
+        return self.dp * self.micro_batch * self.num_micro
 
     @property
     def multi_stage(self) -> bool:

@@ -197,10 +197,20 @@ def resolve_shape(m: ModelFields) -> ModelShape:
     """
     if m.params is not None or m.factory is not None:
         raise ConfigError("model: a size-only ({params: N}) or factory model has no GPT shape.")
-    base: dict = {}
     given = {key: getattr(m, key) for key in SHAPE_FIELDS if getattr(m, key) is not None}
     if isinstance(given.get("rope_scaling"), BaseModel):
         given["rope_scaling"] = RopeScaling(**given["rope_scaling"].model_dump())
+    _check_init(m, given)
+    base = _base_fields(m, given)
+    base.update(given)
+    base.setdefault("family", "gpt")
+    _complete(base)
+    _check_family(base)
+    return ModelShape(**base)
+
+
+def _check_init(m: ModelFields, given: dict) -> None:
+    """model.init and model.path agree with each other and with the shape's source."""
     init = getattr(m, "init", "random")
     path = getattr(m, "path", None)
     if init != "random" and not path:
@@ -217,20 +227,28 @@ def resolve_shape(m: ModelFields) -> ModelShape:
         raise ConfigError(f"model: init=checkpoint ({path!r}) needs the model's shape: the preset or fields of the "
                           "run that wrote it (e.g. {preset: gpt-mini, init: checkpoint, path: ...}). Every weight "
                           "is checked against that shape when it loads.")
-    if init == "hf":
+
+
+def _base_fields(m: ModelFields, given: dict) -> dict:
+    """The fields the explicit ones override: the folder's config.json (init hf), the preset's, or none."""
+    if getattr(m, "init", "random") == "hf":
         from workbench.hf_config import config_fields
 
-        base = dict(config_fields(str(path)))  # config.json alone: no weights are read
+        base = dict(config_fields(str(getattr(m, "path", None))))  # config.json alone: no weights are read
         if base.get("rope_scaling") is not None:
             base["rope_scaling"] = RopeScaling(**base["rope_scaling"])
         _check_overrides(base, given, m)
-    elif m.preset is not None:
+        return base
+    if m.preset is not None:
         if m.preset not in PRESETS:
             hint = did_you_mean(m.preset, PRESETS)
             raise ConfigError(f"model.preset: unknown preset {m.preset!r}.{hint} Known presets: {', '.join(PRESETS)}.")
-        base = dict(PRESETS[m.preset])
-    base.update(given)
-    base.setdefault("family", "gpt")
+        return dict(PRESETS[m.preset])
+    return {}
+
+
+def _complete(base: dict) -> None:
+    """Check the merged fields' head counts and fill the defaults (kv_heads, ffn_hidden, tie_embeddings)."""
     missing = [k for k in ("layers", "hidden", "heads", "vocab", "seq_len") if base.get(k) is None]
     if missing:
         raise ConfigError(
@@ -252,8 +270,6 @@ def resolve_shape(m: ModelFields) -> ModelShape:
         else:
             base["ffn_hidden"] = 4 * base["hidden"]
     base.setdefault("tie_embeddings", base["family"] == "gpt")
-    _check_family(base)
-    return ModelShape(**base)
 
 
 def _check_overrides(base: dict, given: dict, m: ModelFields) -> None:

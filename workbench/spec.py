@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from workbench.errors import ConfigError, did_you_mean
-from workbench.parallelism import PipelineSchedule
+from workbench.parallelism import Parallelism, PipelineSchedule
 from workbench.schedule import LrSchedule
 from workbench.spec_input import (  # noqa: F401 - the bounds are re-exported here, beside the fields
     MAX_BATCH,
@@ -147,7 +147,8 @@ class LayoutSpec(_Section):
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        """Ranks the layout runs on (dp x tp x pp): Parallelism.world_size, its one definition."""
+        return Parallelism(dp=self.dp, tp=self.tp, pp=self.pp).world_size
 
 
 class PrecisionSpec(_Section):
@@ -266,6 +267,7 @@ class JobSpec(_Section):
 
     @property
     def world_size(self) -> int:
+        """Ranks the job runs on: the layout's (Parallelism.world_size)."""
         return self.layout.world_size
 
     def __repr__(self) -> str:

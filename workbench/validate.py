@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from workbench.catalog import DEVICES
 from workbench.errors import ConfigError, did_you_mean
-from workbench.parallelism import Parallelism
+from workbench.parallelism import Parallelism, num_micro_batches
 
 if TYPE_CHECKING:
     from workbench.spec import JobSpec, ModelSpec
@@ -138,7 +138,7 @@ def _check_batch(spec: JobSpec) -> None:
             f"train.global_batch({t.global_batch}) must be divisible by dp({lay.dp}) x micro_batch({t.micro_batch}) "
             f"= {per_step}. Use global_batch={lo} or {lo + per_step}, or change micro_batch."
         )
-    num_micro = t.global_batch // per_step
+    num_micro = num_micro_batches(t.global_batch, lay.dp, t.micro_batch)
     if lay.pp > 1 and num_micro < lay.pp and lay.pp_schedule != "gpipe":
         raise ConfigError(
             f"layout.pp_schedule={lay.pp_schedule} needs at least pp({lay.pp}) micro-batches per step, but "

@@ -60,7 +60,7 @@ def test_cancel_stops_every_rank_within_one_step_of_the_step_seen():
             workers[event["rank"]] = event
         if event["event"] == "step" and event["step"] == 3:
             # each rank runs in its own process at normal priority; its Ray worker only relays, on
-            # CPU time the ranks leave idle (backends/local_ray.py, control_plane_setup)
+            # CPU time the ranks leave idle (backends/embedded_ray.py, control_plane_setup)
             policies = {r: (os.sched_getscheduler(w["rank_pid"]), os.sched_getscheduler(w["pid"]))
                         for r, w in workers.items()}
             handle.cancel()

@@ -41,8 +41,9 @@ def losses(events):
 def restored(spec: dict):
     """A fresh single-process model + train step of `spec` with the newest checkpoint loaded."""
     spec = load_spec(spec)
-    par = parallelize(build_model_meta(spec), None, Parallelism.from_spec(spec), device=torch.device("cpu"), seed=0)
-    step_fn = build_train_step(par, spec, torch.device("cpu"), None)
+    parallelism = Parallelism.from_spec(spec)
+    par = parallelize(build_model_meta(spec), None, parallelism, device=torch.device("cpu"), seed=0)
+    step_fn = build_train_step(par, spec, parallelism, torch.device("cpu"), None)
     events = []
     ckpt = build_checkpointer(spec, par.modules, step_fn.optimizer, torch.device("cpu"), events.append,
                               extra_state=step_fn.stateful())

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECK = ("import os; from backends.local_ray import _normal_priority; _normal_priority(); "
+CHECK = ("import os; from backends.ray_relay import _normal_priority; _normal_priority(); "
          "print(os.getpriority(os.PRIO_PROCESS, 0))")
 
 

@@ -114,8 +114,7 @@ def import_text(text: str, format: str | None = None, *, name: str = "job",
     Raises:
         ConfigError: ill-formed input, or a mapped job the workbench cannot run (with the rule and a fix).
     """
-    from workbench.spec import apply_overrides, load_spec
-    from workbench.validate import check_runnable
+    from workbench.spec import apply_overrides
 
     _check_text(text, "")
     if format is not None and not isinstance(format, str):
@@ -126,6 +125,15 @@ def import_text(text: str, format: str | None = None, *, name: str = "job",
     dp = apply_overrides({}, overrides or []).get("layout", {}).get("dp")
     label = engine.__name__.rsplit(".", 1)[-1]
     _check_text(text, label)
+    cfg = _parse(engine, text, label)
+    raw, warnings = _translate(engine, cfg, label, dp=dp, base=base)
+    raw = {"name": name, **raw}
+    _check_length(raw, overrides or [], label, warnings)
+    return _load(raw, overrides or [], label, warnings)
+
+
+def _parse(engine, text: str, label: str):
+    """The engine's config read from `text`; ConfigError for anything that does not read."""
     try:
         cfg = engine.parse(text)
     except ConfigError:
@@ -136,9 +144,15 @@ def import_text(text: str, format: str | None = None, *, name: str = "job",
     except ValueError as e:  # e.g. an integer past Python's 4,300-digit limit
         raise ConfigError(f"cannot read the {label} config: {str(e)[:300]}.") from None
     _check_nesting(cfg, label)
+    return cfg
+
+
+def _translate(engine, cfg, label: str, *, dp, base: str | Path | None) -> tuple[dict, list[str]]:
+    """(raw spec, warnings) of the engine's config with `dp` (the --set layout.dp given, if any);
+    ConfigError for a value of the wrong kind."""
     try:
         extra = {"base": Path(base) if base is not None else None} if label == "accelerate" else {}
-        raw, warnings = engine.to_spec(cfg, dp=int(dp) if dp else None, **extra)
+        return engine.to_spec(cfg, dp=int(dp) if dp else None, **extra)
     except ConfigError:
         raise
     except ZeroDivisionError as e:  # a count of 0 the translation divides by (num_machines: 0)
@@ -148,10 +162,16 @@ def import_text(text: str, format: str | None = None, *, name: str = "job",
             RecursionError) as e:  # a number that is text, a section that is a value, ...
         raise ConfigError(f"the {label} config has a value of the wrong type ({e}). Fix that value; "
                           "docs/interop.md lists the keys read and what they must hold.") from None
-    raw = {"name": name, **raw}
-    _check_length(raw, overrides or [], label, warnings)
+
+
+def _load(raw: dict, overrides: list[str], label: str, warnings: list[str]):
+    """(JobSpec, warnings) of the translated spec with the overrides; a refusal names the assumptions
+    the translation made, and a spec that only plans gets a warning that says why it would not run."""
+    from workbench.spec import apply_overrides, load_spec
+    from workbench.validate import check_runnable
+
     try:
-        spec = load_spec(apply_overrides(raw, overrides or []))
+        spec = load_spec(apply_overrides(raw, overrides))
     except ConfigError as e:
         notes = [w for w in warnings if w.startswith(f"{label}:")]  # the assumptions may be the cause
         raise ConfigError(f"the {label} config maps to a spec the workbench refuses: {e}"

@@ -10,7 +10,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from workbench.parallelism import is_multi_stage
+from workbench.parallelism import Parallelism, is_multi_stage
 
 # The optimizer and loss-scaler constants our runtime uses (workbench/parallel/step.py and
 # precision.DynamicLossScaler). Kept here as plain numbers so this package never imports torch;
@@ -146,5 +146,5 @@ def said(spec, key: str) -> bool:
 
 def batch_split(spec) -> tuple[int, int]:
     """(micro_batch, accumulation steps per dp rank) of a validated spec."""
-    tr = spec.train
-    return tr.micro_batch, tr.global_batch // (spec.layout.dp * tr.micro_batch)
+    par = Parallelism.from_spec(spec)
+    return par.micro_batch, par.num_micro

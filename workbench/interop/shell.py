@@ -362,96 +362,55 @@ class _Reader:
 
     def expand(self, raw: str, refs: dict[str, str], split: bool) -> list[str]:
         """Expand one raw word: quotes removed, $VARS substituted; unquoted expansions split when `split`."""
-        words: list[str] = []
-        cur, has = [""], False  # has: the word exists even if empty ("" or '')
+        out = _Words(split)
         i, quote = 0, ""
-
-        def emit(text: str, splittable: bool):
-            nonlocal has
-            if not (split and splittable):
-                cur[0] += text
-                has = has or bool(text)
-                return
-            parts = re.split(r"\s+", text)
-            for k, part in enumerate(parts):
-                if k > 0:
-                    if cur[0] or has:
-                        words.append(cur[0])
-                    cur[0], has = "", False
-                cur[0] += part
-                has = has or bool(part)
-
         while i < len(raw):
             c = raw[i]
-            if quote == "'":
-                if c == "'":
-                    quote = ""
-                else:
-                    cur[0] += c
-                i += 1
-            elif c == "'" and not quote:
-                quote, has = "'", True
-                i += 1
-            elif c == '"':
-                quote = "" if quote == '"' else '"'
-                has = True
-                i += 1
-            elif c == "\\" and i + 1 < len(raw):
-                nxt = raw[i + 1]
-                cur[0] += nxt if (not quote or nxt in '$`"\\') else c + nxt
-                i += 2
-            elif c == "$" and raw.startswith("$((", i):
-                end = _closing(raw, i + 1)
-                inner = raw[i + 3:end - 1]
-                emit(self.arith(inner, refs, raw[i:end + 1]), not quote)
-                i = end + 1
-            elif c == "$" and raw.startswith("$(", i) or c == "`":
-                end = _closing(raw, i + 1) if c == "$" else raw.find("`", i + 1)
-                end = len(raw) - 1 if end < 0 else end
-                refs[""] = "the output of a command"
-                emit(raw[i:end + 1], False)
-                i = end + 1
-            elif c == "$":
-                m = re.match(r"\$\{(#?)(" + _NAME + r"|@|\*|\d+)(\[[@*0-9]+\])?(?::?([-=+?])([^}]*))?\}|\$(" + _NAME
-                             + r"|@|\*|\d)", raw[i:])
-                if not m:
-                    cur[0] += c
-                    i += 1
-                    continue
-                name = m.group(2) or m.group(6)
-                local: dict[str, str] = {}
-                value = self.lookup(name, local)
-                if value is None and m.group(4) in ("-", "="):
-                    value = self.expand(m.group(5) or "", refs, split=False)[:1] or [""]
-                    value = value[0]
-                    local = {}
-                refs.update(local)
-                if value is None:
-                    emit("${" + name + "}", False)
-                elif isinstance(value, list):
-                    index = (m.group(3) or "[@]")[1:-1]
-                    if index.isdigit():
-                        value = value[int(index)] if int(index) < len(value) else ""
-                        emit(value, not quote)
-                    elif not split:
-                        emit(" ".join(value), False)
-                    else:  # "${A[@]}" and ${A[@]}: one word per item
-                        for k, item in enumerate(value):
-                            if k > 0:
-                                words.append(cur[0])
-                                cur[0], has = "", False
-                            cur[0] += item
-                            has = True
-                else:
-                    emit(str(value), not quote)
-                i += len(m.group(0))
+            if quote == "'" or (c == "'" and not quote) or c == '"' or (c == "\\" and i + 1 < len(raw)):
+                i, quote = _quoting(raw, i, quote, out)
+            elif c in "$`":
+                i = self._expansion(raw, i, quote, refs, out)
             else:
-                cur[0] += c
-                has = has or not c.isspace()
+                out.plain(c)
                 i += 1
-        if cur[0] or has:
-            words.append(cur[0])
-        return words
+        return out.done()
+
+    def _expansion(self, raw: str, i: int, quote: str, refs: dict[str, str], out: _Words) -> int:
+        """Expand the $((...)), $(...), `...` or $VAR at raw[i] into `out`; returns the index after it."""
+        c = raw[i]
+        if raw.startswith("$((", i):
+            end = _closing(raw, i + 1)
+            out.emit(self.arith(raw[i + 3:end - 1], refs, raw[i:end + 1]), not quote)
+            return end + 1
+        if c == "`" or raw.startswith("$(", i):
+            end = _closing(raw, i + 1) if c == "$" else raw.find("`", i + 1)
+            end = len(raw) - 1 if end < 0 else end
+            refs[""] = "the output of a command"
+            out.emit(raw[i:end + 1], False)
+            return end + 1
+        return self._variable(raw, i, quote, refs, out)
+
+    def _variable(self, raw: str, i: int, quote: str, refs: dict[str, str], out: _Words) -> int:
+        """Expand the $NAME, ${NAME}, ${NAME:-default} or ${A[i]} at raw[i]; a lone $ stays as it is."""
+        m = re.match(r"\$\{(#?)(" + _NAME + r"|@|\*|\d+)(\[[@*0-9]+\])?(?::?([-=+?])([^}]*))?\}|\$(" + _NAME
+                     + r"|@|\*|\d)", raw[i:])
+        if not m:
+            out.cur += "$"
+            return i + 1
+        name = m.group(2) or m.group(6)
+        local: dict[str, str] = {}
+        value = self.lookup(name, local)
+        if value is None and m.group(4) in ("-", "="):
+            value = (self.expand(m.group(5) or "", refs, split=False)[:1] or [""])[0]
+            local = {}
+        refs.update(local)
+        if value is None:
+            out.emit("${" + name + "}", False)
+        elif isinstance(value, list):
+            out.array(value, (m.group(3) or "[@]")[1:-1], quote)
+        else:
+            out.emit(str(value), not quote)
+        return i + len(m.group(0))
 
     def arith(self, expr: str, refs: dict[str, str], literal: str) -> str:
         local: dict[str, str] = {}
@@ -473,6 +432,76 @@ class _Reader:
         why = "; ".join(f"${k}: {v}" for k, v in local.items() if k) or "arithmetic this reader cannot evaluate"
         refs[""] = f"arithmetic on {why}" if local else why
         return literal
+
+
+class _Words:
+    """The words one raw word expands to, built a character or an expansion at a time."""
+
+    def __init__(self, split: bool):
+        self.split = split  # unquoted expansions split at whitespace
+        self.words: list[str] = []
+        self.cur = ""
+        self.has = False  # the current word exists even if empty ("" or '')
+
+    def plain(self, c: str) -> None:
+        self.cur += c
+        self.has = self.has or not c.isspace()
+
+    def _next_word(self) -> None:
+        self.words.append(self.cur)
+        self.cur, self.has = "", False
+
+    def emit(self, text: str, splittable: bool) -> None:
+        if not (self.split and splittable):
+            self.cur += text
+            self.has = self.has or bool(text)
+            return
+        for k, part in enumerate(re.split(r"\s+", text)):
+            if k > 0:
+                if self.cur or self.has:
+                    self.words.append(self.cur)
+                self.cur, self.has = "", False
+            self.cur += part
+            self.has = self.has or bool(part)
+
+    def array(self, value: list[str], index: str, quote: str) -> None:
+        """An array's item (index a number), or its items: one word each when splitting ("${A[@]}"
+        and ${A[@]}), else joined by spaces."""
+        if index.isdigit():
+            self.emit(value[int(index)] if int(index) < len(value) else "", not quote)
+        elif not self.split:
+            self.emit(" ".join(value), False)
+        else:
+            for k, item in enumerate(value):
+                if k > 0:
+                    self._next_word()
+                self.cur += item
+                self.has = True
+
+    def done(self) -> list[str]:
+        if self.cur or self.has:
+            self.words.append(self.cur)
+        return self.words
+
+
+def _quoting(raw: str, i: int, quote: str, out: _Words) -> tuple[int, str]:
+    """One step of quoting at raw[i]: a character inside '...', a quote opening or closing, or a
+    backslash escape. Returns (the next index, the quote now open)."""
+    c = raw[i]
+    if quote == "'":
+        if c == "'":
+            return i + 1, ""
+        out.cur += c
+        return i + 1, quote
+    if c == "'":  # opening: not inside "..." (there it is a plain character)
+        out.has = True
+        return i + 1, "'"
+    if c == '"':
+        out.has = True
+        return i + 1, "" if quote == '"' else '"'
+    nxt = raw[i + 1]  # a backslash and the character it escapes
+    out.cur += nxt if (not quote or nxt in '$`"\\') else c + nxt
+    return i + 2, quote
 
 
 def _names(raw: str) -> set[str]:

@@ -131,12 +131,11 @@ def _gib(b: float) -> str:
 
 
 def layout_from_spec(spec) -> Layout:
-    """The spec's Parallelism (parallelism.py) with its batch, optimizer and device kind."""
-    par, t = Parallelism.from_spec(spec), spec.train
+    """The spec's Parallelism (parallelism.py) with its optimizer and device kind."""
+    par = Parallelism.from_spec(spec)
     return Layout(
         **{f.name: getattr(par, f.name) for f in fields(Parallelism)},
-        micro_batch=t.micro_batch, num_micro=max(1, t.global_batch // (par.dp * t.micro_batch)),
-        optimizer=t.optimizer, device="cpu" if spec.resources.gpu == "cpu" else "cuda",
+        optimizer=spec.train.optimizer, device="cpu" if spec.resources.gpu == "cpu" else "cuda",
     )
 
 
@@ -192,7 +191,7 @@ def estimate_memory(spec, convention: str | None = None) -> MemoryEstimate:
     for k in range(lay.pp):
         for i in range(lay.dp):
             for j in range(lay.tp):
-                rank = (k * lay.dp + i) * lay.tp + j
+                rank = lay.rank_of(pp=k, dp=i, tp=j)
                 per_rank.append(RankMemory(rank, {"dp": i, "tp": j, "pp": k}, stages[k]))
     notes = sorted({n for s in stages for n in s.notes})
     return MemoryEstimate(lay.world_size, dev.name, dev.memory_bytes, per_rank,

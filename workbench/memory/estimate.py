@@ -31,17 +31,11 @@ CONVENTION = ("bytes/param: ZeRO paper 2+2+12 in mixed precision (fp16/bf16 weig
 
 @dataclass(frozen=True)
 class Layout(Parallelism):
-    """A Parallelism plus what the memory and step-time models also need: the batch, the
-    optimizer and the device kind. The plain object the planner enumerates."""
+    """A Parallelism (with its batch split) plus what the memory and step-time models also need:
+    the optimizer and the device kind. The plain object the planner enumerates."""
 
-    micro_batch: int = 1
-    num_micro: int = 1  # micro-batches per dp rank per step
     optimizer: str = "adamw"
     device: str = "cpu"  # "cpu" or "cuda": which kernels' saved tensors to count (norms differ)
-
-    @property
-    def global_batch(self) -> int:
-        return self.dp * self.micro_batch * self.num_micro
 
 
 @dataclass(frozen=True)
@@ -205,10 +199,10 @@ def estimate_stage(shape, lay: Layout, pp_index: int, convention: str = "workben
         p, shard = _stage_params(shape, lay.tp, lay.pp, pp_index, lay.chunks, lay.dp)
         a = _activations(shape, lay, pp_index)
         buf, notes = _buffers(shape, lay, pp_index, p, w)
-    states = model_states(p, shard, lay.dp, lay.zero, lay.dtype, lay.optimizer, convention)
+    states = model_states(p, shard, lay, lay.optimizer, convention)
     if not isinstance(shape, (int, float)):
         states = _runtime_details(shape, lay, pp_index, states, notes)
     rng = -(-p // lay.dp) if lay.shards_optimizer_state else p
-    states, host, disk = offload(states, lay.offload, lay.zero, rng, lay.optimizer)
+    states, host, disk = offload(states, lay, rng, lay.optimizer)
     return StageMemory(int(states.params), int(states.grads), int(states.master), int(states.optimizer),
                        int(a), int(buf), int(host + disk), (states.note, *notes), int(host), int(disk))

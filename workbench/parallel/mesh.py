@@ -1,10 +1,10 @@
-"""The DeviceMesh of a layout: dims ("pp", "dp", "tp"), tp fastest so TP groups share a node."""
+"""The DeviceMesh of a layout: axes MESH_AXES ("pp", "dp", "tp"), tp fastest so TP groups share a node."""
 from __future__ import annotations
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIMS = ("pp", "dp", "tp")
+from workbench.parallelism import MESH_AXES, Parallelism
 
 
 def build_mesh(device_type: str, *, dp: int, tp: int, pp: int) -> DeviceMesh | None:
@@ -13,7 +13,8 @@ def build_mesh(device_type: str, *, dp: int, tp: int, pp: int) -> DeviceMesh | N
     Raises:
         RuntimeError: the process group's world size differs from dp x tp x pp.
     """
-    world = dp * tp * pp
+    par = Parallelism(dp=dp, tp=tp, pp=pp)
+    world = par.world_size
     if not dist.is_initialized():
         if world != 1:
             raise RuntimeError(f"layout needs {world} ranks but torch.distributed is not initialized")
@@ -23,11 +24,11 @@ def build_mesh(device_type: str, *, dp: int, tp: int, pp: int) -> DeviceMesh | N
             f"dp({dp}) x tp({tp}) x pp({pp}) = {world} ranks, but the process group has {dist.get_world_size()}"
         )
     # Pass the device type explicitly: on CPU the default would try CUDA.
-    return init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(device_type, par.mesh_shape, mesh_dim_names=MESH_AXES)
 
 
 def coords(mesh: DeviceMesh | None) -> dict[str, int]:
-    """This rank's index along each mesh dim."""
+    """This rank's index along each mesh axis."""
     if mesh is None:
-        return {name: 0 for name in MESH_DIMS}
-    return {name: mesh.get_local_rank(name) for name in MESH_DIMS}
+        return {axis: 0 for axis in MESH_AXES}
+    return {axis: mesh.get_local_rank(axis) for axis in MESH_AXES}

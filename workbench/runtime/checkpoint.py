@@ -97,14 +97,17 @@ class Checkpointer:
         on_saved: called on rank 0 with (step, url) once a checkpoint is complete.
         warn: called on rank 0 with a message when a checkpoint is skipped on resume.
         clock: seconds, monotonic (injectable for tests of time-based saves).
+        loaded: `spec` as the JobSpec the run loaded (a resume is checked against it); without it,
+            loaded from `spec` when a resume needs it.
     """
 
     def __init__(self, spec: dict, modules: list[nn.Module], optimizer: torch.optim.Optimizer | None, *,
                  extra_state: dict | None = None, device: torch.device | None = None,
                  on_saved: Callable[[int, str], None] | None = None,
-                 warn: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic):
+                 warn: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 loaded=None):
         cfg = spec.get("checkpoint", {})
-        self.spec, self.optimizer = spec, optimizer
+        self.spec, self.optimizer, self._loaded = spec, optimizer, loaded
         self.uri = cfg.get("uri")
         self.every_steps = int(cfg.get("every_steps", 0))
         self.every_s = float(cfg.get("every_minutes", 0.0)) * 60.0
@@ -298,6 +301,14 @@ class Checkpointer:
         return self._broadcast(result) if not everyone else result
 
     # -- restore ------------------------------------------------------------------------
+    def _loaded_spec(self):
+        """The run's JobSpec: the one it loaded, else `spec` loaded once here."""
+        if self._loaded is None:
+            from workbench.spec import load_spec
+
+            self._loaded = load_spec(self.spec)
+        return self._loaded
+
     def restore(self, *, or_fresh: bool = False) -> int:
         """Load the newest complete, intact checkpoint; returns its step (0 when none).
 
@@ -308,7 +319,6 @@ class Checkpointer:
             ConfigError: the checkpoint was written by an incompatible spec (e.g. another model
                 shape), or every checkpoint under the URI was rejected (each named, with why).
         """
-        from workbench.spec import load_spec
         from workbench.validate import check_resume
 
         if not self.enabled:
@@ -327,7 +337,7 @@ class Checkpointer:
                 self._warn(f"checkpoint step {step} under {self.uri} is incomplete or corrupt "
                            f"({rejected[-1][1]}); falling back to the previous complete checkpoint")
                 continue
-            for note in check_resume(load_spec(self.spec), manifest_spec(manifest, self.uri)):
+            for note in check_resume(self._loaded_spec(), manifest_spec(manifest, self.uri)):
                 self._warn(note)
             problems = self._load_step(step, manifest)
             if problems:  # forged or planted files that passed size and CRC-32: the load is what finds them
@@ -407,10 +417,9 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         from workbench.models import build_model_meta
-        from workbench.spec import load_spec
 
         # check_resume made the writer's model this run's: build it from our spec, never from the file's
-        writer_model = build_model_meta(load_spec(self.spec))
+        writer_model = build_model_meta(self._loaded_spec())
         order = [(n, p.shape) for n, p in writer_model.named_parameters() if p.requires_grad]
         optimizer = self.spec.get("train", {}).get("optimizer", "adamw")
         dist_kwargs = {"process_group": self.group, "no_dist": self.group is None}
@@ -484,7 +493,7 @@ def _recording(writer):
 def build_checkpointer(spec, modules: list[nn.Module], optimizer: torch.optim.Optimizer | None, device: torch.device,
                        sink: Callable[[dict], None], extra_state: dict | None = None) -> Checkpointer:
     """The loop's Checkpointer: `checkpoint` and `warning` events go to `sink` (from rank 0)."""
-    return Checkpointer(spec.to_dict(), modules, optimizer, extra_state=extra_state, device=device,
+    return Checkpointer(spec.to_dict(), modules, optimizer, extra_state=extra_state, device=device, loaded=spec,
                         on_saved=lambda step, url: sink({"event": "checkpoint", "step": step, "uri": url}),
                         warn=lambda message: sink({"event": "warning", "message": message}))
 

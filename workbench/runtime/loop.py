@@ -31,7 +31,7 @@ from workbench.runtime.preemption import PreemptionNotice
 from workbench.runtime.tracking import tracked
 from workbench.schedule import lr_for
 from workbench.spec import JobSpec, load_spec
-from workbench.validate import check_runnable
+from workbench.validate import check_runnable, validate_spec
 
 Sink = Callable[[dict], None]
 MEMORY_EVERY = 5  # steps between memory events (and the first and last step)
@@ -41,7 +41,7 @@ TIMELINE_STEP = 2  # pp > 1: the step whose F/B/W timings are emitted (step 1 al
 @dataclass
 class RankContext:
     rank: int
-    world_size: int
+    world_size: int  # the process group's size (a layout's is Parallelism.world_size; build_mesh checks they agree)
     device: torch.device
 
 
@@ -60,14 +60,16 @@ def init_distributed() -> RankContext:
     return RankContext(rank, world, device)
 
 
-def build_train_step(par: Parallelized, spec: JobSpec, device: torch.device, mesh) -> TrainStep:
-    """The optimizer side of the step for this layout and precision (see parallel/step.py)."""
-    t, prec = spec.train, spec.precision
-    scaler = DynamicLossScaler(prec.initial_loss_scale, enabled=(prec.dtype == "fp16"))
+def build_train_step(par: Parallelized, spec: JobSpec, parallelism: Parallelism, device: torch.device,
+                     mesh) -> TrainStep:
+    """The optimizer side of the step for this layout and precision (see parallel/step.py): the
+    spec's optimizer settings, `parallelism`'s dtype and pipeline degree."""
+    t = spec.train
+    scaler = DynamicLossScaler(spec.precision.initial_loss_scale, enabled=(parallelism.dtype == "fp16"))
     params = [p for m in par.modules for p in m.parameters() if p.requires_grad]
     return TrainStep(params, optimizer=t.optimizer, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
                      scaler=scaler, master=par.master, comm_device=device,
-                     pp_group=mesh.get_group("pp") if mesh is not None and spec.layout.pp > 1 else None,
+                     pp_group=mesh.get_group("pp") if mesh is not None and parallelism.pp > 1 else None,
                      copies=par.tied_copies)
 
 
@@ -111,26 +113,25 @@ def loss_token_count(y: torch.Tensor, masked: bool, dp: int, dp_group) -> int:
 
 
 @torch.no_grad()
-def evaluate(par: Parallelized, source, spec: JobSpec, dp_rank: int, device: torch.device, pipeline=None,
-             dp_group=None) -> float:
+def evaluate(run: _Run) -> float:
     """Mean held-out loss per target token over train.eval_batches global batches (the same
     batches every time; completion tokens only for fine-tuning data), summed over the dp ranks
     before dividing: the layout-free number the single-process run computes."""
-    t, dp, dtype = spec.train, spec.layout.dp, spec.precision.dtype
+    t, lay, par, device = run.spec.train, run.parallelism, run.par, run.ctx.device
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss summed over target tokens, their count)
     for j in range(t.eval_batches):
-        tokens, mask = source.val_examples(j, t.global_batch, dp_rank, dp)
+        tokens, mask = run.source.val_examples(j, t.global_batch, run.where["dp"], lay.dp)
         tokens = tokens.to(device)
         y = targets(tokens, None if mask is None else mask.to(device))
         sums[1] += (y != IGNORE).sum()
-        if pipeline is not None:
-            sums[0] += pipeline.evaluate(tokens, y)
+        if run.pipeline is not None:
+            sums[0] += run.pipeline.evaluate(tokens, y)
             continue
-        for tok, target in zip(tokens.split(t.micro_batch), y.split(t.micro_batch)):
-            with par.loss_context(), autocast(tok.device.type, dtype):
+        for tok, target in zip(tokens.split(lay.micro_batch), y.split(lay.micro_batch)):
+            with par.loss_context(), autocast(tok.device.type, lay.dtype):
                 sums[0] += _full(micro_batch_loss(par.model, tok, target, scale=1.0).detach())
-    if dp_group is not None:
-        dist.all_reduce(sums, group=dp_group)
+    if run.dp_group is not None:
+        dist.all_reduce(sums, group=run.dp_group)
     return (sums[0] / sums[1].clamp(min=1)).item()
 
 
@@ -146,7 +147,8 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
     """Train `spec` on this rank. Returns the final {"status", "step", "loss"}.
 
     Args:
-        spec: the job (validated again here: the same object travels to every rank).
+        spec: the job: a dict (what travels to a rank) is loaded here, a JobSpec (loaded by the
+            caller) validated again; the rank runs on this one spec and its one Parallelism.
         sink: receives each metrics event (all ranks emit memory events; rank 0 the others).
         should_stop: polled after each step on every rank; if any rank says True, all ranks
             stop after the same step and the run ends with status "preempted".
@@ -156,7 +158,7 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
             (on rank 0; collective, for parity tests).
         attempt: how many times the launcher restarted the workers (recorded in the restart event).
     """
-    spec = load_spec(spec)
+    spec = _loaded(spec)
     joins = not dist.is_initialized()  # the launcher's env:// group is ours to destroy
     # SIGTERM -> stop after this step (main thread only); trackers get rank 0's events.
     try:
@@ -173,11 +175,21 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
     return result
 
 
+def _loaded(spec: JobSpec | dict) -> JobSpec:
+    """The rank's one spec: load a dict (or path), validate a JobSpec again in place (a notebook may
+    have changed it since it was loaded) instead of loading it a second time."""
+    if not isinstance(spec, JobSpec):
+        return load_spec(spec)
+    validate_spec(spec)
+    return spec
+
+
 @dataclass
 class _Run:
     """What one rank builds before its first step (`_setup`) and uses in every step."""
 
     spec: JobSpec
+    parallelism: Parallelism  # the spec's layout, precision and batch split: every layout fact the loop reads
     ctx: RankContext
     mesh: DeviceMesh | None
     where: dict[str, int]  # this rank's mesh coordinates
@@ -198,7 +210,7 @@ def _setup(spec: JobSpec, sink: Sink) -> _Run:
     mesh = build_mesh(ctx.device.type, dp=parallelism.dp, tp=parallelism.tp, pp=parallelism.pp)
     torch.manual_seed(t.seed)
     par = parallelize(build_model_meta(spec), mesh, parallelism, device=ctx.device, seed=t.seed)
-    step_fn = build_train_step(par, spec, ctx.device, mesh)
+    step_fn = build_train_step(par, spec, parallelism, ctx.device, mesh)
     if ctx.rank == 0:
         for note in par.notes:
             sink({"event": "note", "message": note})
@@ -210,13 +222,14 @@ def _setup(spec: JobSpec, sink: Sink) -> _Run:
         from workbench.runtime.pipeline import PipelineEngine
 
         pipeline = PipelineEngine(par, mesh, schedule=parallelism.pp_schedule, device=ctx.device,
-                                  num_microbatches=t.global_batch // (parallelism.dp * t.micro_batch),
-                                  dtype=parallelism.dtype, scale_loss=step_fn.scale_loss)
-    return _Run(spec, ctx, mesh, coords(mesh), par, step_fn, build_token_source(spec), meter, dp_group, pipeline)
+                                  num_microbatches=parallelism.num_micro, dtype=parallelism.dtype,
+                                  scale_loss=step_fn.scale_loss)
+    return _Run(spec, parallelism, ctx, mesh, coords(mesh), par, step_fn, build_token_source(spec), meter, dp_group,
+                pipeline)
 
 
-def _train(spec, sink: Sink, should_stop: Callable[[], bool], resume: bool, gather_state: bool, attempt: int) -> dict:
-    spec = load_spec(spec)
+def _train(spec: JobSpec, sink: Sink, should_stop: Callable[[], bool], resume: bool, gather_state: bool,
+           attempt: int) -> dict:
     run = _setup(spec, sink)
     rank = run.ctx.rank
     ckpt = build_checkpointer(spec, run.par.modules, run.step_fn.optimizer, run.ctx.device, sink,
@@ -251,7 +264,7 @@ def _loop(run: _Run, spec: JobSpec, ckpt, sink: Sink, should_stop: Callable[[], 
     for step in range(first, t.steps + 1):
         loss_value = _step(run, step, first, sink)
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-            val = evaluate(run.par, run.source, spec, run.where["dp"], run.ctx.device, run.pipeline, run.dp_group)
+            val = evaluate(run)
             if rank == 0:
                 sink({"event": "eval", "step": step, "loss": val, "perplexity": math.exp(min(val, 700.0))})
         save, stop = ckpt.poll(step, should_stop(), last_step=t.steps)
@@ -266,8 +279,9 @@ def _loop(run: _Run, spec: JobSpec, ckpt, sink: Sink, should_stop: Callable[[], 
 def _step(run: _Run, step: int, first: int, sink: Sink) -> float:
     """One optimizer step: forward/backward of the rank's micro-batches (or the pipeline's), the
     gradient sync no wrapper does, the update; memory and step events. Returns the dp-mean loss."""
-    spec, par, step_fn, meter, rank = run.spec, run.par, run.step_fn, run.meter, run.ctx.rank
-    t, dp = spec.train, spec.layout.dp
+    par, step_fn, meter, rank = run.par, run.step_fn, run.meter, run.ctx.rank
+    t, lay = run.spec.train, run.parallelism
+    dp = lay.dp
     start, cpu_start = time.perf_counter(), time.process_time()
     step_fn.set_lr(lr_for(t, step))  # a pure function of the step: exact on resume
     tokens, mask = run.source.rank_examples(step, t.global_batch, run.where["dp"], dp)
@@ -280,8 +294,8 @@ def _step(run: _Run, step: int, first: int, sink: Sink) -> float:
     meter.active = step == first  # activations: measured once, see MemoryMeter.active
     meter.reset_peak()
     if run.pipeline is None:
-        micro = list(zip(tokens.split(t.micro_batch), y.split(t.micro_batch)))
-        loss = forward_backward(par, micro, meter, step_fn, spec.precision.dtype, scale=dp / count)
+        micro = list(zip(tokens.split(lay.micro_batch), y.split(lay.micro_batch)))
+        loss = forward_backward(par, micro, meter, step_fn, lay.dtype, scale=dp / count)
     else:
         loss, timeline = run.pipeline.step(tokens, y, meter, scale=dp / count,
                                            record=step == min(TIMELINE_STEP, t.steps))
@@ -315,8 +329,8 @@ def _gather_state(run: _Run) -> dict:
 
     named = [(param_name(m, n), p) for m in run.par.modules for n, p in m.named_parameters()]
     state = _gather_tp_shards(run.step_fn.full_state(named), named)
-    if run.spec.layout.pp > 1:  # each pipeline rank holds its stages: collect them all on rank 0
-        parts = [None] * run.ctx.world_size if run.ctx.rank == 0 else None
+    if run.parallelism.pp > 1:  # each pipeline rank holds its stages: collect them all on rank 0
+        parts = [None] * run.parallelism.world_size if run.ctx.rank == 0 else None
         dist.gather_object(state, parts, dst=0)
         state = {k: v for part in parts or [] for k, v in part.items()}
     return state

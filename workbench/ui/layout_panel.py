@@ -8,7 +8,7 @@ from __future__ import annotations
 import ipywidgets as w
 
 from workbench.catalog import DEVICES
-from workbench.parallelism import PIPELINE_SCHEDULES, is_multi_stage
+from workbench.parallelism import PIPELINE_SCHEDULES, Parallelism, is_multi_stage
 from workbench.spec import JobSpec
 from workbench.ui.live import FigureBox, labeled, note_html, section
 from workbench.ui.state import WorkbenchState
@@ -178,7 +178,7 @@ class LayoutPanel:
             return
         s = st.spec
         lay, res = s.layout, s.resources
-        micro = s.train.global_batch // (lay.dp * s.train.micro_batch)
+        micro = Parallelism.from_spec(s).num_micro
         try:
             n = s.model.shape().num_params() if s.model.params is None else int(s.model.params)
             size = f"{n / 1e9:.2f} B params" if n >= 1e9 else f"{n / 1e6:.2f} M params"

@@ -9,6 +9,7 @@ import html
 
 import ipywidgets as w
 
+from workbench.parallelism import Parallelism
 from workbench.report import figures
 from workbench.ui.live import FigureBox, note_html
 from workbench.ui.state import WorkbenchState
@@ -77,7 +78,7 @@ class MemoryPanel:
             from workbench.timeline import bubble_fraction, simulate, timeline_figure
         except ImportError:
             return None
-        micro = spec.train.global_batch // (lay.dp * spec.train.micro_batch)
+        micro = Parallelism.from_spec(spec).num_micro
         events = simulate(lay.pp_schedule, lay.pp, micro, lay.virtual_stages)
         # two short lines: one long line was cut at 800-1400 px (#34)
         title = (f"{lay.pp_schedule}, pp={lay.pp}, {micro} micro-batches<br>"
