@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 
+from tests.helpers.specs import tiny_gpt
 from workbench.cli import main as cli_main
 from workbench.errors import ConfigError
 from workbench.runtime.checkpoint_safe import load_metadata, scan_step
@@ -31,9 +32,7 @@ class Payload:
 
 
 def spec(uri) -> dict:
-    return {"name": "data-only", "model": {"preset": "gpt-tiny"},
-            "train": {"steps": 2, "global_batch": 4, "micro_batch": 4},
-            "checkpoint": {"uri": str(uri), "every_steps": 2}}
+    return tiny_gpt(uri, name="data-only", steps=2, global_batch=4, every_steps=2)
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from tests.helpers.events import losses, series
+from tests.helpers.reference import reference_run
 from workbench.cli import main
 from workbench.data import DEFAULT_TEXT
 from workbench.runtime.loop import train
@@ -24,19 +26,13 @@ def tiny(tmp_path=None, schedule="cosine", **extra) -> dict:
     return spec
 
 
-def of(events, kind, key="loss"):
-    return [e[key] for e in events if e["event"] == kind]
-
-
 @pytest.fixture(scope="module")
 def reference():
-    events = []
-    train(tiny(), events.append)
-    return events
+    return reference_run(tiny()).events
 
 
 def test_schedule_is_applied_and_eval_events_come_on_schedule(reference):
-    assert of(reference, "step", "lr") == pytest.approx(lr_curve(load_spec(tiny()).train))
+    assert series(reference, "lr") == pytest.approx(lr_curve(load_spec(tiny()).train))
     evals = [e for e in reference if e["event"] == "eval"]
     assert [e["step"] for e in evals] == [4, 8]
     for e in evals:
@@ -44,7 +40,7 @@ def test_schedule_is_applied_and_eval_events_come_on_schedule(reference):
     # A constant schedule trains differently: the schedule really reached the optimizer.
     const = []
     train(tiny(schedule="constant", train={**tiny()["train"], "schedule": "constant", "warmup_steps": 0}), const.append)
-    assert of(const, "step")[1:] != of(reference, "step")[1:]
+    assert losses(const)[1:] != losses(reference)[1:]
 
 
 @pytest.mark.parametrize("stop", [2, 5])  # mid-warmup, mid-decay
@@ -54,10 +50,10 @@ def test_resume_gets_the_same_lr_and_loss_curve(tmp_path, reference, stop):
     train(tiny(tmp_path), first.append, should_stop=lambda: next(calls) >= stop)
     resumed = []
     train(tiny(tmp_path), resumed.append, resume=True)
-    assert of(resumed, "step", "step") == list(range(stop + 1, STEPS + 1))
-    assert of(first, "step", "lr") + of(resumed, "step", "lr") == of(reference, "step", "lr")
-    assert of(first, "step") + of(resumed, "step") == of(reference, "step")  # bit-for-bit
-    assert of(first, "eval") + of(resumed, "eval") == of(reference, "eval")
+    assert series(resumed, "step") == list(range(stop + 1, STEPS + 1))
+    assert series(first, "lr") + series(resumed, "lr") == series(reference, "lr")
+    assert losses(first) + losses(resumed) == losses(reference)  # bit-for-bit
+    assert losses(first, "eval") + losses(resumed, "eval") == losses(reference, "eval")
 
 
 def test_trackers_write_real_tensorboard_and_mlflow_files(tmp_path):
@@ -71,8 +67,8 @@ def test_trackers_write_real_tensorboard_and_mlflow_files(tmp_path):
     acc.Reload()
     loss = [(s.step, s.value) for s in acc.Scalars("train/loss")]
     assert loss == [(e["step"], pytest.approx(e["loss"])) for e in events if e["event"] == "step"]
-    assert [s.value for s in acc.Scalars("eval/perplexity")] == pytest.approx(of(events, "eval", "perplexity"))
-    assert [s.value for s in acc.Scalars("train/lr")] == pytest.approx(of(events, "step", "lr"))
+    assert [s.value for s in acc.Scalars("eval/perplexity")] == pytest.approx(series(events, "perplexity", "eval"))
+    assert [s.value for s in acc.Scalars("train/lr")] == pytest.approx(series(events, "lr"))
     peak = [e["measured"]["peak"] for e in events if e["event"] == "memory"]
     assert [s.value for s in acc.Scalars("memory/peak_bytes")] == pytest.approx(peak)
     (text,) = acc.Tensors("spec/text_summary")
