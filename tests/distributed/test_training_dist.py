@@ -39,7 +39,8 @@ def spec(shards, model, layout=None, uri=None):
 
 @pytest.fixture(scope="module")
 def references(shards):
-    return {name: reference_run(spec(shards, model), gather_state=True) for name, model in (("gpt", GPT), ("llama", LLAMA))}
+    return {name: reference_run(spec(shards, model), gather_state=True)
+            for name, model in (("gpt", GPT), ("llama", LLAMA))}
 
 
 @pytest.mark.parametrize("name", list(CASES))
