@@ -8,6 +8,7 @@ import pytest
 
 from tests.helpers.events import losses, series
 from tests.helpers.reference import reference_run
+from tests.helpers.specs import tiny_gpt
 from workbench.cli import main
 from workbench.data import DEFAULT_TEXT
 from workbench.runtime.loop import train
@@ -18,12 +19,12 @@ STEPS = 8
 
 
 def tiny(tmp_path=None, schedule="cosine", **extra) -> dict:
-    spec = {"name": "train-features", "model": {"preset": "gpt-tiny"}, "data": {"source": "text", "val_fraction": 0.2},
-            "train": {"steps": STEPS, "global_batch": 4, "micro_batch": 2, "lr": 1e-2, "schedule": schedule,
-                      "warmup_steps": 3, "min_lr": 1e-3, "eval_every": 4, "eval_batches": 2}, **extra}
-    if tmp_path is not None:
-        spec["checkpoint"] = {"uri": str(tmp_path / "ckpt"), "every_steps": 1}
-    return spec
+    """`extra`: whole top-level sections (tracking, or a train section that replaces this one)."""
+    ckpt = {"uri": tmp_path / "ckpt", "every_steps": 1} if tmp_path is not None else {}
+    spec = tiny_gpt(**ckpt, name="train-features", steps=STEPS, global_batch=4, micro_batch=2,
+                    train={"lr": 1e-2, "schedule": schedule, "warmup_steps": 3, "min_lr": 1e-3, "eval_every": 4,
+                           "eval_batches": 2})
+    return {**spec, "data": {"source": "text", "val_fraction": 0.2}, **extra}
 
 
 @pytest.fixture(scope="module")
