@@ -5,6 +5,9 @@ import functools
 import pytest
 import torch
 
+from tests.helpers.events import losses
+from tests.helpers.reference import reference_run
+from tests.helpers.specs import tiny_gpt, world
 from workbench.runtime.loop import train
 
 pytestmark = [pytest.mark.distributed]
@@ -12,14 +15,7 @@ STEPS = 6
 
 
 def spec(dp: int, uri=None, layout: dict | None = None, **ckpt) -> dict:
-    layout = layout or {"dp": dp}
-    world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
-    out = {"name": "ckpt-dist", "model": {"preset": "gpt-tiny"},
-           "train": {"steps": STEPS, "global_batch": 8, "micro_batch": 4},
-           "layout": layout, "resources": {"gpus_per_node": world}}
-    if uri is not None:
-        out["checkpoint"] = {"uri": str(uri), **ckpt}
-    return out
+    return tiny_gpt(uri, name="ckpt-dist", steps=STEPS, layout=layout or {"dp": dp}, **ckpt)
 
 
 def run_rank(spec: dict, sink, *, stop_after: int = 0, resume: bool = False) -> None:
@@ -31,10 +27,6 @@ def run_rank(spec: dict, sink, *, stop_after: int = 0, resume: bool = False) -> 
     train(spec, sink, should_stop=stop, resume=resume)
 
 
-def losses(events, kind="step"):
-    return [e["loss"] for e in events if e["event"] == kind]
-
-
 @pytest.fixture
 def pool(spawn_pools):
     return spawn_pools.get(2)
@@ -42,7 +34,7 @@ def pool(spawn_pools):
 
 @pytest.fixture(scope="module")
 def reference(spawn_pools):
-    return losses(spawn_pools.get(2).run(spec(2), timeout_s=240))
+    return reference_run(spec(2), pool=spawn_pools.get(2)).losses()
 
 
 @pytest.mark.timeout(420)
@@ -88,7 +80,7 @@ def test_sharded_layouts_resume_exactly_and_elastically(name, pool, reference, t
     """FSDP2 shards, TP DTensors and pipeline stages: the same layout resumes bit for bit; a
     single process resumes the sharded checkpoint within floating-point tolerance."""
     layout = SHARDED[name]
-    full = losses(pool.run(spec(0, layout=layout), timeout_s=240))
+    full = reference_run(spec(0, layout=layout), pool=pool).losses()
     torch.testing.assert_close(full, reference, rtol=1e-5, atol=1e-5)  # layout invariance
     pool.run(spec(0, tmp_path, layout=layout), fn=functools.partial(run_rank, stop_after=3), timeout_s=240)
 
@@ -111,10 +103,7 @@ MIXED_CHAIN = [(0, "fp32"), (1, "bf16"), (3, "bf16"), (2, "fp32"), (0, "bf16"), 
 
 
 def chain_spec(zero: int, dtype: str, steps: int, uri) -> dict:
-    return {"name": "ckpt-matrix", "model": {"preset": "gpt-tiny"}, "precision": {"dtype": dtype},
-            "train": {"steps": steps, "global_batch": 8, "micro_batch": 4},
-            "layout": {"dp": 2, "zero": zero}, "resources": {"gpus_per_node": 2},
-            "checkpoint": {"uri": str(uri), "every_steps": 100}}
+    return tiny_gpt(uri, name="ckpt-matrix", steps=steps, dtype=dtype, layout={"dp": 2, "zero": zero}, every_steps=100)
 
 
 @pytest.mark.slow
@@ -122,7 +111,7 @@ def chain_spec(zero: int, dtype: str, steps: int, uri) -> dict:
 @pytest.mark.parametrize("chain,rtol", [(FP32_CHAIN, 1e-5), (MIXED_CHAIN, 2e-2)], ids=["fp32", "fp32-bf16"])
 def test_resume_matrix_across_zero_stages_and_precisions(chain, rtol, pool, tmp_path):
     steps = len(chain) + 1
-    reference = losses(pool.run(chain_spec(0, "fp32", steps, tmp_path / "ref"), timeout_s=240))
+    reference = reference_run(chain_spec(0, "fp32", steps, tmp_path / "ref"), pool=pool).losses()
     got = losses(pool.run(chain_spec(*chain[0], steps, tmp_path), fn=functools.partial(run_rank, stop_after=2),
                           timeout_s=240))
     for hop, (zero, dtype) in enumerate(chain[1:], start=2):
@@ -155,7 +144,7 @@ def test_pipeline_master_resumes_exactly_and_under_another_layout(name, spawn_po
         return {**out, "train": {**out["train"], "micro_batch": 2}}  # 2 micro-batches for the pipeline
 
     pool = spawn_pools.get(world)
-    full = losses(pool.run(job(None, layout), timeout_s=240))
+    full = reference_run(job(None, layout), pool=pool).losses()
     pool.run(job(tmp_path / "a", layout), fn=functools.partial(run_rank, stop_after=3), timeout_s=240)
     shutil.copytree(tmp_path / "a", tmp_path / "b")
 
@@ -200,22 +189,17 @@ TIED_STEPS, TIED_STOP = 4, 2
 
 
 def tied_spec(dtype: str, layout: dict, uri=None) -> dict:
-    world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
-    out = {"name": "ckpt-tied", "model": {"preset": "gpt-tiny", "tie_embeddings": True},
-           "precision": {"dtype": dtype}, "train": {"steps": TIED_STEPS, "global_batch": 8, "micro_batch": 2},
-           "layout": layout, "resources": {"gpus_per_node": world}}
-    if uri is not None:
-        out["checkpoint"] = {"uri": str(uri), "every_steps": 100}
-        if layout.get("offload") == "nvme":  # not the shared default folder
-            out["layout"] = {**layout, "nvme_path": str(uri / "nvme")}
-    return out
+    if uri is not None and layout.get("offload") == "nvme":  # not the shared default folder
+        layout = {**layout, "nvme_path": str(uri / "nvme")}
+    return tiny_gpt(uri, name="ckpt-tied", steps=TIED_STEPS, micro_batch=2, model={"tie_embeddings": True},
+                    dtype=dtype, layout=layout, **({"every_steps": 100} if uri is not None else {}))
 
 
 def run_tied(spawn_pools, spec: dict, *, stop_after: int = 0, resume: bool = False) -> list[dict]:
     """`spec` on its world of ranks: a SpawnPool job, or this process for one rank."""
-    world = spec["resources"]["gpus_per_node"]
-    if world > 1:
-        return spawn_pools.get(world).run(spec, fn=functools.partial(run_rank, stop_after=stop_after, resume=resume),
+    ranks = world(spec["layout"])
+    if ranks > 1:
+        return spawn_pools.get(ranks).run(spec, fn=functools.partial(run_rank, stop_after=stop_after, resume=resume),
                                           timeout_s=240)
     events: list[dict] = []
     calls = iter(range(1, 100))
@@ -230,9 +214,7 @@ def single_tied():
 
     def get(dtype: str) -> list[float]:
         if dtype not in cache:
-            events: list[dict] = []
-            train(tied_spec(dtype, {}), events.append)
-            cache[dtype] = losses(events)
+            cache[dtype] = reference_run(tied_spec(dtype, {})).losses()
         return cache[dtype]
     return get
 

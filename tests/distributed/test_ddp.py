@@ -2,22 +2,17 @@
 import pytest
 import torch
 
-from workbench.runtime.loop import train
+from tests.helpers.events import losses
+from tests.helpers.reference import reference_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
 BASE = {"model": {"preset": "gpt-tiny"}, "train": {"steps": 6, "global_batch": 16, "micro_batch": 2, "lr": 3e-3}}
 
 
-def losses(events):
-    return [e["loss"] for e in sorted((e for e in events if e["event"] == "step"), key=lambda e: e["step"])]
-
-
 @pytest.fixture(scope="module")
 def reference():
-    events = []
-    train(BASE, events.append)
-    return losses(events)
+    return reference_run(BASE).losses()
 
 
 def test_ddp_matches_single_process(pool2, reference):

@@ -4,8 +4,9 @@ loss (the loaded model's, before any update) equals transformers' on the same gl
 next step equals the single-process run's (the parity tests' tolerance)."""
 import pytest
 
+from tests.helpers.events import losses
 from tests.helpers.hf_models import hf_loss, hf_spec, make_hf_model
-from workbench.runtime.loop import train
+from tests.helpers.reference import reference_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -36,19 +37,13 @@ def models(tmp_path_factory):
     return out
 
 
-def step_losses(events):
-    return [e["loss"] for e in sorted((e for e in events if e["event"] == "step"), key=lambda e: e["step"])]
-
-
 @pytest.fixture(scope="module")
 def single(models):
     done = {}
 
     def run(arch, dtype):
         if (arch, dtype) not in done:
-            events = []
-            train({**hf_spec(models[arch][1]), "precision": {"dtype": dtype}}, events.append)
-            done[arch, dtype] = step_losses(events)
+            done[arch, dtype] = reference_run({**hf_spec(models[arch][1]), "precision": {"dtype": dtype}}).losses()
         return done[arch, dtype]
 
     return run
@@ -60,11 +55,11 @@ def test_loaded_model_equals_transformers_under_layout(name, models, single, spa
     hf, path = models[arch]
     spec = {**hf_spec(path, **(model[0] if model else {})), "layout": layout, "precision": {"dtype": dtype}}
     events = spawn_pools.get(world).run(spec, timeout_s=300)
-    losses = step_losses(events)
-    assert len(losses) == 2
+    got = losses(events)
+    assert len(got) == 2
     if dtype == "fp32":
-        assert losses[0] == pytest.approx(hf_loss(hf, spec), rel=1e-5)
-        assert losses == pytest.approx(single(arch, dtype), rel=1e-4)
+        assert got[0] == pytest.approx(hf_loss(hf, spec), rel=1e-5)
+        assert got == pytest.approx(single(arch, dtype), rel=1e-4)
     else:  # bf16 compute from the same fp32 values: close to transformers' fp32, equal to one process in bf16
-        assert losses[0] == pytest.approx(hf_loss(hf, spec), rel=2e-2)
-        assert losses == pytest.approx(single(arch, dtype), rel=1e-2)
+        assert got[0] == pytest.approx(hf_loss(hf, spec), rel=2e-2)
+        assert got == pytest.approx(single(arch, dtype), rel=1e-2)

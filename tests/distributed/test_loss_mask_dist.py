@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from tests.helpers.chat import jsonl, many_chats
+from tests.helpers.events import losses
 from tests.helpers.models import TWO_RANK_LAYOUTS
+from tests.helpers.reference import reference_run
 from workbench import build_model, load_spec
 from workbench.data import IGNORE, build_token_source, targets
-from workbench.runtime.loop import train
 from workbench.shards import prepare
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -30,18 +31,9 @@ def spec(shards, model, layout=None):
             "train": {"steps": 4, "global_batch": 8, "micro_batch": 2, "lr": 3e-3, "eval_every": 2, "eval_batches": 2}}
 
 
-def of(events, kind):
-    return [e["loss"] for e in sorted((e for e in events if e["event"] == kind), key=lambda e: e["step"])]
-
-
 @pytest.fixture(scope="module")
 def references(shards):
-    done = {}
-    for name, model in (("gpt", GPT), ("llama", LLAMA)):
-        events = []
-        train(spec(shards, model), events.append)
-        done[name] = events
-    return done
+    return {name: reference_run(spec(shards, model)).events for name, model in (("gpt", GPT), ("llama", LLAMA))}
 
 
 def test_the_reference_loss_is_the_mean_over_the_global_batchs_completion_tokens(shards, references):
@@ -55,11 +47,11 @@ def test_the_reference_loss_is_the_mean_over_the_global_batchs_completion_tokens
     assert len(set(per_micro.tolist())) == 4 and (y == IGNORE).any()  # the mask's density differs per micro-batch
     with torch.no_grad():
         logits = build_model(s)(tokens[:, :-1])
-        losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE,
-                                                   reduction="none").reshape(4, -1)
-    expected = losses.sum() / per_micro.sum()
-    assert of(references["gpt"], "step")[0] == pytest.approx(expected.item(), rel=1e-5)
-    by_micro = (losses.sum(dim=1) / per_micro).mean()
+        token_losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE,
+                                                         reduction="none").reshape(4, -1)
+    expected = token_losses.sum() / per_micro.sum()
+    assert losses(references["gpt"])[0] == pytest.approx(expected.item(), rel=1e-5)
+    by_micro = (token_losses.sum(dim=1) / per_micro).mean()
     assert abs(by_micro.item() - expected.item()) > 1e-3
 
 
@@ -68,6 +60,6 @@ def test_layouts_match_the_single_process_masked_losses(name, shards, references
     model, layout = CASES[name]
     events = pool2.run(spec(shards, model, layout), timeout_s=300)
     ref = references[name.split("-")[0]]
-    torch.testing.assert_close(of(events, "step"), of(ref, "step"), rtol=1e-4, atol=0)
-    torch.testing.assert_close(of(events, "eval"), of(ref, "eval"), rtol=1e-4, atol=0)
+    torch.testing.assert_close(losses(events), losses(ref), rtol=1e-4, atol=0)
+    torch.testing.assert_close(losses(events, "eval"), losses(ref, "eval"), rtol=1e-4, atol=0)
     assert [e["step"] for e in events if e["event"] == "eval"] == [2, 4]

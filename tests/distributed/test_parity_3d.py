@@ -2,9 +2,11 @@
 and one 8-rank dp2 x tp2 x pp2, each reproducing the single-process fp32 run."""
 import pytest
 import torch
-from test_parity_tp_pp import BASE, assert_matches, losses
+from test_parity_tp_pp import BASE, assert_matches
 
-from workbench.runtime.loop import train, train_with_state
+from tests.helpers.events import losses
+from tests.helpers.reference import reference_run
+from workbench.runtime.loop import train_with_state
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -23,9 +25,8 @@ CASES_4 = {
 
 @pytest.fixture(scope="module")
 def reference():
-    events = []
-    result = train(BASE, events.append, gather_state=True)
-    return losses(events), result["state"]
+    ref = reference_run(BASE, gather_state=True)
+    return ref.losses(), ref.state
 
 
 @pytest.mark.parametrize("name", list(CASES_4))
@@ -60,8 +61,7 @@ def test_gradient_clipping_spans_tensor_and_pipeline_shards(layout, spawn_pools,
     # A clip far below the gradient norm: every step is clipped, so a norm that missed the other
     # tp shards or pp stages would scale the update differently from the single process.
     spec = {**BASE, "train": {**BASE["train"], "grad_clip": 0.05}}
-    ref = []
-    result = train(spec, ref.append, gather_state=True)
-    assert losses(ref)[-1] != pytest.approx(reference[0][-1], rel=1e-4)  # clipping is active
+    ref = reference_run(spec, gather_state=True)
+    assert ref.losses()[-1] != pytest.approx(reference[0][-1], rel=1e-4)  # clipping is active
     events = spawn_pools.get(4).run({**spec, "layout": layout}, fn=train_with_state, timeout_s=240)
-    assert_matches(events, (losses(ref), result["state"]), "grad_clip")
+    assert_matches(events, (ref.losses(), ref.state), "grad_clip")

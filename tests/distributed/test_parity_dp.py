@@ -6,9 +6,11 @@ import math
 import pytest
 import torch
 
+from tests.helpers.events import final_state, losses, measured
+from tests.helpers.reference import reference_run
 from tests.helpers.state import assert_same_state
 from workbench import build_model
-from workbench.runtime.loop import train, train_with_state
+from workbench.runtime.loop import train_with_state
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -27,10 +29,6 @@ CASES = {
 CLIP = {"grad_clip": 0.5}  # below the gradient norm of the first steps: clipping is active
 
 
-def losses(events):
-    return [e["loss"] for e in sorted((e for e in events if e["event"] == "step"), key=lambda e: e["step"])]
-
-
 def spec_for(layout=None, precision=None, tmp=None, train_extra=None):
     spec = {**BASE, "train": {**BASE["train"], **(train_extra or {})}, "layout": {"dp": 2, **(layout or {})}}
     if tmp is not None and spec["layout"].get("offload") == "nvme":
@@ -41,9 +39,8 @@ def spec_for(layout=None, precision=None, tmp=None, train_extra=None):
 
 
 def _reference(train_extra):
-    events = []
-    result = train({**BASE, "train": {**BASE["train"], **train_extra}}, events.append, gather_state=True)
-    return losses(events), result["state"]
+    ref = reference_run({**BASE, "train": {**BASE["train"], **train_extra}}, gather_state=True)
+    return ref.losses(), ref.state
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +69,6 @@ def runs(spawn_pools, tmp_path_factory):
     return run
 
 
-def final_state(events):
-    (state,) = [e["state"] for e in events if e["event"] == "state"]
-    return state
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_layout_reproduces_single_process(name, runs, request):
     ref_losses, ref_state = request.getfixturevalue("reference_clip" if name.endswith("-clip") else "reference")
@@ -91,10 +83,6 @@ def test_layout_reproduces_single_process(name, runs, request):
         assert ref_losses[-1] != request.getfixturevalue("reference")[0][-1]
     if name == "zero3-cpu":  # CPU-only machine: the run says the offload does nothing here
         assert any(e["event"] == "note" and "no-op" in e["message"] for e in events)
-
-
-def measured(events, rank=0):
-    return [e["measured"] for e in events if e["event"] == "memory" and e["rank"] == rank][-1]
 
 
 def test_memory_events_show_the_sharding(runs):

@@ -11,9 +11,10 @@ fp16 11) through the updates: measured 6e-5 after 3 steps; the curve is held to 
 """
 import pytest
 import torch
-from test_parity_tp_pp import BASE, TIED, losses
+from test_parity_tp_pp import BASE, TIED
 
-from workbench.runtime.loop import train
+from tests.helpers.events import losses
+from tests.helpers.reference import reference_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -64,9 +65,7 @@ def reference():
 
     def get(model, dtype):
         if (model, dtype) not in done:
-            events = []
-            train(spec(model, dtype), events.append)
-            done[model, dtype] = losses(events)
+            done[model, dtype] = reference_run(spec(model, dtype)).losses()
         return done[model, dtype]
 
     return get

@@ -4,6 +4,8 @@ pipeline's measured timeline and activations show what each schedule does."""
 import pytest
 import torch
 
+from tests.helpers.events import final_state, losses
+from tests.helpers.reference import reference_run
 from workbench.runtime.loop import train, train_with_state
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -18,15 +20,6 @@ CASES = {
     "pp2-interleaved": {"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 2},
     "pp2-zero-bubble": {"pp": 2, "pp_schedule": "zero-bubble", "virtual_stages": 2},
 }
-
-
-def losses(events):
-    return [e["loss"] for e in sorted((e for e in events if e["event"] == "step"), key=lambda e: e["step"])]
-
-
-def final_state(events):
-    (state,) = [e["state"] for e in events if e["event"] == "state"]
-    return state
 
 
 def assert_matches(events, reference, name):
@@ -46,9 +39,8 @@ def assert_matches(events, reference, name):
 
 @pytest.fixture(scope="module")
 def reference():
-    events = []
-    result = train(BASE, events.append, gather_state=True)
-    return losses(events), result["state"]
+    ref = reference_run(BASE, gather_state=True)
+    return ref.losses(), ref.state
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +77,8 @@ TIED_CASES = {  # name: (world, layout)
 
 @pytest.fixture(scope="module")
 def tied_reference():
-    events = []
-    result = train(TIED, events.append, gather_state=True)
-    return losses(events), result["state"]
+    ref = reference_run(TIED, gather_state=True)
+    return ref.losses(), ref.state
 
 
 @pytest.mark.parametrize("name", list(TIED_CASES))
@@ -102,10 +93,9 @@ def test_tied_embeddings_stay_tied(name, spawn_pools, tied_reference, reference)
 def test_tied_pipeline_clips_the_shared_gradient_once(spawn_pools):
     # Clipped every step: counting the last stage's copy in the norm would clip harder.
     spec = {**TIED, "train": {**TIED["train"], "grad_clip": 0.05}}
-    ref = []
-    result = train(spec, ref.append, gather_state=True)
+    ref = reference_run(spec, gather_state=True)
     events = spawn_pools.get(2).run({**spec, "layout": {"pp": 2}}, fn=train_with_state, timeout_s=240)
-    assert_matches(events, (losses(ref), result["state"]), "pp2-tied-clipped")
+    assert_matches(events, (ref.losses(), ref.state), "pp2-tied-clipped")
 
 
 def timeline(events, rank):
@@ -172,15 +162,14 @@ def test_llama_tp2_sequence_parallel_with_grouped_kv_heads(spawn_pools):
     # RMSNorm under SequenceParallel, rotary embeddings, SwiGLU's w3, and 2 kv heads: 1 per rank.
     model = {"family": "llama", "layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 256, "seq_len": 64}
     spec = {**BASE, "model": model, "train": {**BASE["train"], "steps": 3}}
-    ref = []
-    result = train(spec, ref.append, gather_state=True)
+    ref = reference_run(spec, gather_state=True)
     events = spawn_pools.get(2).run({**spec, "layout": {"tp": 2, "sequence_parallel": True}}, fn=train_with_state,
                                     timeout_s=240)
-    torch.testing.assert_close(losses(events), losses(ref), rtol=1e-4, atol=0)
+    torch.testing.assert_close(losses(events), ref.losses(), rtol=1e-4, atol=0)
     state = final_state(events)
     # atol 5e-5: Adam divides by sqrt(v), so an element whose gradient is ~0 turns the TP
     # all-reduce's different summation order into a visible step (seen: 1 of 16384, 2.2e-5).
-    for key, value in result["state"].items():
+    for key, value in ref.state.items():
         torch.testing.assert_close(state[key], value, rtol=1e-4, atol=5e-5, msg=lambda m, key=key: f"{key}: {m}")
 
 
@@ -237,8 +226,7 @@ def test_sequence_parallel_clips_the_summed_gradients(spawn_pools):
     # Clipped every step: the norm's partial gradients must be summed over tp before the global
     # norm is taken (a rank clipping its half would clip differently and drift from one process).
     spec = {**BASE, "train": {**BASE["train"], "grad_clip": 0.05}}
-    ref = []
-    result = train(spec, ref.append, gather_state=True)
+    ref = reference_run(spec, gather_state=True)
     events = spawn_pools.get(2).run({**spec, "layout": {"tp": 2, "sequence_parallel": True}}, fn=train_with_state,
                                     timeout_s=240)
-    assert_matches(events, (losses(ref), result["state"]), "tp2-sp-clipped")
+    assert_matches(events, (ref.losses(), ref.state), "tp2-sp-clipped")

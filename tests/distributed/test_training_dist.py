@@ -6,10 +6,11 @@ import os
 import pytest
 import torch
 
+from tests.helpers.events import losses
 from tests.helpers.models import TWO_RANK_LAYOUTS
+from tests.helpers.reference import reference_run
 from workbench.data import DEFAULT_TEXT
 from workbench.export import export_hf, load_checkpoint_model
-from workbench.runtime.loop import train
 from workbench.shards import prepare
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -36,18 +37,10 @@ def spec(shards, model, layout=None, uri=None):
     return out
 
 
-def of(events, kind):
-    return [e["loss"] for e in sorted((e for e in events if e["event"] == kind), key=lambda e: e["step"])]
-
-
 @pytest.fixture(scope="module")
 def references(shards):
-    done = {}
-    for name, model in (("gpt", GPT), ("llama", LLAMA)):
-        events = []
-        state = train(spec(shards, model), events.append, gather_state=True)["state"]
-        done[name] = events, state
-    return done
+    return {name: reference_run(spec(shards, model), gather_state=True)
+            for name, model in (("gpt", GPT), ("llama", LLAMA))}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -56,16 +49,16 @@ def test_layout_on_tokens_matches_single_process_and_exports(name, shards, refer
 
     model, layout = CASES[name]
     events = pool2.run(spec(shards, model, layout, uri=tmp_path / "ckpt"), timeout_s=300)
-    ref, ref_state = references[name.split("-")[0]]
-    torch.testing.assert_close(of(events, "step"), of(ref, "step"), rtol=1e-4, atol=0)
-    torch.testing.assert_close(of(events, "eval"), of(ref, "eval"), rtol=1e-4, atol=0)
+    ref = references[name.split("-")[0]]
+    torch.testing.assert_close(losses(events), ref.losses(), rtol=1e-4, atol=0)
+    torch.testing.assert_close(losses(events, "eval"), ref.losses("eval"), rtol=1e-4, atol=0)
     assert [e["step"] for e in events if e["event"] == "eval"] == [2, 4]
 
     out = export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     ours, _ = load_checkpoint_model(str(tmp_path / "ckpt"))
     consolidated = ours.state_dict()
-    for key, value in ref_state.items():  # the checkpoint holds the trained model, whole
+    for key, value in ref.state.items():  # the checkpoint holds the trained model, whole
         torch.testing.assert_close(consolidated[key], value, rtol=1e-4, atol=1e-5, msg=key)
     x = torch.randint(0, 384, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from workbench.runtime.loop import train
+from tests.helpers.events import losses
+from tests.helpers.reference import reference_run
 from workbench.runtime.spawn import SpawnPool
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -18,10 +19,6 @@ CASES = {
 }
 
 
-def losses(events):
-    return [e["loss"] for e in sorted((e for e in events if e["event"] == "step"), key=lambda e: e["step"])]
-
-
 def spec(layout: dict | None = None) -> dict:
     world = layout["dp"] * layout["tp"] * layout.get("pp", 1) if layout else 1
     return {**BASE, "layout": {"dp": 1, **(layout or {})}, "resources": {"gpu": "h100-80gb", "gpus_per_node": world}}
@@ -29,9 +26,7 @@ def spec(layout: dict | None = None) -> dict:
 
 @pytest.fixture(scope="module")
 def reference():
-    events = []
-    train(spec(), events.append)
-    return losses(events)
+    return reference_run(spec()).losses()
 
 
 @pytest.mark.parametrize("name", list(CASES))

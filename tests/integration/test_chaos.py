@@ -20,6 +20,9 @@ import yaml
 from fsspec.implementations.memory import MemoryFileSystem
 
 from bench.common import OWN_GROUP
+from tests.helpers.events import loss_by_step
+from tests.helpers.reference import reference_run
+from tests.helpers.specs import tiny_gpt
 from workbench.errors import ConfigError
 from workbench.runtime.checkpoint import CheckpointError, CheckpointWarning
 from workbench.runtime.checkpoint_store import Store
@@ -30,23 +33,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny(steps: int, uri=None, dp: int = 1, global_batch: int = 8, **ckpt) -> dict:
-    spec = {"name": "chaos", "model": {"preset": "gpt-tiny"},
-            "train": {"steps": steps, "global_batch": global_batch, "micro_batch": 4},
-            "layout": {"dp": dp}, "resources": {"gpus_per_node": dp}}
-    if uri is not None:
-        spec["checkpoint"] = {"uri": str(uri), **ckpt}
-    return spec
-
-
-def losses(events: list[dict]) -> dict[int, float]:
-    return {e["step"]: e["loss"] for e in events if e["event"] == "step"}
+    return tiny_gpt(uri, name="chaos", steps=steps, global_batch=global_batch, layout={"dp": dp}, **ckpt)
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict[int, float]:
-    events: list[dict] = []
-    train(tiny(6), events.append)
-    return losses(events)
+    return reference_run(tiny(6)).loss_by_step()
 
 
 def test_corrupt_and_truncated_newest_checkpoints_fall_back(tmp_path, reference):
@@ -66,7 +58,7 @@ def test_corrupt_and_truncated_newest_checkpoints_fall_back(tmp_path, reference)
     assert any("step 4" in m and "corrupted" in m for m in messages), messages
     assert [e["message"] for e in events if e["event"] == "warning"][:2] == messages[:2]
     assert {"event": "restart", "attempt": 0, "from_step": 2, "rejected": [6, 4]} in events
-    assert losses(events) == {k: v for k, v in reference.items() if k > 2}
+    assert loss_by_step(events) == {k: v for k, v in reference.items() if k > 2}
 
 
 class FullDisk(MemoryFileSystem):
@@ -134,7 +126,7 @@ def test_disk_full_during_a_write_fails_clearly_and_keeps_the_previous_checkpoin
         uri = str(moved)
     resumed: list[dict] = []
     train(tiny(6, uri, every_steps=2), resumed.append, resume=True)
-    assert losses(resumed) == {k: v for k, v in reference.items() if k > 2}
+    assert loss_by_step(resumed) == {k: v for k, v in reference.items() if k > 2}
 
 
 def test_resume_with_an_incompatible_spec_names_the_difference(tmp_path):
@@ -159,7 +151,7 @@ def test_sigterm_to_one_rank_process_checkpoints_and_resumes_exactly(pool2, tmp_
 
 def _sigterm_one_rank(pool: SpawnPool, tmp_path: Path) -> None:
     steps, spec = 20, tiny(20, tmp_path, dp=2, every_steps=2)
-    reference = losses(pool.run(tiny(steps, dp=2), timeout_s=240))
+    reference = reference_run(tiny(steps, dp=2), pool=pool).loss_by_step()
     at = random.Random().choice([2, 4, 6])
     print(f"SIGTERM once step {at} is checkpointed")
     result: dict = {}
@@ -176,7 +168,7 @@ def _sigterm_one_rank(pool: SpawnPool, tmp_path: Path) -> None:
     assert (tmp_path / f"step-{end['step']:09d}" / "manifest.json").exists()
 
     resumed = pool.run(spec, fn=functools.partial(_resume), timeout_s=240)
-    assert losses(resumed) == {k: v for k, v in reference.items() if k > end["step"]}
+    assert loss_by_step(resumed) == {k: v for k, v in reference.items() if k > end["step"]}
 
 
 def _resume(spec: dict, sink) -> None:
@@ -245,12 +237,10 @@ def test_sigterm_at_a_random_step_then_resume(tmp_path):
     second = _sigterm_after(spec_path, tmp_path / "second.jsonl", stopped + 3, "--resume")
     assert {"event": "restart", "attempt": 0, "from_step": stopped} in second
     last = second[-1]["step"]
-    assert sorted(losses(second)) == list(range(stopped + 1, last + 1))
+    assert sorted(loss_by_step(second)) == list(range(stopped + 1, last + 1))
 
-    reference: list[dict] = []
-    train(tiny(last), reference.append)  # uninterrupted, in this process
-    joined = {**losses(first), **losses(second)}
-    ref = losses(reference)
+    ref = reference_run(tiny(last)).loss_by_step()  # uninterrupted, in this process
+    joined = {**loss_by_step(first), **loss_by_step(second)}
     torch.testing.assert_close([joined[k] for k in ref], list(ref.values()), rtol=1e-5, atol=1e-5)
 
 
@@ -308,9 +298,9 @@ def test_sigkill_of_a_rank_then_of_a_ray_worker_restarts_from_the_last_checkpoin
         last_ckpt = max(e["step"] for e in events[:cut] if e["event"] == "checkpoint")
         assert events[cut] == {"event": "restart", "attempt": n, "from_step": last_ckpt}
         assert last_ckpt >= killed[n - 1]
-        before, after = losses(events[bounds[n - 1]:cut]), losses(events[cut:bounds[n + 1]])
+        before, after = loss_by_step(events[bounds[n - 1]:cut]), loss_by_step(events[cut:bounds[n + 1]])
         assert sorted(after) == list(range(last_ckpt + 1, last_ckpt + 1 + len(after)))
         redone = [k for k in before if k in after]  # steps run again after the restart
         assert [after[k] for k in redone] == [before[k] for k in redone]  # the curve continues exactly
-    assert sorted(losses(events[cuts[-1]:])) == list(range(events[cuts[-1]]["from_step"] + 1, 25))
+    assert sorted(loss_by_step(events[cuts[-1]:])) == list(range(events[cuts[-1]]["from_step"] + 1, 25))
     assert events[-1] == {"event": "end", "status": "completed", "step": 24}

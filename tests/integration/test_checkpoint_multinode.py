@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench.common import OWN_GROUP
+from tests.helpers.events import losses
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,10 +71,6 @@ def finish(procs: list[subprocess.Popen], timeout: float = 400) -> list[tuple[in
 
 def events(stdout: str) -> list[dict]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith('{"event"')]
-
-
-def losses(evs: list[dict]) -> list[float]:
-    return [e["loss"] for e in evs if e["event"] == "step"]
 
 
 def run_nodes(spec: Path, dirs: list[str], entry: str) -> list[dict]:

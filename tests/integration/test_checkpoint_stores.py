@@ -14,6 +14,9 @@ import pytest
 pytest.importorskip("s3fs")
 
 from bench.common import OWN_GROUP  # noqa: E402
+from tests.helpers.events import losses  # noqa: E402
+from tests.helpers.reference import reference_run  # noqa: E402
+from tests.helpers.specs import tiny_gpt  # noqa: E402
 from tests.integration.test_cloud_sagemaker import aws_env, moto_server  # noqa: E402,F401 - fixtures
 from workbench.runtime.checkpoint import CheckpointWarning  # noqa: E402
 from workbench.runtime.checkpoint_lease import LEASE, Lease, LeaseHeld  # noqa: E402
@@ -26,15 +29,7 @@ STEPS = 5
 
 
 def tiny(uri=None, steps=STEPS, **ckpt) -> dict:
-    spec = {"name": "stores", "model": {"preset": "gpt-tiny"},
-            "train": {"steps": steps, "global_batch": 8, "micro_batch": 4}}
-    if uri:
-        spec["checkpoint"] = {"uri": uri, **ckpt}
-    return spec
-
-
-def losses(events):
-    return [e["loss"] for e in events if e["event"] == "step"]
+    return tiny_gpt(uri, name="stores", steps=steps, **ckpt)
 
 
 @pytest.fixture
@@ -50,9 +45,7 @@ def bucket(aws_env):  # noqa: F811 (the fixture imported above)
 
 @pytest.fixture(scope="module")
 def reference():
-    events = []
-    train(tiny(), events.append)
-    return losses(events)
+    return reference_run(tiny()).losses()
 
 
 def test_s3_write_list_retain_resume_and_skip_a_corrupt_step(bucket, reference):

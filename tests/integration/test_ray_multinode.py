@@ -26,8 +26,9 @@ import yaml  # noqa: E402
 
 from backends.bundle import SPEC_FILE, build_bundle  # noqa: E402
 from backends.ray_cluster import RayClusterJob  # noqa: E402
+from tests.helpers.events import loss_by_step  # noqa: E402
 from tests.helpers.ray_nodes import RayNodes  # noqa: E402
-from workbench.runtime.loop import train  # noqa: E402
+from tests.helpers.reference import reference_run  # noqa: E402
 from workbench.spec import load_spec  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -65,13 +66,7 @@ def _spec(cluster, **backend) -> dict:
 @pytest.fixture(scope="module")
 def reference() -> dict[int, float]:
     """The single-process loss curve of the same job (layout invariance)."""
-    events: list[dict] = []
-    train({"model": {"preset": "gpt-tiny"}, "train": TRAIN}, events.append)
-    return _losses(events)
-
-
-def _losses(events) -> dict[int, float]:
-    return {e["step"]: e["loss"] for e in events if e["event"] == "step"}
+    return reference_run({"model": {"preset": "gpt-tiny"}, "train": TRAIN}).loss_by_step()
 
 
 def _workers(events, attempt: int) -> dict[int, str]:
@@ -154,7 +149,7 @@ def _restart(events: list[dict]) -> tuple[int, dict, dict]:
     """(index of the restart after the failure, losses before it, losses after it). The entrypoint
     always resumes, so the first attempt has a restart event too (from step 0)."""
     cut = next(i for i, e in enumerate(events) if e["event"] == "restart" and e["attempt"] == 1)
-    return cut, _losses(events[:cut]), _losses(events[cut:])
+    return cut, loss_by_step(events[:cut]), loss_by_step(events[cut:])
 
 
 def test_node_loss_restarts_from_the_last_checkpoint_on_the_nodes_left(cluster, client, tmp_path, reference):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import workbench
-from workbench.runtime.loop import train
+from tests.helpers.reference import reference_run
 
 CLI = [sys.executable, "-m", "workbench.cli"]
 SPEC = {"name": "tp2-pp2", "model": {"preset": "gpt-tiny"}, "data": {"source": "synthetic", "seed": 0},
@@ -22,10 +22,8 @@ SPEC = {"name": "tp2-pp2", "model": {"preset": "gpt-tiny"}, "data": {"source": "
 def test_tp2_pp2_through_ray_matches_single_process():
     result = workbench.run(SPEC, progress=False)
     assert result.status == "completed"
-    reference = []
     single = {**SPEC, "layout": {}, "resources": {"gpu": "cpu", "gpus_per_node": 1}}
-    train(single, reference.append)
-    torch.testing.assert_close(result.losses, [e["loss"] for e in reference if e["event"] == "step"], rtol=1e-4, atol=0)
+    torch.testing.assert_close(result.losses, reference_run(single).losses(), rtol=1e-4, atol=0)
     assert {e["rank"] for e in result.events if e["event"] == "timeline"} == {0, 1, 2, 3}
 
 

@@ -2,6 +2,7 @@
 import pytest
 import torch.nn as nn
 
+from tests.helpers.events import losses, measured
 from workbench.errors import ConfigError
 from workbench.parallel.activation_checkpointing import apply_activation_checkpointing
 from workbench.runtime.loop import train
@@ -35,10 +36,9 @@ def test_checkpointing_keeps_losses_and_cuts_activations():
         events = []
         mode = name.split("-")[0]
         train({**base, "layout": {"activation_checkpointing": mode, **extra}}, events.append)
-        out[name] = ([e["loss"] for e in events if e["event"] == "step"],
-                     [e["measured"]["activations"] for e in events if e["event"] == "memory"][-1])
-    losses = {name: o[0] for name, o in out.items()}
-    assert len({tuple(v) for v in losses.values()}) == 1, losses  # recompute is exact
+        out[name] = (losses(events), measured(events)["activations"])
+    curves = {name: o[0] for name, o in out.items()}
+    assert len({tuple(v) for v in curves.values()}) == 1, curves  # recompute is exact
     assert out["full"][1] < out["full-every-2"][1] < out["selective"][1] < out["none"][1]
 
 

@@ -5,20 +5,15 @@ import pytest
 
 from backends.azureml import AzureMLBackend, check, map_status
 from backends.base import JobState
+from tests.helpers.specs import cloud_spot
 from workbench.errors import ConfigError
-from workbench.spec import load_spec
 
 pytest.importorskip("azure.ai.ml")
 pytestmark = pytest.mark.filterwarnings("ignore:The `context` parameter is deprecated")
 
 
-def spec(**overrides):
-    s = load_spec("examples/cloud-spot.yaml")
-    return s.replace(**overrides) if overrides else s
-
-
 def test_dry_run_body():
-    req = AzureMLBackend().dry_run(spec())
+    req = AzureMLBackend().dry_run(cloud_spot())
     props = req["body"]["properties"]
     assert "/workspaces/fake-workspace/jobs/cloud-spot-" in req["endpoint"] and "name" not in req["body"]
     assert "jobTier" not in (props.get("queueSettings") or {})  # a named cluster: its tier decides
@@ -31,9 +26,9 @@ def test_dry_run_body():
 
 
 def test_user_environment_or_image():
-    props = AzureMLBackend().dry_run(spec(**{"backend.azureml.environment": "my-env:3"}))["body"]["properties"]
+    props = AzureMLBackend().dry_run(cloud_spot(**{"backend.azureml.environment": "my-env:3"}))["body"]["properties"]
     assert props["environmentId"] == "azureml:my-env:3"
-    on_demand = AzureMLBackend().dry_run(spec(**{"backend.spot": False}))["body"]["properties"]
+    on_demand = AzureMLBackend().dry_run(cloud_spot(**{"backend.spot": False}))["body"]["properties"]
     assert "queueSettings" not in on_demand or not on_demand["queueSettings"].get("jobTier")
 
 
@@ -44,14 +39,14 @@ def test_user_environment_or_image():
 ])
 def test_rules(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        check(spec(**overrides))
+        check(cloud_spot(**overrides))
 
 
 def test_shape_and_checkpoint_scheme():
     with pytest.raises(ConfigError, match="Azure ML offers no l4"):
-        AzureMLBackend().dry_run(spec(**{"resources.gpu": "l4"}))
+        AzureMLBackend().dry_run(cloud_spot(**{"resources.gpu": "l4"}))
     with pytest.raises(ConfigError, match="azureml:// URIs"):
-        AzureMLBackend().dry_run(spec(**{"checkpoint.uri": "s3://b/c"}))
+        AzureMLBackend().dry_run(cloud_spot(**{"checkpoint.uri": "s3://b/c"}))
 
 
 def test_status_map_counts_back_to_queue_as_restart():

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from backends.ray_cluster import build_request, check
+from tests.helpers.specs import cloud_spot
 from workbench.errors import ConfigError
-from workbench.spec import load_spec
 
 
 def spec(**overrides):
-    return load_spec("examples/cloud-spot.yaml").replace(**{"backend.name": "ray", **overrides})
+    return cloud_spot(**{"backend.name": "ray", **overrides})
 
 
 def test_the_example_checkpoints_on_ray():

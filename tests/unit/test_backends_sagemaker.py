@@ -7,17 +7,13 @@ import pytest
 
 from backends.base import JobState
 from backends.sagemaker import SageMakerBackend, SageMakerJob, build_request, check, map_status
+from tests.helpers.specs import cloud_spot
 from workbench.errors import ConfigError
 from workbench.spec import load_spec
 
 
-def spec(**overrides):
-    s = load_spec("examples/cloud-spot.yaml")
-    return s.replace(**overrides) if overrides else s
-
-
 def test_request_has_spot_checkpoints_retries_and_torchrun():
-    s = spec()
+    s = cloud_spot()
     params, notes = build_request(s, "job-1", "s3://b/code.tar.gz", "s3://b/ckpt/")
     assert params["EnableManagedSpotTraining"] is True
     assert params["StoppingCondition"]["MaxWaitTimeInSeconds"] >= params["StoppingCondition"]["MaxRuntimeInSeconds"]
@@ -34,12 +30,12 @@ def test_request_has_spot_checkpoints_retries_and_torchrun():
 def test_max_failures_is_not_sagemakers_retry_strategy():
     """SageMaker's RetryStrategy retries only its own internal errors: `max_failures` is the entrypoint's
     torchrun --max-restarts (tests/integration/test_cloud_entry_recovery.py), the service's retries stay 3."""
-    params, _ = build_request(spec(**{"backend.max_failures": 5}), "j", "s3://b/c", "s3://b/k/")
+    params, _ = build_request(cloud_spot(**{"backend.max_failures": 5}), "j", "s3://b/c", "s3://b/k/")
     assert params["RetryStrategy"] == {"MaximumRetryAttempts": 3}
 
 
 def test_on_demand_has_no_max_wait_and_user_image_wins():
-    s = spec(**{"backend.spot": False, "backend.sagemaker.image": "123.dkr.ecr.us-east-1.amazonaws.com/mine:1"})
+    s = cloud_spot(**{"backend.spot": False, "backend.sagemaker.image": "123.dkr.ecr.us-east-1.amazonaws.com/mine:1"})
     params, _ = build_request(s, "j", "s3://b/c", "s3://b/k/")
     assert params["EnableManagedSpotTraining"] is False
     assert "MaxWaitTimeInSeconds" not in params["StoppingCondition"]
@@ -47,9 +43,9 @@ def test_on_demand_has_no_max_wait_and_user_image_wins():
 
 
 def test_h100_eight_per_node_is_p5_and_four_is_refused():
-    s = spec(**{"resources.gpu": "h100-80gb", "resources.gpus_per_node": 8, "resources.nodes": 1})
+    s = cloud_spot(**{"resources.gpu": "h100-80gb", "resources.gpus_per_node": 8, "resources.nodes": 1})
     assert build_request(s, "j", "s3://b/c", "s3://b/k/")[0]["ResourceConfig"]["InstanceType"] == "ml.p5.48xlarge"
-    s = spec(**{"resources.gpu": "h100-80gb", "resources.gpus_per_node": 4, "resources.nodes": 2})
+    s = cloud_spot(**{"resources.gpu": "h100-80gb", "resources.gpus_per_node": 4, "resources.nodes": 2})
     with pytest.raises(ConfigError, match=r"gpus_per_node=4.*offers 8 per node"):
         build_request(s, "j", "s3://b/c", "s3://b/k/")
 
@@ -63,7 +59,7 @@ def test_h100_eight_per_node_is_p5_and_four_is_refused():
     ("backend.max_runtime_s", 30 * 86400, "28 days"),
 ])
 def test_rules_name_the_field_and_the_fix(field, value, message):
-    raw = spec().to_dict()
+    raw = cloud_spot().to_dict()
     section, key = field.rsplit(".", 1)
     node = raw
     for part in section.split("."):
@@ -80,11 +76,11 @@ def test_rules_name_the_field_and_the_fix(field, value, message):
 
 def test_checkpoint_uri_of_another_cloud_is_refused_and_local_path_replaced():
     with pytest.raises(ConfigError, match="s3:// URIs"):
-        SageMakerBackend()._prepare(spec(**{"checkpoint.uri": "gs://elsewhere/ckpt"}))
-    run_spec, params, _, notes = SageMakerBackend()._prepare(spec(**{"checkpoint.uri": "./checkpoints/x"}))
+        SageMakerBackend()._prepare(cloud_spot(**{"checkpoint.uri": "gs://elsewhere/ckpt"}))
+    run_spec, params, _, notes = SageMakerBackend()._prepare(cloud_spot(**{"checkpoint.uri": "./checkpoints/x"}))
     assert params["CheckpointConfig"]["S3Uri"] == "s3://fake-workbench-bucket/workbench/cloud-spot/checkpoints/"
     assert any("local path" in n for n in notes)
-    run_spec, params, _, _ = SageMakerBackend()._prepare(spec(**{"checkpoint.uri": "s3://other/run7"}))
+    run_spec, params, _, _ = SageMakerBackend()._prepare(cloud_spot(**{"checkpoint.uri": "s3://other/run7"}))
     assert params["CheckpointConfig"]["S3Uri"] == "s3://other/run7/"  # trailing '/' added
     assert run_spec.checkpoint.uri == "s3://other/run7/"
 

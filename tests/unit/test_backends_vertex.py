@@ -7,18 +7,13 @@ import pytest
 
 from backends.base import JobState
 from backends.vertex import build_body, check, map_state
+from tests.helpers.specs import cloud_spot
 from workbench.errors import ConfigError
-from workbench.spec import load_spec
-
-
-def spec(**overrides):
-    s = load_spec("examples/cloud-spot.yaml")
-    return s.replace(**overrides) if overrides else s
 
 
 def test_body_validates_against_the_v1_proto():
     aiplatform_v1 = pytest.importorskip("google.cloud.aiplatform_v1")
-    body, _ = build_body(spec(), "j", "workbench/cloud-spot/j/code.tar.gz", "gs://b/workbench/cloud-spot/checkpoints/")
+    body, _ = build_body(cloud_spot(), "j", "workbench/cloud-spot/j/code.tar.gz", "gs://b/workbench/cloud-spot/checkpoints/")
     job = aiplatform_v1.CustomJob.from_json(json.dumps(body))
     assert job.job_spec.scheduling.strategy == aiplatform_v1.Scheduling.Strategy.SPOT
     assert job.job_spec.worker_pool_specs[0].machine_spec.accelerator_type == aiplatform_v1.AcceleratorType.NVIDIA_TESLA_T4
@@ -27,17 +22,17 @@ def test_body_validates_against_the_v1_proto():
 
 
 def test_checkpoint_dir_follows_base_output_or_is_passed_explicitly():
-    body, _ = build_body(spec(), "j", "k", "gs://b/runs/x/checkpoints/")
+    body, _ = build_body(cloud_spot(), "j", "k", "gs://b/runs/x/checkpoints/")
     assert body["jobSpec"]["baseOutputDirectory"]["outputUriPrefix"] == "gs://b/runs/x/"
     env = body["jobSpec"]["workerPoolSpecs"][0]["containerSpec"]["env"]
     assert "WORKBENCH_CHECKPOINT_DIR" not in {e["name"] for e in env}
-    body, _ = build_body(spec(), "j", "k", "gs://b/elsewhere/ckpt/")
+    body, _ = build_body(cloud_spot(), "j", "k", "gs://b/elsewhere/ckpt/")
     env = {e["name"]: e["value"] for e in body["jobSpec"]["workerPoolSpecs"][0]["containerSpec"]["env"]}
     assert env["WORKBENCH_CHECKPOINT_DIR"] == "gs://b/elsewhere/ckpt/"
 
 
 def test_cpu_pools_have_no_accelerator_and_single_node_has_one_pool():
-    s = spec(**{"resources.gpu": "cpu", "resources.nodes": 1, "resources.gpus_per_node": 2, "layout.dp": 2,
+    s = cloud_spot(**{"resources.gpu": "cpu", "resources.nodes": 1, "resources.gpus_per_node": 2, "layout.dp": 2,
                 "train.micro_batch": 8, "backend.spot": False})
     body, _ = build_body(s, "j", "k", "gs://b/c/checkpoints/")
     (pool,) = body["jobSpec"]["workerPoolSpecs"]
@@ -53,12 +48,12 @@ def test_cpu_pools_have_no_accelerator_and_single_node_has_one_pool():
 ])
 def test_rules(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        check(spec(**overrides))
+        check(cloud_spot(**overrides))
 
 
 def test_a10g_is_not_sold_by_vertex():
     with pytest.raises(ConfigError, match="Vertex AI offers no a10g"):
-        build_body(spec(**{"resources.gpu": "a10g"}), "j", "k", "gs://b/c/checkpoints/")
+        build_body(cloud_spot(**{"resources.gpu": "a10g"}), "j", "k", "gs://b/c/checkpoints/")
 
 
 def test_states():

@@ -61,14 +61,13 @@ def test_tensor_parallel_arms_train_the_same_model(pool):
 def test_plain_torchrun_peer_trains_like_the_runtime(tmp_path):
     """The peer of benchmark (a) does the same work: its losses match the runtime's."""
     from bench.bench_throughput import run_plain
-    from workbench.runtime.loop import train
+    from tests.helpers.reference import reference_run
 
     spec = tiny_spec("gpt-tiny", train={"steps": 3, "global_batch": 8, "micro_batch": 2}, layout={"dp": 2})
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(spec))
     plain = run_plain(path, tmp_path, world=2, timeout_s=200)
-    events = []
-    train({**spec, "layout": {"dp": 1}, "resources": {"gpu": "cpu", "gpus_per_node": 1, "nodes": 1}}, events.append)
-    reference = [e["loss"] for e in events if e["event"] == "step"]
+    single = {**spec, "layout": {"dp": 1}, "resources": {"gpu": "cpu", "gpus_per_node": 1, "nodes": 1}}
+    reference = reference_run(single).losses()
     assert len(plain["times"]) == 3
     torch.testing.assert_close(plain["losses"], reference, rtol=1e-4, atol=1e-5)

@@ -10,6 +10,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests.helpers.events import losses
+from tests.helpers.reference import reference_run
+from tests.helpers.specs import tiny_gpt
 from workbench.errors import ConfigError
 from workbench.runtime.checkpoint import Checkpointer, union_module
 from workbench.runtime.checkpoint_store import MANIFEST, Store
@@ -22,15 +25,7 @@ STEPS = 6
 
 
 def tiny(uri=None, **ckpt) -> dict:
-    spec = {"name": "ckpt", "model": {"preset": "gpt-tiny"},
-            "train": {"steps": STEPS, "global_batch": 8, "micro_batch": 4}}
-    if uri is not None:
-        spec["checkpoint"] = {"uri": str(uri), **ckpt}
-    return spec
-
-
-def losses(events: list[dict]) -> list[float]:
-    return [e["loss"] for e in events if e["event"] == "step"]
+    return tiny_gpt(uri, name="ckpt", steps=STEPS, **ckpt)
 
 
 def stop_after(n: int):
@@ -41,9 +36,7 @@ def stop_after(n: int):
 @pytest.fixture(scope="module")
 def reference() -> list[float]:
     """The uninterrupted run's loss at steps 1..STEPS."""
-    events: list[dict] = []
-    train(tiny(), events.append)
-    return losses(events)
+    return reference_run(tiny()).losses()
 
 
 def test_interrupted_run_resumes_on_the_exact_curve(tmp_path, reference):

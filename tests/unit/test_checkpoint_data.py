@@ -13,6 +13,9 @@ import pytest
 import torch
 import yaml
 
+from tests.helpers.events import losses
+from tests.helpers.reference import reference_run
+from tests.helpers.specs import tiny_gpt
 from workbench.cli import main as cli_main
 from workbench.errors import ConfigError
 from workbench.runtime.checkpoint_safe import load_metadata, scan_step
@@ -31,9 +34,7 @@ class Payload:
 
 
 def spec(uri) -> dict:
-    return {"name": "data-only", "model": {"preset": "gpt-tiny"},
-            "train": {"steps": 2, "global_batch": 4, "micro_batch": 4},
-            "checkpoint": {"uri": str(uri), "every_steps": 2}}
+    return tiny_gpt(uri, name="data-only", steps=2, global_batch=4, every_steps=2)
 
 
 @pytest.fixture(scope="module")
@@ -147,12 +148,10 @@ def test_rng_files_hold_tensors_and_numbers_only(ckpt):
 
 def test_a_clean_checkpoint_resumes_on_the_same_curve(ckpt, tmp_path):
     """The allow-listed readers load everything our checkpoints hold (model, AdamW state, RNG)."""
-    full = []
-    train({**spec(tmp_path / "full"), "train": {"steps": 4, "global_batch": 4, "micro_batch": 4}}, full.append)
+    full = reference_run({**spec(tmp_path / "full"), "train": {"steps": 4, "global_batch": 4, "micro_batch": 4}})
     resumed = []
     train({**spec(ckpt), "train": {"steps": 4, "global_batch": 4, "micro_batch": 4}}, resumed.append, resume=True)
-    loss = [e["loss"] for e in full if e["event"] == "step"]
-    assert [e["loss"] for e in resumed if e["event"] == "step"] == loss[2:]
+    assert losses(resumed) == full.losses()[2:]
 
 
 def forge_empty(step_dir, marker):
@@ -175,9 +174,7 @@ FOUR = {"steps": 4, "global_batch": 4, "micro_batch": 4}
 def trained4(tmp_path_factory):
     """Checkpoints at steps 2 and 4, and the uninterrupted run's losses."""
     folder = tmp_path_factory.mktemp("four") / "ckpt"
-    events = []
-    train({**spec(folder), "train": FOUR}, events.append)
-    return folder, [e["loss"] for e in events if e["event"] == "step"]
+    return folder, reference_run({**spec(folder), "train": FOUR}).losses()
 
 
 @pytest.mark.parametrize("forge", [forge_empty, forge_random, plant_rng, plant_metadata, plant_value],

@@ -13,6 +13,9 @@ import pytest
 import torch
 import yaml
 
+from tests.helpers.events import losses
+from tests.helpers.reference import reference_run
+from tests.helpers.specs import tiny_gpt
 from tests.helpers.stores import register as register_norename
 from workbench.cli import main as cli_main
 from workbench.errors import ConfigError
@@ -29,13 +32,7 @@ STEPS = 4
 
 
 def tiny(uri, dtype="fp32", **ckpt) -> dict:
-    return {"name": "edges", "model": {"preset": "gpt-tiny"}, "precision": {"dtype": dtype},
-            "train": {"steps": STEPS, "global_batch": 8, "micro_batch": 4},
-            "checkpoint": {"uri": str(uri), **ckpt}}
-
-
-def losses(events):
-    return [e["loss"] for e in events if e["event"] == "step"]
+    return tiny_gpt(uri, name="edges", steps=STEPS, dtype=dtype, **ckpt)
 
 
 def restored(spec: dict):
@@ -118,15 +115,14 @@ def test_a_store_that_refuses_directory_renames_saves_retains_and_resumes(tmp_pa
     uri = f"norename://{tmp_path}/run"
     with pytest.raises(OSError, match="refused"):
         fsspec.filesystem("norename").mv(str(tmp_path), str(tmp_path) + "-moved")
-    reference = []
-    train(tiny(None) | {"checkpoint": {}}, reference.append)
+    reference = reference_run(tiny(None) | {"checkpoint": {}})
     first = []
     train(tiny(uri, every_steps=1, keep=2), first.append, should_stop=iter([False, False, True]).__next__)
     store = Store(uri)
     assert not store.local and store.committed_steps() == [3, 2]
     resumed = []
     train(tiny(uri, every_steps=1, keep=2), resumed.append, resume=True)
-    assert losses(resumed) == losses(reference)[3:]
+    assert losses(resumed) == reference.losses()[3:]
     shutil.rmtree(tmp_path / "run")
 
 

@@ -6,6 +6,8 @@ import os
 import pytest
 import torch
 
+from tests.helpers.events import losses, measured
+from tests.helpers.reference import reference_run
 from tests.helpers.state import assert_same_state
 from workbench.errors import ConfigError
 from workbench.parallel.master import MasterOptimizer, MemoryStore
@@ -47,11 +49,10 @@ def test_master_optimizer_equals_torch_optim(optimizer, store, tmp_path):
 
 def test_nvme_run_matches_and_cleans_up(tmp_path):
     base = {"model": {"preset": "gpt-tiny", "layers": 3, "seq_len": 32}, "train": {"steps": 2, "global_batch": 4, "micro_batch": 2}}
-    ref, nvme = [], []
-    train(base, ref.append)
+    ref, nvme = reference_run(base), []
     train({**base, "layout": {"offload": "nvme", "nvme_path": str(tmp_path)}}, nvme.append)
-    assert [e["loss"] for e in nvme if e["event"] == "step"] == [e["loss"] for e in ref if e["event"] == "step"]
-    m = [e["measured"] for e in nvme if e["event"] == "memory"][-1]
+    assert losses(nvme) == ref.losses()
+    m = measured(nvme)
     assert m["optimizer"] == 0 and m["optimizer_on_disk"] == 2 * m["master_on_disk"] > 0
     gc.collect()
     assert os.listdir(tmp_path) == []  # the store's files go with it

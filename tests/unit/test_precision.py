@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from tests.helpers.events import losses
 from workbench import build_model
 from workbench.parallel.precision import DynamicLossScaler, apply_precision, autocast, mixed_precision_policy
 from workbench.runtime.loop import train
@@ -47,7 +48,7 @@ def test_precision_helpers():
 @pytest.mark.parametrize("dtype,rtol", [("bf16", 2e-2), ("fp16", 5e-3)])
 def test_mixed_precision_tracks_fp32(dtype, rtol, fp32):
     steps, memory, state = run({"dtype": dtype})
-    torch.testing.assert_close([e["loss"] for e in steps], [e["loss"] for e in fp32[0]], rtol=rtol, atol=0)
+    torch.testing.assert_close(losses(steps), losses(fp32[0]), rtol=rtol, atol=0)
     assert max((state[k] - fp32[2][k]).abs().max().item() for k in state) < 0.05
     m, ref = memory[-1]["measured"], fp32[1][-1]["measured"]
     # 2 + 2 + 4 + 8 bytes per parameter against fp32's 4 + 4 + 0 + 8.

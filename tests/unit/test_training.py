@@ -6,6 +6,9 @@ import os
 
 import pytest
 
+from tests.helpers.events import losses, series
+from tests.helpers.reference import reference_run
+from tests.helpers.specs import tiny_gpt
 from workbench.cli import main
 from workbench.data import DEFAULT_TEXT
 from workbench.runtime.loop import train
@@ -16,27 +19,21 @@ STEPS = 8
 
 
 def tiny(tmp_path=None, schedule="cosine", **extra) -> dict:
-    spec = {"name": "train-features", "model": {"preset": "gpt-tiny"}, "data": {"source": "text", "val_fraction": 0.2},
-            "train": {"steps": STEPS, "global_batch": 4, "micro_batch": 2, "lr": 1e-2, "schedule": schedule,
-                      "warmup_steps": 3, "min_lr": 1e-3, "eval_every": 4, "eval_batches": 2}, **extra}
-    if tmp_path is not None:
-        spec["checkpoint"] = {"uri": str(tmp_path / "ckpt"), "every_steps": 1}
-    return spec
-
-
-def of(events, kind, key="loss"):
-    return [e[key] for e in events if e["event"] == kind]
+    """`extra`: whole top-level sections (tracking, or a train section that replaces this one)."""
+    ckpt = {"uri": tmp_path / "ckpt", "every_steps": 1} if tmp_path is not None else {}
+    spec = tiny_gpt(**ckpt, name="train-features", steps=STEPS, global_batch=4, micro_batch=2,
+                    train={"lr": 1e-2, "schedule": schedule, "warmup_steps": 3, "min_lr": 1e-3, "eval_every": 4,
+                           "eval_batches": 2})
+    return {**spec, "data": {"source": "text", "val_fraction": 0.2}, **extra}
 
 
 @pytest.fixture(scope="module")
 def reference():
-    events = []
-    train(tiny(), events.append)
-    return events
+    return reference_run(tiny()).events
 
 
 def test_schedule_is_applied_and_eval_events_come_on_schedule(reference):
-    assert of(reference, "step", "lr") == pytest.approx(lr_curve(load_spec(tiny()).train))
+    assert series(reference, "lr") == pytest.approx(lr_curve(load_spec(tiny()).train))
     evals = [e for e in reference if e["event"] == "eval"]
     assert [e["step"] for e in evals] == [4, 8]
     for e in evals:
@@ -44,7 +41,7 @@ def test_schedule_is_applied_and_eval_events_come_on_schedule(reference):
     # A constant schedule trains differently: the schedule really reached the optimizer.
     const = []
     train(tiny(schedule="constant", train={**tiny()["train"], "schedule": "constant", "warmup_steps": 0}), const.append)
-    assert of(const, "step")[1:] != of(reference, "step")[1:]
+    assert losses(const)[1:] != losses(reference)[1:]
 
 
 @pytest.mark.parametrize("stop", [2, 5])  # mid-warmup, mid-decay
@@ -54,10 +51,10 @@ def test_resume_gets_the_same_lr_and_loss_curve(tmp_path, reference, stop):
     train(tiny(tmp_path), first.append, should_stop=lambda: next(calls) >= stop)
     resumed = []
     train(tiny(tmp_path), resumed.append, resume=True)
-    assert of(resumed, "step", "step") == list(range(stop + 1, STEPS + 1))
-    assert of(first, "step", "lr") + of(resumed, "step", "lr") == of(reference, "step", "lr")
-    assert of(first, "step") + of(resumed, "step") == of(reference, "step")  # bit-for-bit
-    assert of(first, "eval") + of(resumed, "eval") == of(reference, "eval")
+    assert series(resumed, "step") == list(range(stop + 1, STEPS + 1))
+    assert series(first, "lr") + series(resumed, "lr") == series(reference, "lr")
+    assert losses(first) + losses(resumed) == losses(reference)  # bit-for-bit
+    assert losses(first, "eval") + losses(resumed, "eval") == losses(reference, "eval")
 
 
 def test_trackers_write_real_tensorboard_and_mlflow_files(tmp_path):
@@ -71,8 +68,8 @@ def test_trackers_write_real_tensorboard_and_mlflow_files(tmp_path):
     acc.Reload()
     loss = [(s.step, s.value) for s in acc.Scalars("train/loss")]
     assert loss == [(e["step"], pytest.approx(e["loss"])) for e in events if e["event"] == "step"]
-    assert [s.value for s in acc.Scalars("eval/perplexity")] == pytest.approx(of(events, "eval", "perplexity"))
-    assert [s.value for s in acc.Scalars("train/lr")] == pytest.approx(of(events, "step", "lr"))
+    assert [s.value for s in acc.Scalars("eval/perplexity")] == pytest.approx(series(events, "perplexity", "eval"))
+    assert [s.value for s in acc.Scalars("train/lr")] == pytest.approx(series(events, "lr"))
     peak = [e["measured"]["peak"] for e in events if e["event"] == "memory"]
     assert [s.value for s in acc.Scalars("memory/peak_bytes")] == pytest.approx(peak)
     (text,) = acc.Tensors("spec/text_summary")

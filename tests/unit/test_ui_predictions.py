@@ -88,14 +88,11 @@ def test_use_sets_virtual_stages_and_sequence_parallel_and_resets_them():
 
 def tiny_run(steps: int = 4) -> tuple[dict, list[dict]]:
     """A real run of gpt-tiny in this process (the training loop the workers run): its events."""
-    from workbench.runtime.loop import train
+    from tests.helpers.reference import reference_run
+    from tests.helpers.specs import tiny_gpt
 
-    spec = {"name": "pred", "model": {"preset": "gpt-tiny"}, "layout": {"dp": 1},
-            "train": {"steps": steps, "global_batch": 8, "micro_batch": 4},
-            "resources": {"gpu": "cpu", "gpus_per_node": 1}}
-    events: list[dict] = []
-    train(spec, events.append)
-    return spec, events
+    spec = tiny_gpt(name="pred", steps=steps, layout={"dp": 1}, resources={"gpu": "cpu", "gpus_per_node": 1})
+    return spec, reference_run(spec).events
 
 
 def test_predicted_beside_measured_for_the_running_layout():
