@@ -95,6 +95,21 @@ def _init_ray(num_cpus: int | None, temp_dir: str) -> None:
     )
 
 
+def _output_files() -> dict:
+    """The files this process's stdout and stderr go to, which its rank's process inherits (Ray writes
+    a worker's output to `<session>/logs/worker-*.out` and `.err`): {"stdout": path, "stderr": path},
+    only for plain files (Linux), so the notebook can show each rank's tail."""
+    out = {}
+    for fd, key in ((1, "stdout"), (2, "stderr")):
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if os.path.isfile(path):
+            out[key] = path
+    return out
+
+
 _CHILD = "import sys; from backends.local_ray import _rank_main; _rank_main(int(sys.argv[1]))"
 
 
@@ -270,7 +285,7 @@ def _relay_class():
             self._put({"event": "worker", "rank": int(env["RANK"]), "pid": os.getpid(), "rank_pid": proc.pid,
                        "attempt": config["attempt"], "world_size": int(env["WORLD_SIZE"]),
                        "node": ray.get_runtime_context().get_node_id(),
-                       "master": f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"})
+                       "master": f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", **_output_files()})
             outcome = None
             while True:
                 try:
