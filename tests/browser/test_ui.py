@@ -217,6 +217,7 @@ def check_a_zoom_survives_new_steps(lab, root) -> None:
     """#34: a person drags a zoom box over the loss panel while the run goes; new steps keep coming
     into the same plot (updated in place) and the zoom stays."""
     drag = root.locator(".wb-run-chart .draglayer .xy .nsewdrag").first
+    drag.scroll_into_view_if_needed()  # the mouse acts on what the window shows
     box = drag.bounding_box()
     y = box["y"] + box["height"] / 2
     lab.mouse.move(box["x"] + box["width"] * 0.3, y)

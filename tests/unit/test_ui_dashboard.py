@@ -179,8 +179,9 @@ def test_a_zoom_survives_live_updates_in_place_and_goes_with_the_axis():
     assert widget.layout.title.text.startswith("Training: step 6")
     assert widget.layout.xaxis2.range is None  # the other panels still follow their data
     events = steps(6) + [{"event": "eval", "step": 4, "loss": 1.0, "perplexity": 2.7}]
-    box.show(figures.run_figure(events))  # a new trace: a new widget, the zoom kept
-    assert box.widget is not widget and box.widget.layout.xaxis.range == (2, 4)
+    box.show(figures.run_figure(events))  # a new trace: the traces replaced in the same widget, the zoom kept
+    assert box.widget is widget and [t.name for t in widget.data][3] == "val_loss"
+    assert widget.layout.xaxis.range == (2, 4)
     box.show(figures.run_figure(events, x_axis="tokens"))  # another quantity: the zoom goes
     assert box.widget.layout.xaxis.range is None
     widget = box.widget

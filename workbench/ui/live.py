@@ -74,8 +74,10 @@ class LiveFigure(w.VBox):
     same count, types and names: each new step of a run) their data and the layout are updated in
     place in one `batch_update`, and every axis range the person set in the browser (plotly.js sends
     it back as a relayout) is kept unless the axis now measures something else (its title changed);
-    otherwise a new FigureWidget replaces the old one whole, with those ranges, so no trace or shape of
-    an earlier figure is left behind. Safe to call from a background thread.
+    otherwise the widget's traces are replaced (deleted, then the new ones added) and its layout set
+    with those ranges, so no trace or shape of an earlier figure is left behind. The widget itself is
+    never swapped for another: swapped twice in quick succession (a new run's first redraws), the
+    page was left without the chart (browser test, #34). Safe to call from a background thread.
     """
 
     def __init__(self, **kwargs):
@@ -109,15 +111,20 @@ class LiveFigure(w.VBox):
                     trace.update({k: v for k, v in new.to_plotly_json().items() if k != "type"}, overwrite=True)
                 self.widget.update_layout({**gone, **{k: v for k, v in layout.items() if k != "template"}},
                                           overwrite=True)
+        elif self.widget is not None:  # other traces: the same widget, its traces replaced
+            old = self.widget.layout.to_plotly_json()
+            gone = {k: None for k in old if k not in layout and k != "template"}
+            self.widget.data = ()
+            self.widget.add_traces(list(fig.data))
+            self.widget.update_layout({**gone, **{k: v for k, v in layout.items() if k != "template"}},
+                                      overwrite=True)
         else:
             self._replace(go.FigureWidget(data=fig.data, layout=layout))
         self._pushed = _axes(fig.layout.to_plotly_json())
 
     def _replace(self, widget: go.FigureWidget | None) -> None:
-        old, self.widget = self.widget, widget
+        self.widget = widget
         self.children = () if widget is None else (widget,)
-        if old is not None:
-            old.close()  # its view goes with it; nothing of it is drawn again
 
     def zoomed(self, new_layout: dict) -> dict[str, tuple]:
         """{axis: range} of the shown widget's axes whose range differs from the one the newest figure
