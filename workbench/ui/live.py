@@ -119,7 +119,9 @@ class LiveFigure(w.VBox):
             self.widget.update_layout({**gone, **{k: v for k, v in layout.items() if k != "template"}},
                                       overwrite=True)
         else:
-            self._replace(go.FigureWidget(data=fig.data, layout=layout))
+            widget = go.FigureWidget(data=fig.data, layout=layout)
+            widget._config = {**widget._config, "responsive": True}  # follow the column's width (plotly.js)
+            self._replace(widget)
         self._pushed = _axes(fig.layout.to_plotly_json())
 
     def _replace(self, widget: go.FigureWidget | None) -> None:
