@@ -470,7 +470,7 @@ with dp=2, to see what besides the two training ranks wants the two cores. What 
   relays every 0.2 s for them, handing them the stop request: no Ray call on the training step, but
   the driver saw events ~0.25 s late and Stop ended the run 7-20 steps after the step seen. Now
   the driver long-polls the relays (events arrive 3-5 ms after the rank sent them) and rank 0 waits
-  for the acknowledgement of each step event, which carries the stop (`backends/local_ray.py`,
+  for the acknowledgement of each step event, which carries the stop (`backends/ray_relay.py`,
   `_rank_main`): one round trip per step, and Stop ends the run within one step of the step seen.
 - Gradients are zeroed in one `torch._foreach_zero_` call instead of one `zero_()` per parameter
   (they are zeroed in place, not set to None: DDP's gradients are views into its buckets).

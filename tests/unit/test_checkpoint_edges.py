@@ -39,24 +39,24 @@ def restored(spec: dict):
     """A fresh single-process model + train step of `spec` with the newest checkpoint loaded."""
     spec = load_spec(spec)
     parallelism = Parallelism.from_spec(spec)
-    par = parallelize(build_model_meta(spec), None, parallelism, device=torch.device("cpu"), seed=0)
-    step_fn = build_train_step(par, spec, parallelism, torch.device("cpu"), None)
+    parallelized = parallelize(build_model_meta(spec), None, parallelism, device=torch.device("cpu"), seed=0)
+    step_fn = build_train_step(parallelized, spec, parallelism, torch.device("cpu"), None)
     events = []
-    ckpt = build_checkpointer(spec, par.modules, step_fn.optimizer, torch.device("cpu"), events.append,
+    ckpt = build_checkpointer(spec, parallelized.modules, step_fn.optimizer, torch.device("cpu"), events.append,
                               extra_state=step_fn.stateful())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         step = ckpt.restore()
     ckpt.close()
-    return step, par, step_fn, events
+    return step, parallelized, step_fn, events
 
 
 def test_fp32_optimizer_state_becomes_a_bf16_runs_master_and_back(tmp_path):
     train(tiny(tmp_path / "a", every_steps=2), [].append)  # fp32: a torch AdamW over fp32 weights
-    step, par, fp32_step, _ = restored(tiny(tmp_path / "a"))
-    weights = {n: p.detach().clone() for n, p in par.modules[0].named_parameters()}
+    step, parallelized, fp32_step, _ = restored(tiny(tmp_path / "a"))
+    weights = {n: p.detach().clone() for n, p in parallelized.modules[0].named_parameters()}
     opt = fp32_step.optimizer
-    moments = [torch.cat([opt.state[p][k].reshape(-1) for p in par.modules[0].parameters()])
+    moments = [torch.cat([opt.state[p][k].reshape(-1) for p in parallelized.modules[0].parameters()])
                for k in ("exp_avg", "exp_avg_sq")]
 
     step, par, bf16_step, events = restored(tiny(tmp_path / "a", dtype="bf16"))  # fp32 -> bf16 master

@@ -61,17 +61,17 @@ def init_distributed() -> RankContext:
     return RankContext(rank, world, device)
 
 
-def build_train_step(par: Parallelized, spec: JobSpec, parallelism: Parallelism, device: torch.device,
+def build_train_step(parallelized: Parallelized, spec: JobSpec, parallelism: Parallelism, device: torch.device,
                      mesh) -> TrainStep:
     """The optimizer side of the step for this layout and precision (see parallel/step.py): the
     spec's optimizer settings, `parallelism`'s dtype and pipeline degree."""
     t = spec.train
     scaler = DynamicLossScaler(spec.precision.initial_loss_scale, enabled=(parallelism.dtype == "fp16"))
-    params = [p for m in par.modules for p in m.parameters() if p.requires_grad]
+    params = [p for m in parallelized.modules for p in m.parameters() if p.requires_grad]
     return TrainStep(params, optimizer=t.optimizer, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                     scaler=scaler, master=par.master, comm_device=device,
+                     scaler=scaler, master=parallelized.master, comm_device=device,
                      pp_group=mesh.get_group("pp") if mesh is not None and parallelism.pp > 1 else None,
-                     copies=par.tied_copies)
+                     copies=parallelized.tied_copies)
 
 
 def micro_batch_loss(model, tokens: torch.Tensor, y: torch.Tensor | None = None,
@@ -85,7 +85,7 @@ def micro_batch_loss(model, tokens: torch.Tensor, y: torch.Tensor | None = None,
     return total * scale if scale is not None else total / max(int((y != IGNORE).sum()), 1)
 
 
-def forward_backward(par: Parallelized, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], meter: MemoryMeter,
+def forward_backward(parallelized: Parallelized, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], meter: MemoryMeter,
                      step: TrainStep, dtype: str = "fp32", scale: float = 1.0) -> torch.Tensor:
     """Gradient accumulation: one backward per micro-batch, gradient sync only on the last. Each
     micro-batch's summed loss is multiplied by `scale` (dp / the global count of target tokens)
@@ -93,9 +93,9 @@ def forward_backward(par: Parallelized, micro_batches: list[tuple[torch.Tensor, 
     n = len(micro_batches)
     total = torch.zeros((), device=micro_batches[0][0].device)
     for i, (tokens, y) in enumerate(micro_batches):
-        with par.no_sync() if i < n - 1 else contextlib.nullcontext(), par.loss_context():
+        with parallelized.no_sync() if i < n - 1 else contextlib.nullcontext(), parallelized.loss_context():
             with meter.saving(), autocast(tokens.device.type, dtype):
-                loss = micro_batch_loss(par.model, tokens, y, scale=1.0)  # summed over its target tokens
+                loss = micro_batch_loss(parallelized.model, tokens, y, scale=1.0)  # summed over its target tokens
             step.scale_loss(loss * scale).backward()
         meter.released()
         total += _full(loss.detach())
@@ -118,7 +118,7 @@ def evaluate(run: _Run) -> float:
     """Mean held-out loss per target token over train.eval_batches global batches (the same
     batches every time; completion tokens only for fine-tuning data), summed over the dp ranks
     before dividing: the layout-free number the single-process run computes."""
-    t, lay, par, device = run.spec.train, run.parallelism, run.par, run.ctx.device
+    t, lay, parallelized, device = run.spec.train, run.parallelism, run.parallelized, run.ctx.device
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss summed over target tokens, their count)
     for j in range(t.eval_batches):
         tokens, mask = run.source.val_examples(j, t.global_batch, run.where["dp"], lay.dp)
@@ -129,8 +129,8 @@ def evaluate(run: _Run) -> float:
             sums[0] += run.pipeline.evaluate(tokens, y)
             continue
         for tok, target in zip(tokens.split(lay.micro_batch), y.split(lay.micro_batch)):
-            with par.loss_context(), autocast(tok.device.type, lay.dtype):
-                sums[0] += _full(micro_batch_loss(par.model, tok, target, scale=1.0).detach())
+            with parallelized.loss_context(), autocast(tok.device.type, lay.dtype):
+                sums[0] += _full(micro_batch_loss(parallelized.model, tok, target, scale=1.0).detach())
     if run.dp_group is not None:
         dist.all_reduce(sums, group=run.dp_group)
     return (sums[0] / sums[1].clamp(min=1)).item()
@@ -194,7 +194,7 @@ class _Run:
     ctx: RankContext
     mesh: DeviceMesh | None
     where: dict[str, int]  # this rank's mesh coordinates
-    par: Parallelized
+    parallelized: Parallelized
     step_fn: TrainStep
     source: Any  # data.TokenSource
     meter: MemoryMeter
@@ -210,22 +210,22 @@ def _setup(spec: JobSpec, sink: Sink) -> _Run:
     parallelism, t = Parallelism.from_spec(spec), spec.train
     mesh = build_mesh(ctx.device.type, dp=parallelism.dp, tp=parallelism.tp, pp=parallelism.pp)
     torch.manual_seed(t.seed)
-    par = parallelize(build_model_meta(spec), mesh, parallelism, device=ctx.device, seed=t.seed)
-    step_fn = build_train_step(par, spec, parallelism, ctx.device, mesh)
+    parallelized = parallelize(build_model_meta(spec), mesh, parallelism, device=ctx.device, seed=t.seed)
+    step_fn = build_train_step(parallelized, spec, parallelism, ctx.device, mesh)
     if ctx.rank == 0:
-        for note in par.notes:
+        for note in parallelized.notes:
             sink({"event": "note", "message": note})
     meter = MemoryMeter(ctx.device)
-    meter.watch_params(par.modules)
+    meter.watch_params(parallelized.modules)
     dp_group = mesh.get_group("dp") if mesh is not None and parallelism.dp > 1 else None
     pipeline = None
     if parallelism.pp > 1:
         from workbench.runtime.pipeline import PipelineEngine
 
-        pipeline = PipelineEngine(par, mesh, schedule=parallelism.pp_schedule, device=ctx.device,
+        pipeline = PipelineEngine(parallelized, mesh, schedule=parallelism.pp_schedule, device=ctx.device,
                                   num_microbatches=parallelism.num_micro, dtype=parallelism.dtype,
                                   scale_loss=step_fn.scale_loss)
-    return _Run(spec, parallelism, ctx, mesh, coords(mesh), par, step_fn, build_token_source(spec), meter, dp_group,
+    return _Run(spec, parallelism, ctx, mesh, coords(mesh), parallelized, step_fn, build_token_source(spec), meter, dp_group,
                 pipeline)
 
 
@@ -233,7 +233,7 @@ def _train(spec: JobSpec, sink: Sink, should_stop: Callable[[], bool], resume: b
            attempt: int) -> dict:
     run = _setup(spec, sink)
     rank = run.ctx.rank
-    ckpt = build_checkpointer(spec, run.par.modules, run.step_fn.optimizer, run.ctx.device, sink,
+    ckpt = build_checkpointer(spec, run.parallelized.modules, run.step_fn.optimizer, run.ctx.device, sink,
                               extra_state=run.step_fn.stateful())
     try:
         step, loss_value, status = _loop(run, spec, ckpt, sink, should_stop, resume, attempt)
@@ -280,7 +280,7 @@ def _loop(run: _Run, spec: JobSpec, ckpt, sink: Sink, should_stop: Callable[[], 
 def _step(run: _Run, step: int, first: int, sink: Sink) -> float:
     """One optimizer step: forward/backward of the rank's micro-batches (or the pipeline's), the
     gradient sync no wrapper does, the update; memory and step events. Returns the dp-mean loss."""
-    par, step_fn, meter, rank = run.par, run.step_fn, run.meter, run.ctx.rank
+    parallelized, step_fn, meter, rank = run.parallelized, run.step_fn, run.meter, run.ctx.rank
     t, lay = run.spec.train, run.parallelism
     dp = lay.dp
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -296,13 +296,13 @@ def _step(run: _Run, step: int, first: int, sink: Sink) -> float:
     meter.reset_peak()
     if run.pipeline is None:
         micro = list(zip(tokens.split(lay.micro_batch), y.split(lay.micro_batch)))
-        loss = forward_backward(par, micro, meter, step_fn, lay.dtype, scale=dp / count)
+        loss = forward_backward(parallelized, micro, meter, step_fn, lay.dtype, scale=dp / count)
     else:
         loss, timeline = run.pipeline.step(tokens, y, meter, scale=dp / count,
                                            record=step == min(TIMELINE_STEP, t.steps))
         if timeline is not None:
             sink({"event": "timeline", "step": step, "rank": rank, "items": timeline})
-    par.finish_grads()
+    parallelized.finish_grads()
     step_extra = step_fn.step()
     loss = loss / count  # this rank's part of the global mean
     if run.dp_group is not None:
@@ -314,8 +314,8 @@ def _step(run: _Run, step: int, first: int, sink: Sink) -> float:
         # Every rank's own step time (wall, and this process's CPU): where a rank is slower.
         sink({"event": "memory", "step": step, "rank": rank, "coords": run.where,
               "step_time_s": elapsed, "cpu_s": time.process_time() - cpu_start,
-              "measured": meter.measure(par.modules, held["optimizer"], master=held["master"],
-                                        offloaded=held["offloaded"], params_are_master=par.params_are_master),
+              "measured": meter.measure(parallelized.modules, held["optimizer"], master=held["master"],
+                                        offloaded=held["offloaded"], params_are_master=parallelized.params_are_master),
               **host_figures(run.ctx.device)})  # host memory; GPU utilisation and memory (NVML)
     step_fn.zero_grad()
     if rank == 0:
@@ -329,7 +329,7 @@ def _gather_state(run: _Run) -> dict:
     """The full fp32 trained weights by canonical name, on rank 0 (collective; for parity tests)."""
     from workbench.parallel.materialize import param_name
 
-    named = [(param_name(m, n), p) for m in run.par.modules for n, p in m.named_parameters()]
+    named = [(param_name(m, n), p) for m in run.parallelized.modules for n, p in m.named_parameters()]
     state = _gather_tp_shards(run.step_fn.full_state(named), named)
     if run.parallelism.pp > 1:  # each pipeline rank holds its stages: collect them all on rank 0
         parts = [None] * run.parallelism.world_size if run.ctx.rank == 0 else None
