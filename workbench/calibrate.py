@@ -83,16 +83,16 @@ def probe_specs(spec: JobSpec) -> list[list]:
             layouts.append(("tp", {"dp": world // tp, "tp": tp}))
         if world % 2 == 0:
             layouts.append(("pp", {"dp": world // 2, "pp": 2, "pp_schedule": "1f1b"}))
-    models = [dict(PROBE_MODEL)]
+    models = [(PROBE_MODEL, False)]
     own = probe_model(spec)
     if own is not None and all(own["heads"] % lay.get("tp", 1) == 0 for _, lay in layouts):
-        models.append(own)
+        models.append((own, True))
     out = []
     for family, layout in layouts:
-        for model in models:
+        ranks = layout["dp"] * layout.get("tp", 1) * layout.get("pp", 1)
+        for model, is_own in models:
             for layers in PROBE_LAYERS:
-                ranks = layout["dp"] * layout.get("tp", 1) * layout.get("pp", 1)
-                out.append([family, probe_spec(spec, {**model, "layers": layers}, layout, ranks)])
+                out.append([family, probe_spec(spec, {**model, "layers": layers}, layout, ranks, is_own)])
     return out
 
 
@@ -114,10 +114,9 @@ def probe_model(spec: JobSpec) -> dict | None:
     return model
 
 
-def probe_spec(spec: JobSpec, model: dict, layout: dict, ranks: int) -> dict:
+def probe_spec(spec: JobSpec, model: dict, layout: dict, ranks: int, own: bool) -> dict:
     """The spec of one probe of `model` (its own resources: `ranks` of the spec's device on one node):
-    PROBE_MODEL at PROBE_MICRO_BATCH in fp32, the spec's model at its micro-batch and dtype."""
-    own = model["hidden"] != PROBE_MODEL["hidden"] or model["vocab"] != PROBE_MODEL["vocab"]
+    PROBE_MODEL at PROBE_MICRO_BATCH in fp32, the spec's own model (`own`) at its micro-batch and dtype."""
     micro = spec.train.micro_batch if own else PROBE_MICRO_BATCH
     return {"name": f"probe-{model['layers']}", "model": model,
             "data": {"source": "synthetic", "seed": 0},
