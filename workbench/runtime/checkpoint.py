@@ -94,7 +94,8 @@ class Checkpointer:
             optimizer state (the fp32 master of mixed precision / zero=1).
         extra_state: other objects with state_dict()/load_state_dict(), e.g. {"scaler": scaler}.
         device: the device of the loop's collectives (polls).
-        on_saved: called on rank 0 with (step, url) once a checkpoint is complete.
+        on_saved: called on rank 0 with (step, url) as soon as its manifest is written (committed),
+            before old checkpoints are dropped.
         warn: called on rank 0 with a message when a checkpoint is skipped on resume.
         clock: seconds, monotonic (injectable for tests of time-based saves).
         loaded: `spec` as the JobSpec the run loaded (a resume is checked against it); without it,
@@ -245,14 +246,14 @@ class Checkpointer:
                 manifest = new_manifest(step, self.spec, self.world, files, time.perf_counter() - start)
                 manifest[RUN_ID_KEY] = self.run_id
                 store.write_manifest(directory, manifest)
+                if self.on_saved is not None:  # now, not after the collectives below: a rank lost
+                    self.on_saved(step, store.url(directory))  # in them must not hide a committed step
                 return store.committed_steps()[:self.keep]
             return None
 
         kept = self._phase(step, "committing", commit, everyone=False)
         self._retain(kept, step)
         self.last_saved_step = step
-        if self.rank == 0 and self.on_saved is not None:
-            self.on_saved(step, store.url(directory))
 
     def _writer(self, path: str):
         from torch.distributed.checkpoint import FileSystemWriter
