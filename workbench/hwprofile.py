@@ -153,12 +153,17 @@ class HardwareProfile:
     # -- GEMMs --------------------------------------------------------------------------------
     def gemm_fit(self, dtype: str) -> GemmFit:
         """The fit for `dtype`, or for the nearest measured dtype when it was not measured."""
+        d = self._measured_dtype(dtype)
+        key = ("gemm", d)
+        if key not in self._cache:
+            self._cache[key] = fit_gemm([p[1:] for p in self.gemm if p[0] == d])
+        return self._cache[key]
+
+    def _measured_dtype(self, dtype: str) -> str:
+        """`dtype`, or the nearest dtype whose GEMMs were measured when it was not."""
         for d in (dtype, *_DTYPE_FALLBACK.get(dtype, DTYPES)):
             if d in self.gemm_dtypes:
-                key = ("gemm", d)
-                if key not in self._cache:
-                    self._cache[key] = fit_gemm([p[1:] for p in self.gemm if p[0] == d])
-                return self._cache[key]
+                return d
         raise ConfigError(f"hardware profile for {self.device}: no GEMM was measured. Run `workbench calibrate` again.")
 
     @cached_property
@@ -166,19 +171,36 @@ class HardwareProfile:
         return tuple(sorted({p[0] for p in self.gemm}))
 
     def gemm_s(self, m: int, n: int, k: int, dtype: str) -> float:
-        """Seconds of one (m x k) @ (k x n) in `dtype` on one rank while the others run theirs:
-        the GemmFit through the measured points (increasing in m, n and k; linear past them)."""
-        return self.gemm_fit(dtype).seconds(m, n, k)
+        """Seconds of one (m x k) @ (k x n) in `dtype` on one rank while the others run theirs: the
+        measured time where this very shape was measured (calibrate measures the spec's own GEMMs),
+        else the GemmFit through the measured points (increasing in m, n and k; linear past them)."""
+        d = self._measured_dtype(dtype)
+        exact = self._exact(("gemm", d), [p[1:] for p in self.gemm if p[0] == d]).get((m, n, k))
+        return exact if exact is not None else self.gemm_fit(dtype).seconds(m, n, k)
+
+    def _exact(self, key: tuple, points: list) -> dict:
+        """{(m, n, k): median seconds} of `points` (m, n, k, seconds), cached under `key`. One smooth
+        surface cannot follow every kernel choice: on a CPU, bf16's input-gradient GEMMs run 5-20x
+        slower than its forward ones of the same size, and the fit misses them by up to 2x."""
+        key = ("exact", *key)
+        if key not in self._cache:
+            by_shape: dict = {}
+            for m, n, k, t in points:
+                by_shape.setdefault((int(m), int(n), int(k)), []).append(float(t))
+            self._cache[key] = {shape: sorted(ts)[len(ts) // 2] for shape, ts in by_shape.items()}
+        return self._cache[key]
 
     def grad_gemm_s(self, kind: str, m: int, n: int, k: int, dtype: str) -> float | None:
-        """Seconds of a backward GEMM of `kind` (GRAD_KINDS) giving an (m x n) result over k, from the
-        fit through the measured backward GEMMs of `dtype`; None when none of that dtype was measured."""
+        """Seconds of a backward GEMM of `kind` (GRAD_KINDS) giving an (m x n) result over k: measured
+        (see gemm_s), else from the fit through the measured backward GEMMs of `dtype`; None when none
+        of that dtype was measured."""
         key = ("grad", kind, dtype)
+        pts = [p[2:] for p in self.gemm_grad if p[0] == kind and p[1] == dtype]
         if key not in self._cache:
-            pts = [p[2:] for p in self.gemm_grad if p[0] == kind and p[1] == dtype]
             self._cache[key] = fit_gemm(pts) if pts else None
         fit = self._cache[key]
-        return None if fit is None else fit.seconds(m, n, k)
+        exact = self._exact(key, pts).get((m, n, k))
+        return exact if exact is not None else (None if fit is None else fit.seconds(m, n, k))
 
     def gemm_flops(self, dtype: str) -> float:
         """FLOP/s a large GEMM reaches (the fit's rate)."""

@@ -287,3 +287,20 @@ def test_calibrate_reads_per_step_per_block_and_per_parameter_costs_off_the_prob
     # a model larger than a probe may train, or one given by its size, is probed near-empty only
     big = load_spec({**spec.to_dict(), "model": {"preset": "llama-7b"}}, layout=False)
     assert {raw["model"]["hidden"] for _, raw in probe_specs(big)} == {PROBE_MODEL["hidden"]}
+
+
+def test_a_measured_shape_is_priced_as_measured_where_the_smooth_fit_cannot_follow_it():
+    # bf16 on a CPU: the input-gradient GEMM of one shape runs 8x slower than the law of the others
+    # (a different kernel); one smooth surface misses such a point, the measured shape must not
+    odd = (512, 256, 1024)
+    law = T0 + 2 * (512 + AM) * (256 + AN) * (1024 + AK) / RATE
+    points = _gemm_points() + (("fp32", *odd, 8 * law),)
+    p = _profile(gemm=points, gemm_grad=tuple(("dgrad", *pt) for pt in points))
+    assert p.gemm_s(*odd, "fp32") == pytest.approx(8 * law)
+    assert p.grad_gemm_s("dgrad", *odd, "fp32") == pytest.approx(8 * law)
+    assert p.gemm_s(*odd, "fp16") == pytest.approx(8 * law)  # fp16 unmeasured: priced as fp32, point included
+    # one shape away the fit answers, near the law (the odd point pulls it a little, not 8x)
+    assert p.gemm_s(512, 256, 1000, "fp32") < 2 * law
+    # repeated measurements of a shape: their median
+    again = _profile(gemm=points + (("fp32", *odd, 2 * law), ("fp32", *odd, 3 * law)))
+    assert again.gemm_s(*odd, "fp32") == pytest.approx(3 * law)
