@@ -36,6 +36,7 @@ class Case:
     overlap: dict | None = None  # what the engine overlapped: grad_reduce, param_gather, tp_comm
     tie_embeddings: bool = False
     catalog_match: bool = True  # False: the run's GPU differs from the catalog device named (held out)
+    fsdp: dict | None = None  # the run's FSDP settings as printed (llm-foundry: sharding, mixed_precision, precision)
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -78,7 +79,15 @@ class Case:
         o = self.overlap or {}
         return Engine(self.engine, grad_reduce=o.get("grad_reduce", True), prefetch=o.get("prefetch", True),
                       param_gather=o.get("param_gather", False), tp_comm=o.get("tp_comm", False),
-                      per_tensor=o.get("per_tensor", False), distributed_optimizer=self.engine == "megatron-core")
+                      per_tensor=o.get("per_tensor", False), distributed_optimizer=self.engine == "megatron-core",
+                      backward_prefetch=o.get("backward_prefetch", "pre"), grad_reduce_bytes=self.fsdp_reduce_bytes())
+
+    def fsdp_reduce_bytes(self) -> int:
+        """Bytes per gradient element of the run's FSDP reduce-scatter: Composer's mixed_precision PURE
+        reduces in the low-precision dtype (reduce_dtype = bf16), DEFAULT and FULL in fp32
+        (composer/trainer/mosaic_fsdp.py get_mixed_precision, v0.13.4 lines 86-92; mosaic_fsdp_utils.py, v0.16.4)."""
+        pure = (self.fsdp or {}).get("mixed_precision") == "PURE"
+        return 2 if pure and self.dtype in ("bf16", "fp16") else 4
 
 
 @lru_cache(maxsize=1)
@@ -94,7 +103,8 @@ def load_cases() -> tuple[Case, ...]:
                         layout=c["layout"], global_batch=c["global_batch"], micro_batch=c["micro_batch"],
                         published=c["published"], attention=c["attention"], assumed=c.get("assumed", ""),
                         engine=c.get("engine", "megatron-lm-2021"), overlap=c.get("overlap"),
-                        tie_embeddings=c.get("tie_embeddings", False), catalog_match=c.get("catalog_match", True)))
+                        tie_embeddings=c.get("tie_embeddings", False), catalog_match=c.get("catalog_match", True),
+                        fsdp=c.get("fsdp")))
     return tuple(out)
 
 

@@ -111,6 +111,14 @@ class Engine:
     distributed_optimizer: bool = False  # ZeRO-1 as reduce-scatter + all-gather (Megatron-Core), not all-reduce + all-gather (ours)
     param_gather: bool = False  # ZeRO-1's parameter all-gather overlapped with the next forward
     tp_comm: bool = False  # tensor-parallel collectives overlapped with the GEMMs
+    # FSDP1's backward prefetch (torch.distributed.fsdp.BackwardPrefetch): "pre" issues the next block's
+    # all-gather before the current block's gradient computation (overlapping the two; FSDP2 and our
+    # runtime prefetch alike); "post" issues it after, so the all-gather waits exposed and only the
+    # reduce-scatter overlaps the next block's gradient computation (the API's own docstring).
+    backward_prefetch: str = "pre"
+    # Bytes per gradient element that ZeRO-2/3 (FSDP) reduce-scatters: 4 (fp32: our runtime, and
+    # FSDP1 MixedPrecision with reduce_dtype fp32) or 2 (reduce_dtype bf16/fp16, e.g. Composer's PURE).
+    grad_reduce_bytes: int = 4
 
 
 WORKBENCH = Engine()
@@ -542,16 +550,21 @@ def _fsdp_comm(hw: Hardware, shape, lay, block_params: float, w: int, blocks: in
                bwd_block: _Work, engine: Engine) -> float:
     """Exposed seconds of ZeRO-2/3 (FSDP) collectives per micro-batch: each block's parameters are
     all-gathered in forward (and, zero 3, again in backward) and its gradients reduce-scattered;
-    prefetch hides a block's collectives behind at most one block's compute."""
+    prefetch hides a block's collectives behind at most one block's compute. With FSDP1's
+    BACKWARD_POST prefetch (`Engine.backward_prefetch == "post"`) the backward all-gather is not
+    hidden: only the reduce-scatter overlaps the next block's gradient computation."""
     if lay.grad_sync != "fsdp":
         return 0.0
     k = _block_tensor_count(shape) if engine.per_tensor else 1
     gather = k * hw.collective_s("all_gather", lay.dp, block_params * w / k, lay.tp)
-    scatter = k * hw.collective_s("reduce_scatter", lay.dp, block_params * 4 / k, lay.tp)
-    backward = scatter + (gather if lay.reshard_after_forward else 0.0)
+    scatter = k * hw.collective_s("reduce_scatter", lay.dp, block_params * engine.grad_reduce_bytes / k, lay.tp)
+    regather = gather if lay.reshard_after_forward else 0.0
     hide_f = hw.overlap * fwd_block.device_s if engine.prefetch else 0.0
     hide_b = hw.overlap * bwd_block.device_s if engine.prefetch and engine.grad_reduce else 0.0
-    per_block = max(0.0, gather - hide_f) + max(0.0, backward - hide_b)
+    if engine.backward_prefetch == "post":  # the next block's gather is issued after this block's gradients
+        per_block = max(0.0, gather - hide_f) + regather + max(0.0, scatter - hide_b)
+    else:
+        per_block = max(0.0, gather - hide_f) + max(0.0, scatter + regather - hide_b)
     return blocks * per_block + gather  # the first block's gather has nothing to hide behind
 
 

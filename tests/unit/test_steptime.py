@@ -9,6 +9,8 @@ from workbench.spec import ModelSpec
 from workbench.steptime import (
     GEMM_EFFICIENCY,
     LINK_EFFICIENCY,
+    Engine,
+    Hardware,
     collective_s,
     flops_per_token,
     gemm_efficiency,
@@ -76,6 +78,26 @@ def test_zero3_gathers_hide_behind_compute_only_up_to_the_compute():
     assert small.mfu < big.mfu
     ddp = run("llama-7b", gpn=1, global_batch=8, dp=8, zero=0, micro_batch=1, num_micro=1)
     assert small.exposed_comm_s > ddp.exposed_comm_s  # 3 collectives per block vs one all-reduce
+
+
+def test_fsdp_backward_post_prefetch_exposes_the_backward_gathers_only():
+    """FSDP1's BACKWARD_POST (Composer's default, llm-foundry's MPT tables) issues the next block's
+    all-gather after the current block's gradients: each backward gather is exposed, the
+    reduce-scatter still overlaps. Zero 2 (no backward gather) is unchanged."""
+    sh = shape("llama-7b")
+    hw = Hardware(H100, 8)
+
+    def st(zero, prefetch, reduce_bytes=4):
+        lay = Layout(dtype="bf16", dp=8, zero=zero, micro_batch=2, num_micro=1)
+        p, shard = _stage_params(sh, lay.tp, lay.pp, 0, lay.chunks, lay.dp)
+        eng = Engine("fsdp1", backward_prefetch=prefetch, grad_reduce_bytes=reduce_bytes)
+        return step_time(sh, lay, H100, 16, 8, p, shard, hw=hw, engine=eng)
+
+    pre, post = st(3, "pre"), st(3, "post")
+    gather = hw.collective_s("all_gather", 8, sh.block_params() * 2, 1)
+    assert post.detail["fsdp_exposed_s"] - pre.detail["fsdp_exposed_s"] == pytest.approx(sh.layers * gather, rel=0.05)
+    assert st(2, "post").step_time_s == pytest.approx(st(2, "pre").step_time_s)
+    assert st(3, "post", reduce_bytes=2).step_time_s <= post.step_time_s  # a bf16 reduce-scatter moves half
 
 
 def test_gemm_efficiency_falls_as_tp_narrows_the_gemms():
