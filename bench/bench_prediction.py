@@ -207,6 +207,9 @@ def _write(rows: list, source: str, profile, args, partial: bool) -> str:
               "discordant": discordant([r["layout"] for r in scored], pred, meas),
               "machine": machine(), "load_average": os.getloadavg(),
               "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if args.reuse_measured:  # the measurements' machine and time, not this re-prediction's
+        result.update({k: args.previous[k] for k in ("machine", "load_average", "when") if k in args.previous},
+                      predicted_when=result["when"])
     (RESULTS / "prediction.json").write_text(json.dumps(result, indent=2) + "\n")
     (RESULTS / "prediction.md").write_text(text + "\n")
     head = f"bench/bench_prediction.py at {result['when']}, load average {os.getloadavg()[0]:.1f} on 2 cores"
@@ -229,6 +232,7 @@ def main(argv=None) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     out_json = RESULTS / "prediction.json"
     previous = json.loads(out_json.read_text()) if out_json.exists() else None
+    args.previous = previous
     if args.reuse_measured and previous is None:
         print("no previous bench/results/prediction.json to reuse: run without --reuse-measured first", file=sys.stderr)
         return 2

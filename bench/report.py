@@ -442,10 +442,12 @@ also what the runs before and after showed). The others are the first run's meas
   catch fixed costs only: with them every gpt-mini layout came out 0.70-0.86 (11 of 16 within
   ±25%). `workbench calibrate` now probes each family on the spec's own model too (when its blocks
   are at least 4x the near-empty ones) and reads a cost per block parameter off the two slopes:
-  14 of 16, Spearman 0.95.
-- **bf16 on this CPU** (0.59): no bf16 units, so autograd's bf16 kernels run 5-13x slower than
-  fp32; the profile measures bf16 GEMMs and elementwise bandwidth but its strategy probes run in the
-  spec's dtype (fp32 here), so bf16's extra per-op cost is not seen. A bf16 spec is probed in bf16.
+  14 of 16, Spearman 0.95 (15 of 16 with the bf16 fix below).
+- **bf16 on this CPU** (was 0.59, now 0.97): bf16's input-gradient GEMMs run 5-20x slower than its
+  forward ones of the same size here (a different kernel), which one smooth fit through the measured
+  GEMMs missed by 1.6-2.2x. A shape `workbench calibrate` measured (it measures the spec's own) is
+  now priced at its measured time; the fit answers between and beyond them. Re-predicted from the
+  same measurements (`--reuse-measured`): 15 of 16.
 - **gpt-tiny on 2 ranks** (0.74): a 34 ms step, where a millisecond of the probes' noise moves the
   ratio by 3%.
 - **Order**: 8 of 120 pairs out of order, all between layouts within 15% of each other (zero2/zero3
