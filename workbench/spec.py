@@ -3,6 +3,8 @@
 The same object travels unchanged to every backend (it round-trips through YAML/JSON), so what
 you validated on your laptop is what runs on the cluster. `load_spec` is the only entry point
 users need; it turns every mistake into a `ConfigError` that names the key, the rule and a fix.
+The sections and their fields are in spec_fields.py (re-exported here), below validate.py, which
+this module calls: no import goes back up.
 """
 from __future__ import annotations
 
@@ -58,7 +60,6 @@ class JobSpec(JobFields):
     def replace(self, **overrides: Any) -> JobSpec:
         """A validated copy with dotted-key overrides, e.g. ``replace(**{"layout.dp": 4})``."""
         return load_spec(apply_overrides(self.to_dict(), [f"{k}={json.dumps(v)}" for k, v in overrides.items()]))
-
 
 
 # -- loading --------------------------------------------------------------------------------
