@@ -173,7 +173,7 @@ _LLAMA_ONLY = ("rope_theta", "rope_scaling", "sliding_window")
 
 class ModelFields(Protocol):
     """What `resolve_shape` reads of a model spec besides SHAPE_FIELDS: spec.ModelSpec is one. A
-    protocol, not the class, because shapes sits below spec (spec.py imports this module)."""
+    protocol, not the class, because shapes sits below the spec's fields (spec_fields.py imports this module)."""
 
     @property
     def preset(self) -> str | None: ...

@@ -12,7 +12,7 @@ from workbench.errors import ConfigError, did_you_mean
 from workbench.parallelism import Parallelism, num_micro_batches
 
 if TYPE_CHECKING:
-    from workbench.spec import JobSpec, ModelSpec
+    from workbench.spec_fields import JobFields, ModelSpec
 
 
 def _factorizations(n: int) -> str:
@@ -25,7 +25,7 @@ def _factorizations(n: int) -> str:
     return "; ".join(out[:3])
 
 
-def validate_spec(spec: JobSpec, layout: bool = True) -> None:
+def validate_spec(spec: JobFields, layout: bool = True) -> None:
     """Raise ConfigError for the first rule the spec breaks (structure is checked by pydantic).
 
     layout=False skips the rules of the layout itself (for `plan`, which searches layouts).
@@ -40,8 +40,8 @@ def validate_spec(spec: JobSpec, layout: bool = True) -> None:
     _check_training(spec)
 
 
-def _check_bounds(spec: JobSpec, layout: bool = True) -> None:
-    """Products of bounded fields stay bounded (each field's own bound is in spec.py)."""
+def _check_bounds(spec: JobFields, layout: bool = True) -> None:
+    """Products of bounded fields stay bounded (each field's own bound is in spec_fields.py)."""
     from workbench.spec_input import MAX_PP, MAX_RANKS
 
     r, lay = spec.resources, spec.layout
@@ -61,7 +61,7 @@ def _check_bounds(spec: JobSpec, layout: bool = True) -> None:
                           f"Use at most {MAX_PP:,} stages.")
 
 
-def _check_model(spec: JobSpec) -> None:
+def _check_model(spec: JobFields) -> None:
     m = spec.model
     kinds = [k for k, v in (("preset", m.preset), ("params", m.params), ("factory", m.factory)) if v is not None]
     if "preset" in kinds and len(kinds) > 1:
@@ -78,7 +78,7 @@ def _check_model(spec: JobSpec) -> None:
     m.shape()  # raises ConfigError for unknown presets / incomplete shapes
 
 
-def _check_resources(spec: JobSpec, layout: bool = True) -> None:
+def _check_resources(spec: JobFields, layout: bool = True) -> None:
     r = spec.resources
     if r.gpu not in DEVICES:
         hint = did_you_mean(r.gpu, DEVICES)
@@ -93,7 +93,7 @@ def _check_resources(spec: JobSpec, layout: bool = True) -> None:
         )
 
 
-def _check_layout(spec: JobSpec) -> None:
+def _check_layout(spec: JobFields) -> None:
     lay, m = spec.layout, spec.model
     if m.factory is not None:
         if lay.tp > 1 or lay.pp > 1:
@@ -129,7 +129,7 @@ def _check_layout(spec: JobSpec) -> None:
             f"activation_checkpointing: full, checkpoint_every: {lay.checkpoint_every}.")
 
 
-def _check_batch(spec: JobSpec) -> None:
+def _check_batch(spec: JobFields) -> None:
     t, lay = spec.train, spec.layout
     per_step = lay.dp * t.micro_batch
     if t.global_batch % per_step:
@@ -156,7 +156,7 @@ def _check_batch(spec: JobSpec) -> None:
         )
 
 
-def _check_backend(spec: JobSpec) -> None:
+def _check_backend(spec: JobFields) -> None:
     b = spec.backend
     if b.spot and b.name in ("sagemaker", "vertex", "azureml"):
         if spec.checkpoint.every_steps == 0 and spec.checkpoint.every_minutes == 0:
@@ -171,7 +171,7 @@ def _check_backend(spec: JobSpec) -> None:
             )
 
 
-def check_runnable(spec: JobSpec) -> None:
+def check_runnable(spec: JobFields) -> None:
     """Rules for running (not just planning) a spec in this release."""
     if spec.model.params is not None and spec.model.factory is None:
         raise ConfigError(
@@ -202,7 +202,7 @@ def token_dims(m: ModelSpec) -> tuple[int, int]:
     return shape.vocab, shape.seq_len
 
 
-def _check_dp_combinations(spec: JobSpec) -> None:
+def _check_dp_combinations(spec: JobFields) -> None:
     """ZeRO / offload / precision combinations the runtime cannot do (docs/strategies.md)."""
     lay = spec.layout
     if lay.offload == "cpu" and lay.zero < 2:
@@ -223,7 +223,7 @@ def _check_dp_combinations(spec: JobSpec) -> None:
         )
 
 
-def _check_model_parallel_runnable(spec: JobSpec) -> None:
+def _check_model_parallel_runnable(spec: JobFields) -> None:
     """What tensor/pipeline parallel cannot run with, each with the reason and a fix."""
     lay = spec.layout
     if lay.tp == 1 and lay.sequence_parallel:  # under pp too: nothing would shard, silently
@@ -258,7 +258,7 @@ def zero_bubble_refused(pp: int, zero: int, schedule: str) -> bool:
     return pp > 1 and zero == 3 and schedule == "zero-bubble"
 
 
-def check_resume(spec: JobSpec, old: JobSpec) -> list[str]:
+def check_resume(spec: JobFields, old: JobFields) -> list[str]:
     """Can `spec` continue from a checkpoint written by the spec `old`?
 
     The model's shape and the optimizer must match (their state is what the checkpoint holds);
@@ -290,7 +290,7 @@ def check_resume(spec: JobSpec, old: JobSpec) -> list[str]:
     return notes
 
 
-def _model_identity(old: JobSpec, new: JobSpec) -> list[tuple[str, object, object]]:
+def _model_identity(old: JobFields, new: JobFields) -> list[tuple[str, object, object]]:
     """Differences between the two specs' model architectures: [(field, old, new)]."""
     if old.model.factory or new.model.factory:
         a = (old.model.factory, old.model.kwargs)
@@ -300,7 +300,7 @@ def _model_identity(old: JobSpec, new: JobSpec) -> list[tuple[str, object, objec
     return [(f, getattr(sa, f), getattr(sb, f)) for f in sa.__dataclass_fields__ if getattr(sa, f) != getattr(sb, f)]
 
 
-def _check_training(spec: JobSpec) -> None:
+def _check_training(spec: JobFields) -> None:
     """Schedule, evaluation and tracking rules (workbench/schedule.py, docs/training.md)."""
     from workbench.schedule import check_schedule
 

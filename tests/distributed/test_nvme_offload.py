@@ -10,12 +10,15 @@ import math
 import pytest
 import torch
 
+from tests.helpers.events import final_state, loss_by_step, losses, measured
+from tests.helpers.reference import reference_run
+from tests.helpers.specs import tiny_gpt
 from workbench import build_model
 from workbench.runtime.loop import train, train_with_state
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
-BASE = {"model": {"preset": "gpt-tiny"}, "train": {"steps": 5, "global_batch": 8, "micro_batch": 2, "lr": 3e-3}}
+BASE = tiny_gpt(steps=5, global_batch=8, micro_batch=2, train={"lr": 3e-3})
 CASES = {  # name: (layout, precision)
     "zero3-nvme-full": ({"zero": 3, "offload": "nvme", "activation_checkpointing": "full"}, "fp32"),
     "zero2-nvme": ({"zero": 2, "offload": "nvme"}, "fp32"),
@@ -36,31 +39,14 @@ def model_of(name: str) -> dict:
     return TIED if name.startswith("dp4-") else BASE["model"]
 
 
-def losses(events):
-    return [e["loss"] for e in sorted((e for e in events if e["event"] == "step"), key=lambda e: e["step"])]
-
-
-def final_state(events):
-    (state,) = [e["state"] for e in events if e["event"] == "state"]
-    return state
-
-
-def measured(events, rank=0):
-    return [e["measured"] for e in events if e["event"] == "memory" and e["rank"] == rank][-1]
-
-
 @pytest.fixture(scope="module")
 def reference():
-    events = []
-    result = train(BASE, events.append, gather_state=True)
-    return losses(events), result["state"]
+    return reference_run(BASE, gather_state=True)
 
 
 @pytest.fixture(scope="module")
 def reference_tied():
-    events = []
-    result = train({**BASE, "model": TIED}, events.append, gather_state=True)
-    return losses(events), result["state"]
+    return reference_run({**BASE, "model": TIED}, gather_state=True)
 
 
 def reference_of(name: str, request):
@@ -92,10 +78,10 @@ def test_nvme_layout_reproduces_single_process(name, runs, request):
     # Every rank ran with its shards in files (its memory event measures them on disk).
     on_disk = {e["rank"] for e in events if e["event"] == "memory" and e["measured"].get("params_on_disk")}
     assert on_disk == set(range(runs.specs[name]["layout"]["dp"])), on_disk
-    torch.testing.assert_close(losses(events), reference[0], rtol=1e-4, atol=0)
+    torch.testing.assert_close(losses(events), reference.losses(), rtol=1e-4, atol=0)
     state = final_state(events)
-    assert set(state) == set(reference[1])
-    for key, value in reference[1].items():
+    assert set(state) == set(reference.state)
+    for key, value in reference.state.items():
         torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
 
 
@@ -106,7 +92,7 @@ def test_bf16_nvme_matches_bf16_without_offload(name, plain_name, runs, request)
     nvme, plain, reference = runs(name), runs(plain_name), reference_of(name, request)
     # Same FSDP2 mixed precision; the update is torch's functional adamw (nvme) vs torch.optim.AdamW.
     torch.testing.assert_close(losses(nvme), losses(plain), rtol=1e-5, atol=0)
-    torch.testing.assert_close(losses(nvme), reference[0], rtol=2e-2, atol=0)  # the documented bf16 tolerance
+    torch.testing.assert_close(losses(nvme), reference.losses(), rtol=2e-2, atol=0)  # the documented bf16 tolerance
     for key, value in final_state(plain).items():
         torch.testing.assert_close(final_state(nvme)[key], value, rtol=1e-4, atol=1e-5, msg=key)
 
@@ -139,10 +125,9 @@ CHAIN = [(1, "nvme"), (3, "nvme"), (3, "none"), (2, "nvme")]
 
 
 def chain_spec(zero: int, offload: str, steps: int, uri, nvme) -> dict:
-    return {"name": "nvme-chain", "model": {"preset": "gpt-tiny"},
-            "train": {"steps": steps, "global_batch": 8, "micro_batch": 4},
-            "layout": {"dp": 2, "zero": zero, "offload": offload, "nvme_path": str(nvme)},
-            "resources": {"gpus_per_node": 2}, "checkpoint": {"uri": str(uri), "every_steps": 100}}
+    return tiny_gpt(uri, name="nvme-chain", steps=steps, global_batch=8, micro_batch=4,
+                    layout={"dp": 2, "zero": zero, "offload": offload, "nvme_path": str(nvme)},
+                    resources={"gpus_per_node": 2}, every_steps=100)
 
 
 def run_rank(spec: dict, sink, *, stop_after: int = 0, resume: bool = False) -> None:
@@ -158,12 +143,14 @@ def run_rank(spec: dict, sink, *, stop_after: int = 0, resume: bool = False) -> 
 def test_resume_across_zero_stages_from_and_into_nvme(pool2, tmp_path):
     steps = len(CHAIN) + 1
     reference = losses(pool2.run(chain_spec(0, "none", steps, tmp_path / "ref", tmp_path), timeout_s=240))
-    got = losses(pool2.run(chain_spec(*CHAIN[0], steps, tmp_path / "c", tmp_path),
-                           fn=functools.partial(run_rank, stop_after=2), timeout_s=240))
+    got = loss_by_step(pool2.run(chain_spec(*CHAIN[0], steps, tmp_path / "c", tmp_path),
+                                 fn=functools.partial(run_rank, stop_after=2), timeout_s=240))
     for hop, (zero, offload) in enumerate(CHAIN[1:], start=2):
         events = pool2.run(chain_spec(zero, offload, steps, tmp_path / "c", tmp_path), timeout_s=240,
                            fn=functools.partial(run_rank, stop_after=1, resume=True))
         assert {"event": "restart", "attempt": 0, "from_step": hop} in events, (zero, offload)
-        got += losses(events)
-    assert len(got) == steps
-    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-6)
+        hop_losses = loss_by_step(events)
+        assert not set(hop_losses) & set(got), (hop, sorted(hop_losses), sorted(got))  # no step trained twice
+        got |= hop_losses
+    assert sorted(got) == list(range(1, steps + 1)), sorted(got)
+    torch.testing.assert_close([got[step] for step in sorted(got)], reference, rtol=1e-5, atol=1e-6)

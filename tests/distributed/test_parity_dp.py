@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from tests.helpers.events import final_state, losses, measured
+from tests.helpers.events import final_state, losses, measured, of_one_attempt
 from tests.helpers.reference import reference_run
 from tests.helpers.state import assert_same_state
 from workbench import build_model
@@ -128,7 +128,7 @@ def test_mixed_precision_stays_close(name, pool2, reference):
 def test_fp16_overflow_skips_the_step_and_lowers_the_scale(pool2):
     # A loss scale far beyond fp16's range: the first steps overflow, are skipped, and halve the scale.
     spec = spec_for({"zero": 3}, {"dtype": "fp16", "initial_loss_scale": 2.0**40})
-    steps = sorted((e for e in pool2.run(spec, timeout_s=240) if e["event"] == "step"), key=lambda e: e["step"])
+    steps = of_one_attempt(pool2.run(spec, timeout_s=240))
     assert steps[0]["skipped"] is True and steps[0]["loss_scale"] == 2.0**40
     assert steps[1]["loss_scale"] == 2.0**39
     assert all(b["loss_scale"] == a["loss_scale"] / 2 for a, b in zip(steps, steps[1:]) if a["skipped"])

@@ -4,20 +4,19 @@ all-gather it again in backward, so a block's activations are divided by tp (Kor
 import pytest
 
 from bench.memory_compare import build_spec, compare
-from workbench.runtime.loop import train
+from tests.helpers.events import losses
+from tests.helpers.reference import reference_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 
 def test_sequence_parallel_memory_is_predicted_and_losses_match(spawn_pools):
-    reference = []
-    train(build_spec("gpt-tiny", {}, "fp32"), reference.append)
+    reference = reference_run(build_spec("gpt-tiny", {}, "fp32")).losses()
     rows = {}
     for label, layout in (("tp2", {"tp": 2}), ("tp2 sp", {"tp": 2, "sequence_parallel": True})):
         spec = build_spec("gpt-tiny", layout, "fp32")
         events = spawn_pools.get(2).run(spec, timeout_s=240)
-        assert [e["loss"] for e in events if e["event"] == "step"] == pytest.approx(
-            [e["loss"] for e in reference if e["event"] == "step"], rel=1e-5)
+        assert losses(events) == pytest.approx(reference, rel=1e-5)
         rows[label] = {(r.rank, r.component): r for r in compare("gpt-tiny", label, spec, events)}
     for r in rows["tp2 sp"].values():
         assert r.within, f"{r.component} rank {r.rank}: predicted {r.predicted} measured {r.measured} ({r.error:+.1%})"

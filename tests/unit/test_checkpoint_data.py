@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers.events import losses
+from tests.helpers.events import loss_by_step, losses
 from tests.helpers.reference import reference_run
 from tests.helpers.specs import tiny_gpt
 from workbench.cli import main as cli_main
@@ -199,7 +199,7 @@ def test_a_forged_newest_step_falls_back_to_the_intact_one_on_the_same_curve(tra
     with pytest.warns(UserWarning, match="checkpoint step 4 under .* (could not be loaded|not plain)"):
         train(four, events.append, resume=True)
     assert {"event": "restart", "attempt": 0, "from_step": 2, "rejected": [4]} in events
-    assert [(e["step"], e["loss"]) for e in events if e["event"] == "step"] == [(3, trained4[1][2]), (4, trained4[1][3])]
+    assert list(loss_by_step(events).items()) == [(3, trained4[1][2]), (4, trained4[1][3])]
     assert not marker.exists()
 
 

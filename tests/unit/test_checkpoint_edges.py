@@ -59,7 +59,7 @@ def test_fp32_optimizer_state_becomes_a_bf16_runs_master_and_back(tmp_path):
     moments = [torch.cat([opt.state[p][k].reshape(-1) for p in parallelized.modules[0].parameters()])
                for k in ("exp_avg", "exp_avg_sq")]
 
-    step, par, bf16_step, events = restored(tiny(tmp_path / "a", dtype="bf16"))  # fp32 -> bf16 master
+    step, parallelized, bf16_step, events = restored(tiny(tmp_path / "a", dtype="bf16"))  # fp32 -> bf16 master
     assert step == STEPS
     master = bf16_step.master
     torch.testing.assert_close(master.full_master(), torch.cat([w.reshape(-1) for w in weights.values()]),
@@ -67,15 +67,15 @@ def test_fp32_optimizer_state_becomes_a_bf16_runs_master_and_back(tmp_path):
     for got, want in zip(master.store.moments, moments):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert master.num_steps == STEPS
-    assert all(p.dtype == torch.bfloat16 for p in par.modules[0].parameters())
+    assert all(p.dtype == torch.bfloat16 for p in parallelized.modules[0].parameters())
     assert any("converted" in e.get("message", "") for e in events if e["event"] == "warning")
 
     # bf16 master -> fp32 torch optimizer: the weights are the master, the moments the master's.
     train(tiny(tmp_path / "b", dtype="bf16", every_steps=2), [].append)
     _, _, bf16_step, _ = restored(tiny(tmp_path / "b", dtype="bf16"))
     flat, saved_moments = bf16_step.master.full_master(), [m.clone() for m in bf16_step.master.store.moments]
-    step, par, fp32_step, _ = restored(tiny(tmp_path / "b"))
-    params = list(par.modules[0].parameters())
+    step, parallelized, fp32_step, _ = restored(tiny(tmp_path / "b"))
+    params = list(parallelized.modules[0].parameters())
     torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in params]), flat, rtol=0, atol=0)
     for k, want in zip(("exp_avg", "exp_avg_sq"), saved_moments):
         got = torch.cat([fp32_step.optimizer.state[p][k].reshape(-1) for p in params])

@@ -8,7 +8,9 @@ import shutil
 import pytest
 import torch
 
+from tests.helpers.events import losses
 from tests.helpers.hf_models import SEQ, hf_loss, hf_spec, make_hf_model
+from tests.helpers.reference import reference_run
 from workbench.errors import ConfigError
 from workbench.export import hf_state_dict
 from workbench.models import GPT, rope_frequencies
@@ -115,15 +117,13 @@ def test_bf16_run_starts_from_the_checkpoints_fp32_values(folders):
 def test_fine_tuning_resumes_on_the_exact_curve(folders, tmp_path):
     _, single, _ = folders["llama"]
     spec = {**hf_spec(single), "train": {"steps": 4, "global_batch": 8, "micro_batch": 4, "lr": 1e-3}}
-    reference = []
-    train(spec, reference.append)
+    reference = reference_run(spec).losses()
     calls = iter(range(1, 100))
     first, resumed = [], []
     ckpt = {**spec, "checkpoint": {"uri": str(tmp_path / "ck"), "every_steps": 10}}
     assert train(ckpt, first.append, should_stop=lambda: next(calls) >= 2)["status"] == "preempted"
     train(ckpt, resumed.append, resume=True)
-    losses = [e["loss"] for e in first + resumed if e["event"] == "step"]
-    assert losses == [e["loss"] for e in reference if e["event"] == "step"]  # bit for bit
+    assert losses(first) + losses(resumed) == reference  # bit for bit
 
 
 @pytest.mark.slow

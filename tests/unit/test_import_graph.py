@@ -2,8 +2,10 @@
 
 The test reads the table from the document, so the two cannot drift: every module is in one row,
 and imports (inside functions and under `if TYPE_CHECKING:` too) reach only the layers its row
-allows. The imports that run (top-level and function-level) have no cycle: a cycle hidden in a
-function-level import still decides what loads what, and in which order.
+allows. No import, wherever it stands (top level, inside a function, under `if TYPE_CHECKING:`),
+closes a cycle: a cycle hidden in a function-level import still decides what loads what, and in
+which order, and one through an annotation-only import is still two modules that need each other
+(spec <-> validate was one: `spec_fields` now holds the types both read).
 """
 import ast
 import re
@@ -98,10 +100,26 @@ def test_cycles_are_found():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
+def test_the_walker_counts_function_level_and_type_checking_imports(tmp_path):
+    """A cycle of spec -> validate (inside a function) and validate -> spec (under TYPE_CHECKING)
+    is what the package had; the walker must see both edges, or the cycle test below is blind."""
+    (tmp_path / "spec.py").write_text("def load():\n    from pkg.validate import rules\n    return rules\n")
+    (tmp_path / "validate.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                          "    from pkg.spec import JobSpec\nelse:\n    import pkg.base\n")
+    (tmp_path / "base.py").write_text("")
+    known = {f"pkg.{p.stem}": p for p in tmp_path.glob("*.py")}
+    graph = {name: imports_of(name, path, known, typing=True) for name, path in known.items()}
+    assert graph == {"pkg.spec": {"pkg.validate"}, "pkg.validate": {"pkg.spec", "pkg.base"}, "pkg.base": set()}
+    assert cycles(graph) == [["pkg.spec", "pkg.validate"]]
+    assert imports_of("pkg.validate", known["pkg.validate"], known) == {"pkg.base"}  # without typing: no edge
+
+
 def test_the_package_has_no_import_cycles():
+    """No cycle through any import: top-level, function-level or under `if TYPE_CHECKING:`."""
     known = modules()
-    graph = {name: imports_of(name, path, known) for name, path in known.items()}
+    graph = {name: imports_of(name, path, known, typing=True) for name, path in known.items()}
     assert graph["workbench.cli"], "the graph found no imports: the walker is broken"
+    assert {"workbench.spec_fields", "workbench.validate"} <= graph["workbench.spec"]
     assert cycles(graph) == []
 
 

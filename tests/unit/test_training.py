@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.helpers.events import losses, series
+from tests.helpers.events import loss_by_step, losses, series
 from tests.helpers.reference import reference_run
 from tests.helpers.specs import tiny_gpt
 from workbench.cli import main
@@ -67,7 +67,7 @@ def test_trackers_write_real_tensorboard_and_mlflow_files(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     loss = [(s.step, s.value) for s in acc.Scalars("train/loss")]
-    assert loss == [(e["step"], pytest.approx(e["loss"])) for e in events if e["event"] == "step"]
+    assert loss == [(step, pytest.approx(value)) for step, value in loss_by_step(events).items()]
     assert [s.value for s in acc.Scalars("eval/perplexity")] == pytest.approx(series(events, "perplexity", "eval"))
     assert [s.value for s in acc.Scalars("train/lr")] == pytest.approx(series(events, "lr"))
     peak = [e["measured"]["peak"] for e in events if e["event"] == "memory"]
