@@ -6,8 +6,10 @@ machine) or one GPU (NCCL), starts its rank in a child process with torchrun's v
 torchrun's agent does, and relays: the rank's process has no Ray in it, and the cluster's own
 processes yield the CPU to the ranks (backends/embedded_ray.py, `control_plane_setup`). A driver
 thread here long-polls the relays: a rank's events reach whoever follows the job as they arrive,
-and rank 0 waits for the driver's acknowledgement of each step, which carries the stop request (so
-Stop ends the run within one step of the step seen when it was pressed: `ray_relay._rank_main`).
+and the driver acknowledges each step it delivered, with the stop request; rank 0 lets at most
+`STOP_WITHIN_STEPS` - 1 steps go unacknowledged (so Stop ends the run at most `STOP_WITHIN_STEPS`,
+2, steps after the step seen when it was pressed, and the acknowledgement's round trip overlaps the
+next step instead of adding to each: `ray_relay._rank_main`).
 On a failure it tears the group down and starts it again from the last checkpoint
 (`backend.max_failures`).
 
@@ -350,7 +352,8 @@ class LocalRayJob:
         return "\n".join(json.dumps(e) for e in self.events[-tail:])
 
     def cancel(self) -> None:
-        """Ask the ranks to stop after the current step (they agree on the step)."""
+        """Ask the ranks to stop: every rank stops after the same step, at most `STOP_WITHIN_STEPS`
+        steps after the newest step delivered when this is called (`ray_relay._rank_main`)."""
         self._stop = True
 
     def raise_for_failure(self) -> None:

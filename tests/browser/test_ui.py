@@ -1,7 +1,7 @@
 """What a person sees: the quickstart notebook in JupyterLab, in headless Chromium.
 
 One notebook page is shared by the tests of this module, in order: the workbench renders; three
-runs back to back (the first exported as an HTML report, the third stopped within one step);
+runs back to back (the first exported as an HTML report, the third stopped within two steps);
 a run with checkpoints stopped and resumed, its curve continued; the step time and tokens/s
 predicted for the running layout beside the measured ones, with the prediction's source, live and
 after the run; random edit sequences whose memory chart must equal `workbench memory --json` for
@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from backends.ray_relay import STOP_WITHIN_STEPS
 
 # generous: the module page starts JupyterLab, a kernel and Ray on a shared 2-core machine
 pytestmark = [pytest.mark.browser, pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -196,10 +198,11 @@ def test_three_runs_back_to_back_and_stop_within_a_step(lab, shots):
     shown, ended, pressed = stop_and_wait(lab, root)
     lab.info["last_run_end"] = time.monotonic()
     print(f"Stop clicked with step {shown} shown, the panel had step {pressed}, the run ended after step {ended}")
-    # By state: the run ends at most one step after the newest step the panel had when the click
-    # reached it (rank 0 waits for each step's delivery: backends/local_ray.py). The page shows
-    # that step up to the panel's refresh interval later, so the step shown can only be older.
-    assert shown <= pressed <= ended <= pressed + 1, (shown, pressed, ended)
+    # By state: the run ends at most STOP_WITHIN_STEPS (2) steps after the newest step the panel had
+    # when the click reached it (rank 0 lets at most one step go without the driver's
+    # acknowledgement, which carries the stop: backends/ray_relay.py). The page shows that step up
+    # to the panel's refresh interval later, so the step shown can only be older.
+    assert shown <= pressed <= ended <= pressed + STOP_WITHIN_STEPS, (shown, pressed, ended)
     assert "cannot be resumed: no checkpoint" in root.locator(".wb-note-info").last.inner_text()
     assert not button(root, "Resume").is_visible()
     set_field(lab, root, "train.steps", RUN_STEPS)

@@ -18,18 +18,22 @@ from workbench.parallel.local import local
 
 
 def tensor_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (a DTensor's local shard; None and meta
+    tensors count 0). One storage lookup per tensor: a memory event walks every parameter, gradient
+    and optimizer state (~400 tensors for gpt-mini), ~1.3 us each (#35: was ~4)."""
     seen, total = set(), 0
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor):
             continue
         t = local(t)
-        if t.device.type == "meta":
+        if t.is_meta:
             continue
-        key = (t.untyped_storage().data_ptr(), t.device)
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.device)
         if key in seen:
             continue
         seen.add(key)
-        total += t.untyped_storage().nbytes()
+        total += storage.nbytes()
     return total
 
 

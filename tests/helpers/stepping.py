@@ -1,0 +1,15 @@
+"""A per-rank entry for `ray_relay._rank_main` without torch: step events and the stop poll only,
+as the training loop makes them (a step event, then `should_stop`), so that a test can play the
+driver's side of the pipe."""
+from __future__ import annotations
+
+
+def steps_until_stopped(spec: dict, sink, *, should_stop, resume: bool = False, attempt: int = 0) -> dict:
+    step = 0
+    for step in range(1, spec["steps"] + 1):
+        sink({"event": "step", "step": step})
+        if should_stop():
+            sink({"event": "end", "status": "preempted", "step": step})
+            return {"status": "preempted", "step": step}
+    sink({"event": "end", "status": "completed", "step": step})
+    return {"status": "completed", "step": step}
