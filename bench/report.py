@@ -385,7 +385,7 @@ def write_report(results_dir: Path | None = None, doc: Path | None = None, img_d
     parts.append(HF_LOAD)
     # sections whose benchmark renders its own markdown (it dates itself)
     for name, module in (("prediction", "bench.bench_prediction"), ("peers", "bench.bench_peers"),
-                         ("nvme", "bench.bench_nvme")):
+                         ("nvme", "bench.bench_nvme"), ("step_overhead", "bench.bench_step_overhead")):
         r = read_result(name, results_dir)
         if r is not None:
             parts.append(importlib.import_module(module).section(r, doc, img) + (PREDICTION_MISSES if name == "prediction" else ""))

@@ -30,6 +30,7 @@ BENCHMARKS = {
     # (i) bench/bench_hf_load.py and (j) bench/bench_prediction.py run alone: 10 and 30 minutes
     "peers": "bench.bench_peers",  # (k) ZeRO, offload, TP, SP, PP against plain scripts and DeepSpeed
     "nvme": "bench.bench_nvme",  # (l) ZeRO-Infinity against CPU offload and none; file I/O against dd
+    "step_overhead": "bench.bench_step_overhead",  # (m) the stop acknowledgement and the meters per step
 }
 
 
