@@ -18,7 +18,7 @@ c) The demonstration (issue 37, item 5): a model whose states do not fit in the 
 d) DeepSpeed ZeRO-Infinity as a fourth arm of (a), alternated with the others: stage 3 with
    offload_param and offload_optimizer on nvme, its ds_config written by the interop mapping
    (workbench/interop/deepspeed.py) from the nvme arm's own spec (only the folder differs), the same
-   model and weights, batches, steps and micro-batches, 2 gloo ranks on a pool of their own, torch's
+   model and weights, batches, steps and micro-batches, 2 fresh gloo ranks per run, torch's
    AdamW passed in. Rank 0 of each implementation counts the files in its swap folder from inside
    training (DeepSpeed: after init and after step 1, behind a barrier; ours: after step 1) against
    the bytes predicted per rank (`predicted_swap_bytes`), and both loss trajectories are compared.
@@ -518,15 +518,14 @@ QUICK_DEEPSPEED_REASON = (
 
 
 class DeepSpeedArm:
-    """The DeepSpeed arm on a pool of its own (DeepSpeed's import patches torch and keeps module
-    globals; our arms' processes never import it). Each run starts from an empty swap folder; a failed
-    run stops the arm and keeps the reason, so the other arms go on."""
+    """The DeepSpeed arm: each run on 2 fresh ranks (DeepSpeed's import patches torch, and it keeps
+    module globals bound to the first process group it saw (deepspeed.utils.groups, the comm backend)
+    and a parameter counter that names its swap files: a second engine in the same process fails with
+    "Group ... is not registered"); our arms' processes never import it. Each run starts from an empty
+    swap folder; a failed run stops the arm and keeps the reason, so the other arms go on."""
 
     def __init__(self, spec: dict, folder: str, world: int):
-        from workbench.runtime.spawn import SpawnPool
-
         self.spec, self.folder, self.world = spec, folder, world
-        self.pool: SpawnPool | None = SpawnPool(world)
         self.error: str | None = None
         self.losses: list[float] = []
         self.swap: dict = {}
@@ -534,28 +533,28 @@ class DeepSpeedArm:
 
     def __call__(self) -> float:
         from workbench.errors import WorkerError
+        from workbench.runtime.spawn import SpawnPool
 
-        if self.error or self.pool is None:
+        if self.error:
             return float("nan")
         shutil.rmtree(self.folder, ignore_errors=True)
         os.makedirs(self.folder)
+        pool = SpawnPool(self.world)
         try:
-            events = self.pool.run({"spec": self.spec, "folder": self.folder}, fn=_deepspeed_rank, timeout_s=900)
+            events = pool.run({"spec": self.spec, "folder": self.folder}, fn=_deepspeed_rank, timeout_s=900)
         except WorkerError as e:
-            self.error = f"the DeepSpeed run failed: {str(e)[-600:]}"
-            self.close()
+            text = str(e)
+            self.error = f"the DeepSpeed run failed: {text[:300]} ... {text[-400:]}" if len(text) > 700 else \
+                f"the DeepSpeed run failed: {text}"
             return float("nan")
+        finally:
+            pool.close()
         swaps = {e["when"]: e["ranks"] for e in events if e["event"] == "swap"}
         swaps["after the run"] = swap_bytes(self.folder)  # DeepSpeed leaves its optimizer files behind
         self.swap = swaps
         self.init_s += [e["init_s"] for e in events if e["event"] == "swap" and "init_s" in e]
         self.losses = [e["loss"] for e in sorted((e for e in events if e["event"] == "step"), key=lambda e: e["step"])]
         return _median_after_first(events)
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
 
 
 def _median_after_first(events: list[dict]) -> float:
@@ -612,8 +611,6 @@ def run(quick: bool = False) -> dict:
         times = interleave(arms, reps=reps)
     finally:
         pool.close()
-        if ds is not None:
-            ds.close()
     out = {"model": preset, "layout": "dp2 zero3", "steps": steps, "rounds": reps, "folder": folder,
            "step_s": {k: stats(v) for k, v in times.items() if k != "deepspeed"},
            "ratio_nvme_none": stats(paired_ratios(times["nvme"], times["none"])),
@@ -689,7 +686,7 @@ def deepspeed_section(d) -> list[str]:
     a, zero = d["loss_agreement"], d["config"]["zero_optimization"]
     lines = ["DeepSpeed ZeRO-Infinity (stage 3, offload_param and offload_optimizer on nvme, its config "
              "written by workbench/interop/deepspeed.py from the nvme arm's spec; torch's AdamW passed in), "
-             "alternated with the arms above on a pool of its own:", "",
+             "alternated with the arms above, each run on 2 fresh ranks:", "",
              f"- step time: deepspeed {d['step_s']['median']:.3f} s (median) against ours (nvme) "
              f"{d.get('nvme_step_s', float('nan')):.3f} s; deepspeed / nvme {d['ratio_deepspeed_nvme']['median']:.2f}x "
              f"(paired per round, range {d['ratio_deepspeed_nvme']['min']:.2f}..{d['ratio_deepspeed_nvme']['max']:.2f}); "
