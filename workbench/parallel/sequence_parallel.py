@@ -47,6 +47,12 @@ def _gather(shard: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 def _reduce_scatter(full: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """(B, T, C) -> this rank's (B, T/tp, C) of the sum over the tp group."""
     tp = mesh.size()
+    if dist.get_backend(mesh.get_group()) == "gloo":
+        # gloo's reduce-scatter is its all-reduce of the whole buffer plus copies (its profile counts
+        # a gloo:all_reduce per reduce_scatter_tensor): all-reduce and keep the slice, the same sums.
+        out = full.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=mesh.get_group())
+        return out.chunk(tp, dim=SEQ_DIM)[mesh.get_local_rank()].contiguous()
     chunks = full.unflatten(SEQ_DIM, (tp, full.shape[SEQ_DIM] // tp)).movedim(SEQ_DIM, 0).contiguous()
     out = chunks.new_empty(chunks.shape[1:])
     dist.reduce_scatter_tensor(out, chunks.flatten(0, 1), group=mesh.get_group())
@@ -56,20 +62,22 @@ def _reduce_scatter(full: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 class _GatherSequence(torch.autograd.Function):
     """(B, T/tp, C) -> (B, T, C); backward reduce-scatters the summed gradient. Saves nothing.
 
-    `cache` is shared with the column-parallel linears that take the gathered input: the first of
-    them to run backward gathers the shard again and leaves it there for the others (q, k and v
-    share one gather, as Megatron's fused QKV does); this backward, which runs after all of them,
-    drops it."""
+    `rows` ([tensor] or [None]): the full (B, T, C) when this rank already computed it beside the
+    shard (the stream's full rows, below); forward then communicates nothing. `cache` is shared with
+    the column-parallel linears that take the gathered input: the first of them to run backward
+    (or the region's row-parallel exit, in its own all-gather) gathers the shard again and leaves
+    it there for the others (q, k and v share one gather, as Megatron's fused QKV does); this
+    backward, which runs after all of them, drops it."""
 
     @staticmethod
-    def forward(ctx, shard, mesh, cache):
+    def forward(ctx, shard, mesh, cache, rows):
         ctx.mesh, ctx.cache = mesh, cache
-        return _gather(shard, mesh)
+        return rows[0] if rows[0] is not None else _gather(shard, mesh)
 
     @staticmethod
     def backward(ctx, grad):
         ctx.cache.clear()
-        return _reduce_scatter(grad, ctx.mesh), None, None
+        return _reduce_scatter(grad, ctx.mesh), None, None, None
 
 
 class _ShardSavingLinear(torch.autograd.Function):
@@ -93,17 +101,53 @@ class _ShardSavingLinear(torch.autograd.Function):
         return grad_full, None, grad_weight, grad_bias, None, None
 
 
+class _Region:
+    """What one region of a block (attention or the MLP) hands on within one forward call; each
+    field is taken (and cleared) by its one reader, so nothing outlives the call."""
+
+    __slots__ = ("input_full", "entry", "output_full")
+
+    def __init__(self):
+        self.input_full = None  # (the norm's output shard, its full rows), from the norm's hook
+        self.entry = None  # (the gathered input's shard, the region's cache), for the exit's backward
+        self.output_full = None  # the exit's summed output, full rows, no autograd
+
+
+def _take(holder, name: str):
+    value = getattr(holder, name)
+    setattr(holder, name, None)
+    return value
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`b` is `a` (or a view of the same storage with its shape and dtype, e.g. FSDP2's hook wrap)."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype)
+
+
+def _full_rows_of(region: _Region, x: torch.Tensor):
+    pending = _take(region, "input_full")
+    return [pending[1] if pending is not None and _same(pending[0], x) else None]
+
+
 class GatherSequenceInput(ParallelStyle):
-    """On entry to attention / the MLP: all-gather the sequence-sharded input once, and tag the
-    gathered tensor with its shard so the column-parallel linears inside can save the shard."""
+    """On entry to attention / the MLP: the sequence-sharded input's full rows (computed locally
+    from the stream's full rows when there are, all-gathered otherwise), tagged with its shard so
+    the column-parallel linears inside can save the shard."""
+
+    def __init__(self, region: _Region | None = None):
+        super().__init__()
+        self.region = region or _Region()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        region = self.region
+
         def gather(_module, args):
             x, *rest = args
             shard = x.to_local() if isinstance(x, DTensor) else x
             cache: dict = {}
-            full = _GatherSequence.apply(shard, device_mesh, cache)
+            full = _GatherSequence.apply(shard, device_mesh, cache, _full_rows_of(region, x))
             full.sequence_shard, full.sequence_cache = shard, cache
+            region.entry = (shard, cache)
             return (full, *rest)
 
         module.register_forward_pre_hook(gather)
@@ -126,18 +170,36 @@ class ShardSavingColwiseParallel(ParallelStyle):
         return module
 
 
-class _ScatterSequence(torch.autograd.Function):
-    """Row-parallel partial (B, T, C) -> this rank's summed (B, T/tp, C) (reduce-scatter); backward
-    all-gathers the sequence. Megatron's g-bar under sequence parallelism."""
+class _ReduceToSequenceShard(torch.autograd.Function):
+    """Row-parallel partial (B, T, C) -> (this rank's summed (B, T/tp, C), the summed (B, T, C)).
+
+    Forward all-reduces: one collective where Megatron's reduce-scatter and the next region's
+    all-gather are two (the next norm's full rows are then computed here, `attach_sequence_stream`);
+    autograd sees only the shard. Backward all-gathers the sequence (Megatron's g-bar) in the same
+    collective as the region's saved input shard, which the region's column-parallel linears need
+    again next (their cache): one all-gather where Megatron issues two."""
 
     @staticmethod
-    def forward(ctx, partial, mesh):
-        ctx.mesh = mesh
-        return _reduce_scatter(partial, mesh)
+    def forward(ctx, partial, mesh, entry):
+        ctx.mesh, ctx.cache = mesh, None
+        if entry is not None:
+            ctx.save_for_backward(entry[0])
+            ctx.cache = entry[1]
+        full = partial.clone(memory_format=torch.contiguous_format)  # autograd's tensors are not ours to change
+        dist.all_reduce(full, group=mesh.get_group())
+        ctx.mark_non_differentiable(full)
+        return full.chunk(mesh.size(), dim=SEQ_DIM)[mesh.get_local_rank()].contiguous(), full
 
     @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.mesh), None
+    def backward(ctx, grad, _full_grad):
+        cache = ctx.cache
+        if cache is not None and grad.dtype not in cache:
+            (shard,) = ctx.saved_tensors
+            if shard.shape[:-1] == grad.shape[:-1]:
+                both = _gather(torch.cat([grad, shard.to(grad.dtype)], dim=-1), ctx.mesh)
+                cache[grad.dtype] = both[..., grad.shape[-1]:]
+                return both[..., :grad.shape[-1]], None, None
+        return _gather(grad, ctx.mesh), None, None
 
 
 # The parameters a module applies to this rank's sequence shard only (the norms, the row-parallel
@@ -183,16 +245,52 @@ class SequenceSlice(ParallelStyle):
 class ScatterRowwiseParallel(ParallelStyle):
     """Row-parallel nn.Linear under sequence parallel on local shards: weight Shard(1), bias
     Replicate (as RowwiseParallel); forward multiplies the local input columns by the local weight
-    columns, reduce-scatters the partial sums into this rank's sequence shard, then adds the bias
-    (whose gradient is then partial over tp: summed once per step)."""
+    columns, sums the partial products over tp into this rank's sequence shard (and the full rows
+    beside it, `_ReduceToSequenceShard`), then adds the bias (whose gradient is then partial over
+    tp: summed once per step)."""
+
+    def __init__(self, region: _Region | None = None):
+        super().__init__()
+        self.region = region or _Region()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         shard_parameters(module, device_mesh, {"weight": Shard(1), "bias": Replicate()})
         mark_sequence_partial(module, ("bias",), device_mesh)
+        region = self.region
 
         def forward(x):
-            y = _ScatterSequence.apply(F.linear(x, module.weight.to_local()), device_mesh)
-            return y if module.bias is None else y + module.bias.to_local().to(y.dtype)
+            y, full = _ReduceToSequenceShard.apply(F.linear(x, module.weight.to_local()), device_mesh,
+                                                   _take(region, "entry"))
+            if module.bias is not None:
+                bias = module.bias.to_local().to(y.dtype)
+                y, full = y + bias, full + bias.detach()
+            region.output_full = full
+            return y
+
+        module.forward = forward
+        return module
+
+
+class GatherSequenceHead(ParallelStyle):
+    """The head (vocab-parallel nn.Linear, weight Shard(0)) under sequence parallel: its input's full
+    rows (the final norm's, computed locally from the stream's full rows, or all-gathered), the local
+    vocabulary columns of the logits as a Shard(-1) DTensor for `loss_parallel`; backward
+    reduce-scatters the input gradient into the sequence shard. Like ColwiseParallel it keeps the
+    gathered input for its weight gradient."""
+
+    def __init__(self, region: _Region | None = None):
+        super().__init__()
+        self.region = region or _Region()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        shard_parameters(module, device_mesh, {"weight": Shard(0), "bias": Shard(0)})
+        region = self.region
+
+        def forward(x):
+            full = _GatherSequence.apply(x, device_mesh, {}, _full_rows_of(region, x))
+            bias = module.bias.to_local() if module.bias is not None else None
+            return DTensor.from_local(F.linear(full, module.weight.to_local(), bias), device_mesh, [Shard(-1)],
+                                      run_check=False)
 
         module.forward = forward
         return module
@@ -231,7 +329,146 @@ def column_parallel_linears(block: nn.Module) -> list[str]:
     return names + (["mlp.w3"] if getattr(block.get_submodule("mlp"), "w3", None) is not None else [])
 
 
+REGIONS_ATTR = "_workbench_sequence_regions"
+
+
 def megatron_sp_plan(block: nn.Module) -> dict:
-    """Plan entries that replace DTensor's gather-and-save at a block's column-parallel linears."""
-    plan = {"attn": GatherSequenceInput(), "mlp": GatherSequenceInput()}
+    """A block's sequence-parallel plan: the norms on the shard, attention and the MLP entered by a
+    gather whose column-parallel linears save the shard, left by a row-parallel linear that sums
+    into the shard. Each region's entry and exit share a `_Region` (kept on the block for
+    `attach_sequence_stream`)."""
+    attn, mlp = _Region(), _Region()
+    setattr(block, REGIONS_ATTR, (attn, mlp))
+    plan = {"attn_norm": SequenceShardedNorm(), "mlp_norm": SequenceShardedNorm(),
+            "attn": GatherSequenceInput(attn), "mlp": GatherSequenceInput(mlp),
+            "attn.wo": ScatterRowwiseParallel(attn), "mlp.w2": ScatterRowwiseParallel(mlp)}
     return plan | {name: ShardSavingColwiseParallel() for name in column_parallel_linears(block)}
+
+
+# The stream's full rows. Autograd sees the residual stream as this rank's (B, T/tp, C) shard, as in
+# Megatron-LM: the norms, the saved tensors and backward are exactly theirs. Beside it, without
+# autograd, each rank carries the stream's full (B, T, C) rows: the row-parallel outputs are
+# all-reduced (not reduce-scattered), the residual adds and the norms are computed on the full rows
+# too (row-wise, so each row equals what its owner computes on its shard), and the next region's
+# input is then at hand instead of all-gathered. Per block and micro-batch that is 2 collectives in
+# forward (Megatron: 2 reduce-scatters + 2 all-gathers) with the same bytes on the wire; on gloo each
+# collective costs a round trip, which made sequence parallel 1.7x plain TP's step on gpt-tiny.
+# A block whose input has no full rows (the first after the embedding or a pipeline stage's edge,
+# or a recomputed one) all-gathers its input once.
+
+
+class _Stream:
+    """The full rows of a stage's last block output (the tensor and its rows), for the next block or
+    the final norm, or of the embedding (token rows, position rows or None) for the first block;
+    taken by their reader."""
+
+    __slots__ = ("pending", "embedding")
+
+    def __init__(self):
+        self.pending = None
+        self.embedding = None
+
+    def rows_for(self, x: torch.Tensor):
+        pending = _take(self, "pending")
+        return pending[1] if pending is not None and _same(pending[0], x) else None
+
+
+class _SliceSequence(torch.autograd.Function):
+    """(B, T, C) replicated -> this rank's (B, T/tp, C); backward all-gathers the shards' gradients
+    (the replicated input's gradient, complete on every rank)."""
+
+    @staticmethod
+    def forward(ctx, full, mesh):
+        ctx.mesh = mesh
+        return full.chunk(mesh.size(), dim=SEQ_DIM)[mesh.get_local_rank()].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.mesh), None
+
+
+def _attach_embedding(model: nn.Module, mesh: DeviceMesh, stream: _Stream) -> None:
+    """The vocab-parallel embedding all-reduces its partial lookups (tp.py: Replicate output, one
+    collective where reduce-scatter and the first block's all-gather are two); this rank keeps its
+    sequence shard for autograd, and the token (and position) rows for the first block's full rows."""
+
+    def token_rows(_module, _args, out):
+        stream.embedding = (out.detach(), None)
+        return _SliceSequence.apply(out, mesh)
+
+    def position_rows(module, args, _out):
+        if stream.embedding is not None:
+            with torch.no_grad():
+                stream.embedding = (stream.embedding[0], F.embedding(args[0], module.weight))
+
+    model.tok_emb.register_forward_hook(token_rows)
+    if getattr(model, "pos_emb", None) is not None:
+        model.pos_emb.register_forward_hook(position_rows)
+
+
+def _embedding_rows(stream: _Stream, x: torch.Tensor, tp: int):
+    """The first block's input rows from the embedding's (tokens + positions, added as GPT.forward adds them)."""
+    pending = _take(stream, "embedding")
+    if pending is None or pending[0].shape[:2] != (x.shape[0], x.shape[1] * tp):
+        return None
+    tokens, positions = pending
+    with torch.no_grad():
+        return tokens if positions is None else tokens + positions
+
+
+def _norm_rows_hook(full_input, region: _Region):
+    """A norm's forward hook: compute its output on the full rows too (`full_input(x)` gives them,
+    or None), for the region it feeds."""
+
+    def hook(module, args, out):
+        rows = full_input(args[0])
+        if rows is not None:
+            with torch.no_grad():
+                region.input_full = (out, module.forward(rows.to(args[0].dtype)))  # the instance's forward: no hooks
+    return hook
+
+
+def attach_sequence_stream(model: nn.Module, mesh: DeviceMesh, head: _Region | None) -> None:
+    """Carry the residual stream's full rows beside its shard through `model`'s blocks (planned by
+    `megatron_sp_plan`) to the final norm, whose output's full rows go to the head's `head` region."""
+    stream = _Stream()
+    if getattr(model, "tok_emb", None) is not None:
+        _attach_embedding(model, mesh, stream)
+    blocks = list(model.blocks.values())
+    for i, block in enumerate(blocks):
+        _attach_block(block, mesh, stream, emits=i < len(blocks) - 1 or model.norm is not None)
+    if model.norm is not None and head is not None:
+        model.norm.register_forward_hook(_norm_rows_hook(stream.rows_for, head))
+
+
+def _attach_block(block: nn.Module, mesh: DeviceMesh, stream: _Stream, emits: bool) -> None:
+    attn, mlp = getattr(block, REGIONS_ATTR)
+    rows: dict = {}  # within one call of the block: "x" (its input's full rows), then "h" (after attention)
+
+    def enter(_module, args):
+        x = args[0]
+        full = stream.rows_for(x)
+        if full is None:
+            full = _embedding_rows(stream, x, mesh.size())
+        if full is None:
+            with torch.no_grad():
+                full = _gather(x, mesh)
+        rows["x"] = full
+
+    def after_attention(_module, _args, _out):
+        x, y = rows.pop("x", None), _take(attn, "output_full")
+        if x is not None and y is not None:
+            with torch.no_grad():
+                rows["h"] = x + y
+
+    def leave(_module, _args, out):
+        h, y = rows.pop("h", None), _take(mlp, "output_full")
+        if emits and h is not None and y is not None:
+            with torch.no_grad():
+                stream.pending = (out, h + y)
+
+    block.register_forward_pre_hook(enter)
+    block.get_submodule("attn_norm").register_forward_hook(_norm_rows_hook(lambda _x: rows.get("x"), attn))
+    block.get_submodule("attn").register_forward_hook(after_attention)
+    block.get_submodule("mlp_norm").register_forward_hook(_norm_rows_hook(lambda _x: rows.get("h"), mlp))
+    block.register_forward_hook(leave)
