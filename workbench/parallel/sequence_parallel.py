@@ -1,20 +1,24 @@
-"""Megatron-style sequence parallelism for the column-parallel linears: save the sequence shard,
-all-gather it again in backward (Korthikanti et al. 2022, sec. 4.2.2).
+"""Megatron-style sequence parallelism on local shards, with fewer collectives than Megatron's.
 
-DTensor's SequenceParallel + ColwiseParallel all-gather the norm's output on entry to attention
-and the MLP, and each column-parallel linear then saves that gathered (B, T, C) input for its
-weight gradient: activations that sequence parallelism was meant to divide by tp. Here the
-attention / MLP entry gathers once (backward: one reduce-scatter), and the column-parallel linears
-save only the (B, T/tp, C) shard, all-gathering it again when backward needs the weight gradient.
-The numbers are the same bit for bit; the memory is what Korthikanti et al. count.
+The autograd graph is Megatron-LM's (Korthikanti et al. 2022, sec. 4.2.2): the residual stream is
+this rank's (B, T/tp, C) sequence shard, the norms run on it with their replicated weights as plain
+tensors, attention and the MLP take their input's full sequence (backward: reduce-scatter of the
+input gradient), their column-parallel linears save only the shard and all-gather it again in
+backward, the row-parallel outputs are summed into the shard. The saved tensors, and so the memory,
+are what Korthikanti et al. count; DTensor's SequenceParallel + ColwiseParallel would save the
+gathered input. The gradients of what sees only the shard (norm weights and biases, the row-parallel
+bias, the position embedding's slice) are partial sums over tp, completed by one all-reduce per step
+(`sum_sequence_partial_grads`, from tp.align_grad_placements).
 
-The residual stream between those regions is a plain (B, T/tp, C) tensor, this rank's sequence
-shard, not a DTensor: the norms run on it with their replicated weights as plain tensors, the
-row-parallel linears reduce-scatter into it (`ScatterRowwiseParallel`), and the gradients of what
-sees only the shard (norm weights and biases, the row-parallel bias, the position embedding's
-slice) are partial sums over tp, completed by one all-reduce per step
-(`sum_sequence_partial_grads`, from tp.align_grad_placements) where DTensor's SequenceParallel
-all-reduced each of them on every micro-batch and dispatched every op of the stream in Python.
+The collectives are not Megatron's, and this is what makes sequence parallel cost about what plain
+TP costs where each collective is a round trip (gloo; profile: bench/profile_sp.py). Forward: the
+row-parallel partial sums are all-reduced, each rank keeps its shard for autograd and the full rows
+beside it without autograd, computes the residual adds and the next norm on those full rows too, and
+so has the next region's input without an all-gather (`attach_sequence_stream`): 2 collectives per
+block where Megatron's reduce-scatter + all-gather pairs are 4, with the same bytes on the wire.
+Backward: the output gradient's all-gather carries the region's saved input shard too, which the
+column-parallel linears need next (one all-gather where Megatron issues two). Per block and
+micro-batch: 6 collectives (Megatron: 10, plain TP: 4).
 """
 from __future__ import annotations
 
@@ -101,7 +105,7 @@ class _ShardSavingLinear(torch.autograd.Function):
         return grad_full, None, grad_weight, grad_bias, None, None
 
 
-class _Region:
+class SequenceRegion:
     """What one region of a block (attention or the MLP) hands on within one forward call; each
     field is taken (and cleared) by its one reader, so nothing outlives the call."""
 
@@ -124,7 +128,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype)
 
 
-def _full_rows_of(region: _Region, x: torch.Tensor):
+def _full_rows_of(region: SequenceRegion, x: torch.Tensor):
     pending = _take(region, "input_full")
     return [pending[1] if pending is not None and _same(pending[0], x) else None]
 
@@ -134,9 +138,9 @@ class GatherSequenceInput(ParallelStyle):
     from the stream's full rows when there are, all-gathered otherwise), tagged with its shard so
     the column-parallel linears inside can save the shard."""
 
-    def __init__(self, region: _Region | None = None):
+    def __init__(self, region: SequenceRegion | None = None):
         super().__init__()
-        self.region = region or _Region()
+        self.region = region or SequenceRegion()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         region = self.region
@@ -249,9 +253,9 @@ class ScatterRowwiseParallel(ParallelStyle):
     beside it, `_ReduceToSequenceShard`), then adds the bias (whose gradient is then partial over
     tp: summed once per step)."""
 
-    def __init__(self, region: _Region | None = None):
+    def __init__(self, region: SequenceRegion | None = None):
         super().__init__()
-        self.region = region or _Region()
+        self.region = region or SequenceRegion()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         shard_parameters(module, device_mesh, {"weight": Shard(1), "bias": Replicate()})
@@ -278,9 +282,9 @@ class GatherSequenceHead(ParallelStyle):
     reduce-scatters the input gradient into the sequence shard. Like ColwiseParallel it keeps the
     gathered input for its weight gradient."""
 
-    def __init__(self, region: _Region | None = None):
+    def __init__(self, region: SequenceRegion | None = None):
         super().__init__()
-        self.region = region or _Region()
+        self.region = region or SequenceRegion()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         shard_parameters(module, device_mesh, {"weight": Shard(0), "bias": Shard(0)})
@@ -335,140 +339,11 @@ REGIONS_ATTR = "_workbench_sequence_regions"
 def megatron_sp_plan(block: nn.Module) -> dict:
     """A block's sequence-parallel plan: the norms on the shard, attention and the MLP entered by a
     gather whose column-parallel linears save the shard, left by a row-parallel linear that sums
-    into the shard. Each region's entry and exit share a `_Region` (kept on the block for
+    into the shard. Each region's entry and exit share a `SequenceRegion` (kept on the block for
     `attach_sequence_stream`)."""
-    attn, mlp = _Region(), _Region()
+    attn, mlp = SequenceRegion(), SequenceRegion()
     setattr(block, REGIONS_ATTR, (attn, mlp))
     plan = {"attn_norm": SequenceShardedNorm(), "mlp_norm": SequenceShardedNorm(),
             "attn": GatherSequenceInput(attn), "mlp": GatherSequenceInput(mlp),
             "attn.wo": ScatterRowwiseParallel(attn), "mlp.w2": ScatterRowwiseParallel(mlp)}
     return plan | {name: ShardSavingColwiseParallel() for name in column_parallel_linears(block)}
-
-
-# The stream's full rows. Autograd sees the residual stream as this rank's (B, T/tp, C) shard, as in
-# Megatron-LM: the norms, the saved tensors and backward are exactly theirs. Beside it, without
-# autograd, each rank carries the stream's full (B, T, C) rows: the row-parallel outputs are
-# all-reduced (not reduce-scattered), the residual adds and the norms are computed on the full rows
-# too (row-wise, so each row equals what its owner computes on its shard), and the next region's
-# input is then at hand instead of all-gathered. Per block and micro-batch that is 2 collectives in
-# forward (Megatron: 2 reduce-scatters + 2 all-gathers) with the same bytes on the wire; on gloo each
-# collective costs a round trip, which made sequence parallel 1.7x plain TP's step on gpt-tiny.
-# A block whose input has no full rows (the first after the embedding or a pipeline stage's edge,
-# or a recomputed one) all-gathers its input once.
-
-
-class _Stream:
-    """The full rows of a stage's last block output (the tensor and its rows), for the next block or
-    the final norm, or of the embedding (token rows, position rows or None) for the first block;
-    taken by their reader."""
-
-    __slots__ = ("pending", "embedding")
-
-    def __init__(self):
-        self.pending = None
-        self.embedding = None
-
-    def rows_for(self, x: torch.Tensor):
-        pending = _take(self, "pending")
-        return pending[1] if pending is not None and _same(pending[0], x) else None
-
-
-class _SliceSequence(torch.autograd.Function):
-    """(B, T, C) replicated -> this rank's (B, T/tp, C); backward all-gathers the shards' gradients
-    (the replicated input's gradient, complete on every rank)."""
-
-    @staticmethod
-    def forward(ctx, full, mesh):
-        ctx.mesh = mesh
-        return full.chunk(mesh.size(), dim=SEQ_DIM)[mesh.get_local_rank()].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.mesh), None
-
-
-def _attach_embedding(model: nn.Module, mesh: DeviceMesh, stream: _Stream) -> None:
-    """The vocab-parallel embedding all-reduces its partial lookups (tp.py: Replicate output, one
-    collective where reduce-scatter and the first block's all-gather are two); this rank keeps its
-    sequence shard for autograd, and the token (and position) rows for the first block's full rows."""
-
-    def token_rows(_module, _args, out):
-        stream.embedding = (out.detach(), None)
-        return _SliceSequence.apply(out, mesh)
-
-    def position_rows(module, args, _out):
-        if stream.embedding is not None:
-            with torch.no_grad():
-                stream.embedding = (stream.embedding[0], F.embedding(args[0], module.weight))
-
-    model.tok_emb.register_forward_hook(token_rows)
-    if getattr(model, "pos_emb", None) is not None:
-        model.pos_emb.register_forward_hook(position_rows)
-
-
-def _embedding_rows(stream: _Stream, x: torch.Tensor, tp: int):
-    """The first block's input rows from the embedding's (tokens + positions, added as GPT.forward adds them)."""
-    pending = _take(stream, "embedding")
-    if pending is None or pending[0].shape[:2] != (x.shape[0], x.shape[1] * tp):
-        return None
-    tokens, positions = pending
-    with torch.no_grad():
-        return tokens if positions is None else tokens + positions
-
-
-def _norm_rows_hook(full_input, region: _Region):
-    """A norm's forward hook: compute its output on the full rows too (`full_input(x)` gives them,
-    or None), for the region it feeds."""
-
-    def hook(module, args, out):
-        rows = full_input(args[0])
-        if rows is not None:
-            with torch.no_grad():
-                region.input_full = (out, module.forward(rows.to(args[0].dtype)))  # the instance's forward: no hooks
-    return hook
-
-
-def attach_sequence_stream(model: nn.Module, mesh: DeviceMesh, head: _Region | None) -> None:
-    """Carry the residual stream's full rows beside its shard through `model`'s blocks (planned by
-    `megatron_sp_plan`) to the final norm, whose output's full rows go to the head's `head` region."""
-    stream = _Stream()
-    if getattr(model, "tok_emb", None) is not None:
-        _attach_embedding(model, mesh, stream)
-    blocks = list(model.blocks.values())
-    for i, block in enumerate(blocks):
-        _attach_block(block, mesh, stream, emits=i < len(blocks) - 1 or model.norm is not None)
-    if model.norm is not None and head is not None:
-        model.norm.register_forward_hook(_norm_rows_hook(stream.rows_for, head))
-
-
-def _attach_block(block: nn.Module, mesh: DeviceMesh, stream: _Stream, emits: bool) -> None:
-    attn, mlp = getattr(block, REGIONS_ATTR)
-    rows: dict = {}  # within one call of the block: "x" (its input's full rows), then "h" (after attention)
-
-    def enter(_module, args):
-        x = args[0]
-        full = stream.rows_for(x)
-        if full is None:
-            full = _embedding_rows(stream, x, mesh.size())
-        if full is None:
-            with torch.no_grad():
-                full = _gather(x, mesh)
-        rows["x"] = full
-
-    def after_attention(_module, _args, _out):
-        x, y = rows.pop("x", None), _take(attn, "output_full")
-        if x is not None and y is not None:
-            with torch.no_grad():
-                rows["h"] = x + y
-
-    def leave(_module, _args, out):
-        h, y = rows.pop("h", None), _take(mlp, "output_full")
-        if emits and h is not None and y is not None:
-            with torch.no_grad():
-                stream.pending = (out, h + y)
-
-    block.register_forward_pre_hook(enter)
-    block.get_submodule("attn_norm").register_forward_hook(_norm_rows_hook(lambda _x: rows.get("x"), attn))
-    block.get_submodule("attn").register_forward_hook(after_attention)
-    block.get_submodule("mlp_norm").register_forward_hook(_norm_rows_hook(lambda _x: rows.get("h"), mlp))
-    block.register_forward_hook(leave)

@@ -28,14 +28,14 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from workbench.parallel.local import shard_parameters
 from workbench.parallel.sequence_parallel import (
     GatherSequenceHead,
+    SequenceRegion,
     SequenceShardedNorm,
     SequenceSlice,
-    _Region,
-    attach_sequence_stream,
     column_parallel_linears,
     megatron_sp_plan,
     sum_sequence_partial_grads,
 )
+from workbench.parallel.sequence_stream import attach_sequence_stream
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
@@ -64,7 +64,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
         plan["pos_emb"] = SequenceSlice()
     if model.norm is not None and sp:
         plan["norm"] = SequenceShardedNorm()
-    head = _Region() if sp else None  # the final norm's full rows, for the head (attach_sequence_stream)
+    head = SequenceRegion() if sp else None  # the final norm's full rows, for the head (attach_sequence_stream)
     if model.head is not None:
         plan["head"] = GatherSequenceHead(head) if sp else ColwiseParallel(output_layouts=Shard(-1),
                                                                            use_local_output=False)
@@ -89,10 +89,11 @@ def _block_plan(block: nn.Module, sp: bool) -> dict:
         plan.update({name: LocalColwiseParallel() for name in column_parallel_linears(block)})
         return plan
     # Sequence parallel, on local shards like the plan above: the residual stream is this rank's
-    # (B, T/tp, C) plain tensor; the norms work on it with replicated plain weights; attention and
-    # the MLP all-gather the sequence on entry (reduce-scatter in backward), their column-parallel
-    # linears save only the shard (megatron_sp_plan), and the row-parallel outputs reduce-scatter
-    # back to sequence shards. The gradients of what sees only a shard (norms, row-parallel bias)
+    # (B, T/tp, C) plain tensor for autograd; the norms work on it with replicated plain weights;
+    # attention and the MLP take the full sequence on entry (reduce-scatter in backward), their
+    # column-parallel linears save only the shard, and the row-parallel outputs are summed back into
+    # the shard, with the full rows kept beside it so the next entry needs no all-gather
+    # (sequence_parallel.py). The gradients of what sees only a shard (norms, row-parallel bias)
     # are partial over tp: summed in one all-reduce per step (align_grad_placements).
     return megatron_sp_plan(block)
 
