@@ -173,21 +173,26 @@ def test_llama_tp2_sequence_parallel_with_grouped_kv_heads(spawn_pools):
         torch.testing.assert_close(state[key], value, rtol=1e-4, atol=5e-5, msg=lambda m, key=key: f"{key}: {m}")
 
 
-def _count_all_reduces(spec, emit):
-    """Train `spec`, then report how many all-reduces this rank issued (DTensor's and c10d's)."""
+def _count_collectives(spec, emit):
+    """Train `spec`, then report how many collectives of each kind this rank issued (DTensor's and c10d's)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    counted = []
+    kinds = {torch.ops._c10d_functional.all_reduce.default: "all_reduce", torch.ops.c10d.allreduce_.default: "all_reduce",
+             torch.ops._c10d_functional.all_gather_into_tensor.default: "all_gather",
+             torch.ops.c10d._allgather_base_.default: "all_gather",
+             torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
+             torch.ops.c10d._reduce_scatter_base_.default: "reduce_scatter"}
+    counted = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in (torch.ops._c10d_functional.all_reduce.default, torch.ops.c10d.allreduce_.default):
-                counted.append(func)
+            if func in kinds:
+                counted[kinds[func]] += 1
             return func(*args, **(kwargs or {}))
 
     with Count():
         train(spec, emit)
-    emit({"event": "all_reduces", "count": len(counted)})
+    emit({"event": "collectives", "count": counted["all_reduce"], **counted})
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
@@ -198,7 +203,7 @@ def test_tensor_parallel_all_reduces_twice_forward_and_twice_backward_per_block(
     def count(layers):
         model = {"family": family, "layers": layers, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 64}
         spec = {"model": model, "layout": {"tp": 2}, "train": {"steps": 1, "global_batch": 2, "micro_batch": 2}}
-        (event, _) = [e for e in pool2.run(spec, fn=_count_all_reduces, timeout_s=240) if e["event"] == "all_reduces"]
+        (event, _) = [e for e in pool2.run(spec, fn=_count_collectives, timeout_s=240) if e["event"] == "collectives"]
         return event["count"]
 
     per_block = (count(4) - count(2)) / 2
@@ -207,19 +212,27 @@ def test_tensor_parallel_all_reduces_twice_forward_and_twice_backward_per_block(
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_sequence_parallel_sums_partial_gradients_once_per_step(family, pool2):
-    # The residual stream is local sequence shards: a block issues reduce-scatters and all-gathers,
-    # no all-reduce; the gradients its norms (and row-parallel biases) get from one shard are summed
-    # over tp in one all-reduce per step, however deep the model (DTensor's SequenceParallel
-    # all-reduced each norm parameter's gradient on every micro-batch: 4 per GPT-2 block). Two depths,
-    # two micro-batches (the vocab-parallel loss's own all-reduces are the same at both depths).
+    # Per block and micro-batch: forward all-reduces attention's and the MLP's row-parallel outputs
+    # (each rank keeps its sequence shard for autograd and the full rows beside it, from which the
+    # next norm's full output is computed instead of all-gathered); backward all-gathers the output
+    # gradient together with the saved input shard, and reduce-scatters the input gradient, per
+    # region (on gloo as an all-reduce that keeps the slice: gloo's reduce-scatter is one).
+    # 6 collectives, where Megatron's sequence parallel issues 10 (2 more all-gathers forward,
+    # 2 more to re-gather the saved shards) and plain TP 4. The gradients its norms (and row-parallel
+    # biases) get from one shard are summed over tp in one all-reduce per step, however deep the
+    # model (DTensor's SequenceParallel all-reduced each norm parameter's gradient on every
+    # micro-batch: 4 per GPT-2 block). Two depths, two micro-batches: the difference is the blocks'.
     def count(layers):
         model = {"family": family, "layers": layers, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 64}
         spec = {"model": model, "layout": {"tp": 2, "sequence_parallel": True},
                 "train": {"steps": 1, "global_batch": 4, "micro_batch": 2}}
-        (event, _) = [e for e in pool2.run(spec, fn=_count_all_reduces, timeout_s=240) if e["event"] == "all_reduces"]
-        return event["count"]
+        (event, _) = [e for e in pool2.run(spec, fn=_count_collectives, timeout_s=240) if e["event"] == "collectives"]
+        return event
 
-    assert count(4) == count(2), f"{family}: sequence parallel's all-reduces grow with the depth"
+    deep, shallow = count(4), count(2)
+    per_block = {k: (deep[k] - shallow[k]) / (2 * 2) for k in ("all_reduce", "all_gather", "reduce_scatter")}
+    reductions = per_block["all_reduce"] + per_block["reduce_scatter"]
+    assert (reductions, per_block["all_gather"]) == (4, 2), f"{family}: {per_block}"
 
 
 def test_sequence_parallel_clips_the_summed_gradients(spawn_pools):

@@ -1,20 +1,24 @@
-"""Megatron-style sequence parallelism for the column-parallel linears: save the sequence shard,
-all-gather it again in backward (Korthikanti et al. 2022, sec. 4.2.2).
+"""Megatron-style sequence parallelism on local shards, with fewer collectives than Megatron's.
 
-DTensor's SequenceParallel + ColwiseParallel all-gather the norm's output on entry to attention
-and the MLP, and each column-parallel linear then saves that gathered (B, T, C) input for its
-weight gradient: activations that sequence parallelism was meant to divide by tp. Here the
-attention / MLP entry gathers once (backward: one reduce-scatter), and the column-parallel linears
-save only the (B, T/tp, C) shard, all-gathering it again when backward needs the weight gradient.
-The numbers are the same bit for bit; the memory is what Korthikanti et al. count.
+The autograd graph is Megatron-LM's (Korthikanti et al. 2022, sec. 4.2.2): the residual stream is
+this rank's (B, T/tp, C) sequence shard, the norms run on it with their replicated weights as plain
+tensors, attention and the MLP take their input's full sequence (backward: reduce-scatter of the
+input gradient), their column-parallel linears save only the shard and all-gather it again in
+backward, the row-parallel outputs are summed into the shard. The saved tensors, and so the memory,
+are what Korthikanti et al. count; DTensor's SequenceParallel + ColwiseParallel would save the
+gathered input. The gradients of what sees only the shard (norm weights and biases, the row-parallel
+bias, the position embedding's slice) are partial sums over tp, completed by one all-reduce per step
+(`sum_sequence_partial_grads`, from tp.align_grad_placements).
 
-The residual stream between those regions is a plain (B, T/tp, C) tensor, this rank's sequence
-shard, not a DTensor: the norms run on it with their replicated weights as plain tensors, the
-row-parallel linears reduce-scatter into it (`ScatterRowwiseParallel`), and the gradients of what
-sees only the shard (norm weights and biases, the row-parallel bias, the position embedding's
-slice) are partial sums over tp, completed by one all-reduce per step
-(`sum_sequence_partial_grads`, from tp.align_grad_placements) where DTensor's SequenceParallel
-all-reduced each of them on every micro-batch and dispatched every op of the stream in Python.
+The collectives are not Megatron's, and this is what makes sequence parallel cost about what plain
+TP costs where each collective is a round trip (gloo; profile: bench/profile_sp.py). Forward: the
+row-parallel partial sums are all-reduced, each rank keeps its shard for autograd and the full rows
+beside it without autograd, computes the residual adds and the next norm on those full rows too, and
+so has the next region's input without an all-gather (`attach_sequence_stream`): 2 collectives per
+block where Megatron's reduce-scatter + all-gather pairs are 4, with the same bytes on the wire.
+Backward: the output gradient's all-gather carries the region's saved input shard too, which the
+column-parallel linears need next (one all-gather where Megatron issues two). Per block and
+micro-batch: 6 collectives (Megatron: 10, plain TP: 4).
 """
 from __future__ import annotations
 
@@ -47,6 +51,12 @@ def _gather(shard: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 def _reduce_scatter(full: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """(B, T, C) -> this rank's (B, T/tp, C) of the sum over the tp group."""
     tp = mesh.size()
+    if dist.get_backend(mesh.get_group()) == "gloo":
+        # gloo's reduce-scatter is its all-reduce of the whole buffer plus copies (its profile counts
+        # a gloo:all_reduce per reduce_scatter_tensor): all-reduce and keep the slice, the same sums.
+        out = full.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=mesh.get_group())
+        return out.chunk(tp, dim=SEQ_DIM)[mesh.get_local_rank()].contiguous()
     chunks = full.unflatten(SEQ_DIM, (tp, full.shape[SEQ_DIM] // tp)).movedim(SEQ_DIM, 0).contiguous()
     out = chunks.new_empty(chunks.shape[1:])
     dist.reduce_scatter_tensor(out, chunks.flatten(0, 1), group=mesh.get_group())
@@ -56,20 +66,22 @@ def _reduce_scatter(full: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 class _GatherSequence(torch.autograd.Function):
     """(B, T/tp, C) -> (B, T, C); backward reduce-scatters the summed gradient. Saves nothing.
 
-    `cache` is shared with the column-parallel linears that take the gathered input: the first of
-    them to run backward gathers the shard again and leaves it there for the others (q, k and v
-    share one gather, as Megatron's fused QKV does); this backward, which runs after all of them,
-    drops it."""
+    `rows` ([tensor] or [None]): the full (B, T, C) when this rank already computed it beside the
+    shard (the stream's full rows, below); forward then communicates nothing. `cache` is shared with
+    the column-parallel linears that take the gathered input: the first of them to run backward
+    (or the region's row-parallel exit, in its own all-gather) gathers the shard again and leaves
+    it there for the others (q, k and v share one gather, as Megatron's fused QKV does); this
+    backward, which runs after all of them, drops it."""
 
     @staticmethod
-    def forward(ctx, shard, mesh, cache):
+    def forward(ctx, shard, mesh, cache, rows):
         ctx.mesh, ctx.cache = mesh, cache
-        return _gather(shard, mesh)
+        return rows[0] if rows[0] is not None else _gather(shard, mesh)
 
     @staticmethod
     def backward(ctx, grad):
         ctx.cache.clear()
-        return _reduce_scatter(grad, ctx.mesh), None, None
+        return _reduce_scatter(grad, ctx.mesh), None, None, None
 
 
 class _ShardSavingLinear(torch.autograd.Function):
@@ -93,17 +105,53 @@ class _ShardSavingLinear(torch.autograd.Function):
         return grad_full, None, grad_weight, grad_bias, None, None
 
 
+class SequenceRegion:
+    """What one region of a block (attention or the MLP) hands on within one forward call; each
+    field is taken (and cleared) by its one reader, so nothing outlives the call."""
+
+    __slots__ = ("input_full", "entry", "output_full")
+
+    def __init__(self):
+        self.input_full = None  # (the norm's output shard, its full rows), from the norm's hook
+        self.entry = None  # (the gathered input's shard, the region's cache), for the exit's backward
+        self.output_full = None  # the exit's summed output, full rows, no autograd
+
+
+def _take(holder, name: str):
+    value = getattr(holder, name)
+    setattr(holder, name, None)
+    return value
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`b` is `a` (or a view of the same storage with its shape and dtype, e.g. FSDP2's hook wrap)."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype)
+
+
+def _full_rows_of(region: SequenceRegion, x: torch.Tensor):
+    pending = _take(region, "input_full")
+    return [pending[1] if pending is not None and _same(pending[0], x) else None]
+
+
 class GatherSequenceInput(ParallelStyle):
-    """On entry to attention / the MLP: all-gather the sequence-sharded input once, and tag the
-    gathered tensor with its shard so the column-parallel linears inside can save the shard."""
+    """On entry to attention / the MLP: the sequence-sharded input's full rows (computed locally
+    from the stream's full rows when there are, all-gathered otherwise), tagged with its shard so
+    the column-parallel linears inside can save the shard."""
+
+    def __init__(self, region: SequenceRegion | None = None):
+        super().__init__()
+        self.region = region or SequenceRegion()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        region = self.region
+
         def gather(_module, args):
             x, *rest = args
             shard = x.to_local() if isinstance(x, DTensor) else x
             cache: dict = {}
-            full = _GatherSequence.apply(shard, device_mesh, cache)
+            full = _GatherSequence.apply(shard, device_mesh, cache, _full_rows_of(region, x))
             full.sequence_shard, full.sequence_cache = shard, cache
+            region.entry = (shard, cache)
             return (full, *rest)
 
         module.register_forward_pre_hook(gather)
@@ -126,18 +174,36 @@ class ShardSavingColwiseParallel(ParallelStyle):
         return module
 
 
-class _ScatterSequence(torch.autograd.Function):
-    """Row-parallel partial (B, T, C) -> this rank's summed (B, T/tp, C) (reduce-scatter); backward
-    all-gathers the sequence. Megatron's g-bar under sequence parallelism."""
+class _ReduceToSequenceShard(torch.autograd.Function):
+    """Row-parallel partial (B, T, C) -> (this rank's summed (B, T/tp, C), the summed (B, T, C)).
+
+    Forward all-reduces: one collective where Megatron's reduce-scatter and the next region's
+    all-gather are two (the next norm's full rows are then computed here, `attach_sequence_stream`);
+    autograd sees only the shard. Backward all-gathers the sequence (Megatron's g-bar) in the same
+    collective as the region's saved input shard, which the region's column-parallel linears need
+    again next (their cache): one all-gather where Megatron issues two."""
 
     @staticmethod
-    def forward(ctx, partial, mesh):
-        ctx.mesh = mesh
-        return _reduce_scatter(partial, mesh)
+    def forward(ctx, partial, mesh, entry):
+        ctx.mesh, ctx.cache = mesh, None
+        if entry is not None:
+            ctx.save_for_backward(entry[0])
+            ctx.cache = entry[1]
+        full = partial.clone(memory_format=torch.contiguous_format)  # autograd's tensors are not ours to change
+        dist.all_reduce(full, group=mesh.get_group())
+        ctx.mark_non_differentiable(full)
+        return full.chunk(mesh.size(), dim=SEQ_DIM)[mesh.get_local_rank()].contiguous(), full
 
     @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.mesh), None
+    def backward(ctx, grad, _full_grad):
+        cache = ctx.cache
+        if cache is not None and grad.dtype not in cache:
+            (shard,) = ctx.saved_tensors
+            if shard.shape[:-1] == grad.shape[:-1]:
+                both = _gather(torch.cat([grad, shard.to(grad.dtype)], dim=-1), ctx.mesh)
+                cache[grad.dtype] = both[..., grad.shape[-1]:]
+                return both[..., :grad.shape[-1]], None, None
+        return _gather(grad, ctx.mesh), None, None
 
 
 # The parameters a module applies to this rank's sequence shard only (the norms, the row-parallel
@@ -183,16 +249,52 @@ class SequenceSlice(ParallelStyle):
 class ScatterRowwiseParallel(ParallelStyle):
     """Row-parallel nn.Linear under sequence parallel on local shards: weight Shard(1), bias
     Replicate (as RowwiseParallel); forward multiplies the local input columns by the local weight
-    columns, reduce-scatters the partial sums into this rank's sequence shard, then adds the bias
-    (whose gradient is then partial over tp: summed once per step)."""
+    columns, sums the partial products over tp into this rank's sequence shard (and the full rows
+    beside it, `_ReduceToSequenceShard`), then adds the bias (whose gradient is then partial over
+    tp: summed once per step)."""
+
+    def __init__(self, region: SequenceRegion | None = None):
+        super().__init__()
+        self.region = region or SequenceRegion()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         shard_parameters(module, device_mesh, {"weight": Shard(1), "bias": Replicate()})
         mark_sequence_partial(module, ("bias",), device_mesh)
+        region = self.region
 
         def forward(x):
-            y = _ScatterSequence.apply(F.linear(x, module.weight.to_local()), device_mesh)
-            return y if module.bias is None else y + module.bias.to_local().to(y.dtype)
+            y, full = _ReduceToSequenceShard.apply(F.linear(x, module.weight.to_local()), device_mesh,
+                                                   _take(region, "entry"))
+            if module.bias is not None:
+                bias = module.bias.to_local().to(y.dtype)
+                y, full = y + bias, full + bias.detach()
+            region.output_full = full
+            return y
+
+        module.forward = forward
+        return module
+
+
+class GatherSequenceHead(ParallelStyle):
+    """The head (vocab-parallel nn.Linear, weight Shard(0)) under sequence parallel: its input's full
+    rows (the final norm's, computed locally from the stream's full rows, or all-gathered), the local
+    vocabulary columns of the logits as a Shard(-1) DTensor for `loss_parallel`; backward
+    reduce-scatters the input gradient into the sequence shard. Like ColwiseParallel it keeps the
+    gathered input for its weight gradient."""
+
+    def __init__(self, region: SequenceRegion | None = None):
+        super().__init__()
+        self.region = region or SequenceRegion()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        shard_parameters(module, device_mesh, {"weight": Shard(0), "bias": Shard(0)})
+        region = self.region
+
+        def forward(x):
+            full = _GatherSequence.apply(x, device_mesh, {}, _full_rows_of(region, x))
+            bias = module.bias.to_local() if module.bias is not None else None
+            return DTensor.from_local(F.linear(full, module.weight.to_local(), bias), device_mesh, [Shard(-1)],
+                                      run_check=False)
 
         module.forward = forward
         return module
@@ -231,7 +333,17 @@ def column_parallel_linears(block: nn.Module) -> list[str]:
     return names + (["mlp.w3"] if getattr(block.get_submodule("mlp"), "w3", None) is not None else [])
 
 
+REGIONS_ATTR = "_workbench_sequence_regions"
+
+
 def megatron_sp_plan(block: nn.Module) -> dict:
-    """Plan entries that replace DTensor's gather-and-save at a block's column-parallel linears."""
-    plan = {"attn": GatherSequenceInput(), "mlp": GatherSequenceInput()}
+    """A block's sequence-parallel plan: the norms on the shard, attention and the MLP entered by a
+    gather whose column-parallel linears save the shard, left by a row-parallel linear that sums
+    into the shard. Each region's entry and exit share a `SequenceRegion` (kept on the block for
+    `attach_sequence_stream`)."""
+    attn, mlp = SequenceRegion(), SequenceRegion()
+    setattr(block, REGIONS_ATTR, (attn, mlp))
+    plan = {"attn_norm": SequenceShardedNorm(), "mlp_norm": SequenceShardedNorm(),
+            "attn": GatherSequenceInput(attn), "mlp": GatherSequenceInput(mlp),
+            "attn.wo": ScatterRowwiseParallel(attn), "mlp.w2": ScatterRowwiseParallel(mlp)}
     return plan | {name: ShardSavingColwiseParallel() for name in column_parallel_linears(block)}

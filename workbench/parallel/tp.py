@@ -27,13 +27,15 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from workbench.parallel.local import shard_parameters
 from workbench.parallel.sequence_parallel import (
-    ScatterRowwiseParallel,
+    GatherSequenceHead,
+    SequenceRegion,
     SequenceShardedNorm,
     SequenceSlice,
     column_parallel_linears,
     megatron_sp_plan,
     sum_sequence_partial_grads,
 )
+from workbench.parallel.sequence_stream import attach_sequence_stream
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
@@ -51,21 +53,21 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
         The same module, with DTensor parameters.
     """
     sp = sequence_parallel
-    # Activations between blocks: seq-sharded local tensors with SP, full replicas without.
-    stream = Shard(1) if sp else Replicate()
     plan: dict = {}
     if model.tok_emb is not None:
-        # Vocab-parallel embedding: each rank looks up its rows, partial sums are reduced
-        # (all-reduce, or reduce-scatter straight into the sequence shards with SP).
-        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+        # Vocab-parallel embedding: each rank looks up its rows, partial sums are all-reduced (with
+        # SP each rank then keeps its sequence shard, and the full rows beside it: sequence_parallel.py).
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if sp and getattr(model, "pos_emb", None) is not None:
         # Positions are replicated; keep this rank's sequence slice so it adds to the
         # seq-sharded token embeddings (its gradient is partial over tp, summed once per step).
         plan["pos_emb"] = SequenceSlice()
     if model.norm is not None and sp:
         plan["norm"] = SequenceShardedNorm()
+    head = SequenceRegion() if sp else None  # the final norm's full rows, for the head (attach_sequence_stream)
     if model.head is not None:
-        plan["head"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
+        plan["head"] = GatherSequenceHead(head) if sp else ColwiseParallel(output_layouts=Shard(-1),
+                                                                           use_local_output=False)
     # A tied head shares the embedding's (vocab, hidden) weight: both plans shard it Shard(0)
     # over the vocabulary, but each would make its own DTensor parameter; share the embedding's.
     tied = model.tok_emb is not None and model.head is not None and model.head.weight is model.tok_emb.weight
@@ -75,6 +77,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
         model.head.weight = model.tok_emb.weight
     for block in model.blocks.values():
         parallelize_module(block, tp_mesh, _block_plan(block, sp))
+    if sp:
+        attach_sequence_stream(model, tp_mesh, head)
     return model
 
 
@@ -85,15 +89,13 @@ def _block_plan(block: nn.Module, sp: bool) -> dict:
         plan.update({name: LocalColwiseParallel() for name in column_parallel_linears(block)})
         return plan
     # Sequence parallel, on local shards like the plan above: the residual stream is this rank's
-    # (B, T/tp, C) plain tensor; the norms work on it with replicated plain weights; attention and
-    # the MLP all-gather the sequence on entry (reduce-scatter in backward), their column-parallel
-    # linears save only the shard (megatron_sp_plan), and the row-parallel outputs reduce-scatter
-    # back to sequence shards. The gradients of what sees only a shard (norms, row-parallel bias)
+    # (B, T/tp, C) plain tensor for autograd; the norms work on it with replicated plain weights;
+    # attention and the MLP take the full sequence on entry (reduce-scatter in backward), their
+    # column-parallel linears save only the shard, and the row-parallel outputs are summed back into
+    # the shard, with the full rows kept beside it so the next entry needs no all-gather
+    # (sequence_parallel.py). The gradients of what sees only a shard (norms, row-parallel bias)
     # are partial over tp: summed in one all-reduce per step (align_grad_placements).
-    plan = {"attn_norm": SequenceShardedNorm(), "mlp_norm": SequenceShardedNorm(),
-            "attn.wo": ScatterRowwiseParallel(), "mlp.w2": ScatterRowwiseParallel()}
-    plan.update(megatron_sp_plan(block))
-    return plan
+    return megatron_sp_plan(block)
 
 
 def _all_reduce(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
