@@ -46,6 +46,17 @@ def _normal_priority() -> None:
 STOP_WITHIN_STEPS = 2  # a cancel made while step N was the newest step seen stops every rank after step N + this
 
 
+def _setup_rank_process() -> None:
+    """Scheduling as a rank's, not the control plane's; dies with its Ray worker (exits now if that
+    worker is already gone)."""
+    parent = os.getppid()
+    set_policy("SCHED_OTHER")  # a rank is not control plane (control_plane_setup)
+    _normal_priority()
+    _die_with_parent()
+    if os.getppid() != parent:  # the worker died before _die_with_parent took effect
+        sys.exit(1)
+
+
 def _rank_main(fd: int) -> None:
     """The rank's process: run the per-rank loop, events out and the stop request in over `fd`.
 
@@ -66,12 +77,7 @@ def _rank_main(fd: int) -> None:
     import traceback
     from multiprocessing.connection import Connection
 
-    parent = os.getppid()
-    set_policy("SCHED_OTHER")  # a rank is not control plane (control_plane_setup)
-    _normal_priority()
-    _die_with_parent()
-    if os.getppid() != parent:  # the worker died before the line above
-        sys.exit(1)
+    _setup_rank_process()
     conn = Connection(fd)
     config = conn.recv()
     lag = int(config.get("stop_within_steps", STOP_WITHIN_STEPS)) - 1  # steps that may go unacknowledged
