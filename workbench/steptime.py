@@ -526,24 +526,32 @@ def _tp_comm(hw: Hardware, shape, lay, act_bytes: float, blocks: int, re_dense: 
     """(seconds, collective count) of tensor parallelism per micro-batch.
 
     Per block 2 all-reduces forward, 2 backward, 2 more per recomputed block, of the micro-batch's
-    activations (with sequence parallelism the same bytes as all-gather + reduce-scatter, and
-    backward gathers the saved sequence shard again for each column-parallel linear: wq, wk, wv,
-    w1 (+ w3), parallel/sequence_parallel.py).
+    activations. With sequence parallelism our runtime (parallel/sequence_stream.py) all-reduces
+    the 2 row-parallel outputs forward (keeping the full rows beside its shard) and, per region
+    backward, all-gathers the output gradient together with the saved input shard (twice the
+    bytes) and reduce-scatters the input gradient: 6 collectives per block. Published runs' SP
+    (Megatron) pays all-gather + reduce-scatter per region each way and gathers the saved shard
+    again for each column-parallel linear, counted as in our runtime before #35 (wq, wk, wv, w1, +w3).
     """
     tp = lay.tp
     if tp == 1:
         return 0.0, 0
-    regather = 0.0
-    if lay.sequence_parallel:
+    if lay.sequence_parallel and engine.name == WORKBENCH.name:
+        reduce = hw.collective_s("all_reduce", tp, act_bytes, 1)
+        backward = hw.collective_s("all_gather", tp, 2 * act_bytes, 1) + hw.collective_s("reduce_scatter", tp, act_bytes, 1)
+        tp_micro = blocks * (2 * reduce + 2 * backward) + 2 * re_dense * reduce
+        count = 6 * blocks + 2 * re_dense
+    elif lay.sequence_parallel:
         gather = hw.collective_s("all_gather", tp, act_bytes, 1)
         tp_one = gather + hw.collective_s("reduce_scatter", tp, act_bytes, 1)
-        regather = (4 + (shape.family == "llama")) * gather
+        tp_micro = (4 * blocks + 2 * re_dense) * tp_one + blocks * (4 + (shape.family == "llama")) * gather
+        count = 2 * (4 * blocks + 2 * re_dense)
     else:
-        tp_one = hw.collective_s("all_reduce", tp, act_bytes, 1)
-    tp_micro = (4 * blocks + 2 * re_dense) * tp_one + blocks * regather
+        tp_micro = (4 * blocks + 2 * re_dense) * hw.collective_s("all_reduce", tp, act_bytes, 1)
+        count = 4 * blocks + 2 * re_dense
     if engine.tp_comm:  # overlapped with the GEMMs around them (Megatron-Core --tp-comm-overlap)
         tp_micro = max(0.0, tp_micro - hw.overlap * gemm_s)
-    return tp_micro, (4 * blocks + 2 * re_dense) * (1 + lay.sequence_parallel)
+    return tp_micro, count
 
 
 def _fsdp_comm(hw: Hardware, shape, lay, block_params: float, w: int, blocks: int, fwd_block: _Work,
