@@ -176,8 +176,8 @@ def test_three_runs_back_to_back_and_stop_within_a_step(lab, shots):
             plot = lab.evaluate(PLOT, "Training")
             return plot and [plot["traces"][0]["n"], len(plot["traces"])]
 
-        # 3 curves, earlier runs' loss beneath, the 2 dashed "predicted" lines (tokens/s, step time)
-        wait_until(lab, lambda: curves() == [RUN_STEPS, 3 + run - 1 + 2], f"run {run}'s curves", limit_s=30)  # noqa: B023 (waited on here)
+        # 3 curves, earlier runs' beneath (3 each), the 2 dashed "predicted" lines (tokens/s, step time)
+        wait_until(lab, lambda: curves() == [RUN_STEPS, 3 + 3 * (run - 1) + 2], f"run {run}'s curves", limit_s=30)  # noqa: B023 (waited on here)
         print(f"\nrun {run}: {time.monotonic() - t0:.0f}s")
         if run == 1:
             check_predicted_beside_measured(lab, root, f"median of steps 2-{RUN_STEPS}")
@@ -193,6 +193,7 @@ def test_three_runs_back_to_back_and_stop_within_a_step(lab, shots):
                "run 3 at step 10", limit_s=START_S)
     check_predicted_beside_measured(lab, root, "median of steps 2-")  # live: the run goes on
     shot(lab, shots, "02-run-live")
+    check_a_zoom_survives_new_steps(lab, root)
     shown, ended, pressed = stop_and_wait(lab, root)
     lab.info["last_run_end"] = time.monotonic()
     print(f"Stop clicked with step {shown} shown, the panel had step {pressed}, the run ended after step {ended}")
@@ -203,6 +204,31 @@ def test_three_runs_back_to_back_and_stop_within_a_step(lab, shots):
     assert "cannot be resumed: no checkpoint" in root.locator(".wb-note-info").last.inner_text()
     assert not button(root, "Resume").is_visible()
     set_field(lab, root, "train.steps", RUN_STEPS)
+
+
+# The Training plot's first x axis (its range when zoomed) and its loss points.
+TRAINING_X = """() => { const g = Array.from(document.querySelectorAll('.wb-root .js-plotly-plot')).find(
+  p => p.layout && p.layout.title && String(p.layout.title.text || '').startsWith('Training'));
+  return g ? {range: g.layout.xaxis.autorange === false ? Array.from(g.layout.xaxis.range) : null,
+              n: (g.data[0].x || []).length} : null; }"""
+
+
+def check_a_zoom_survives_new_steps(lab, root) -> None:
+    """#34: a person drags a zoom box over the loss panel while the run goes; new steps keep coming
+    into the same plot (updated in place) and the zoom stays."""
+    drag = root.locator(".wb-run-chart .draglayer .xy .nsewdrag").first
+    drag.scroll_into_view_if_needed()  # the mouse acts on what the window shows
+    box = drag.bounding_box()
+    y = box["y"] + box["height"] / 2
+    lab.mouse.move(box["x"] + box["width"] * 0.3, y)
+    lab.mouse.down()
+    lab.mouse.move(box["x"] + box["width"] * 0.6, y, steps=8)
+    lab.mouse.up()
+    wait_until(lab, lambda: (lab.evaluate(TRAINING_X) or {}).get("range") is not None, "the zoom", limit_s=10)
+    zoomed = lab.evaluate(TRAINING_X)
+    wait_until(lab, lambda: lab.evaluate(TRAINING_X)["n"] >= zoomed["n"] + 5, "five more steps drawn", limit_s=120)
+    after = lab.evaluate(TRAINING_X)
+    assert after["range"] == pytest.approx(zoomed["range"]), (zoomed, after)
 
 
 # The run panel's predicted-beside-measured table: {cell class: text}, and its source line.
