@@ -497,6 +497,40 @@ def test_a_model_folder_sets_the_model(lab, shots, tmp_path):
     assert root.locator(".wb-model-preset select").input_value() == "gpt-tiny"
 
 
+# The live Training chart's drawn width (its svg) and its column's, in px.
+RUN_CHART_WIDTH = """() => { const svg = document.querySelector('.wb-root .wb-run-chart .main-svg');
+  const col = document.querySelector('.wb-root .wb-right');
+  return svg && col ? [Math.round(svg.getBoundingClientRect().width), Math.round(col.getBoundingClientRect().width)]
+                    : null; }"""
+
+
+X_TITLE = """() => { const g = document.querySelector('.wb-root .wb-run-chart .js-plotly-plot');
+  const t = g && g.layout && g.layout.xaxis && g.layout.xaxis.title;
+  return t ? String(t.text || t) : null; }"""
+
+
+def test_the_live_chart_follows_its_column_after_a_redraw(lab):
+    """#34: the window resized (plotly.js answers with a relayout {autosize: true} that the kernel's
+    FigureWidget records), then the chart redrawn with another figure (here: the x axis changed), then
+    the window narrowed: the chart follows the narrower column. It stayed at the width it had when
+    redrawn, since the redraw cleared "autosize" and plotly.js pins the width it had then."""
+    root = lab.locator(".wb-root").first
+    wait_until(lab, lambda: lab.evaluate(RUN_CHART_WIDTH) is not None, "the Training chart", limit_s=60)
+    lab.set_viewport_size({"width": 1600, "height": 1000})
+    wait_until(lab, lambda: abs(lab.evaluate(RUN_CHART_WIDTH)[0] - lab.evaluate(RUN_CHART_WIDTH)[1]) < 80,
+               "the chart following the wider window", limit_s=30)
+    settle(lab)  # the kernel has the browser's relayout
+    for axis in ("tokens", "step"):  # a redraw with another figure: the x axis is another quantity
+        root.locator(".wb-run-x-axis button", has_text=re.compile(rf"^\s*{axis}\s*$")).click()
+        wait_until(lab, lambda: lab.evaluate(X_TITLE) == axis, f"the chart redrawn on {axis}", limit_s=30)  # noqa: B023
+    lab.set_viewport_size({"width": 1000, "height": 1000})
+    t0 = time.monotonic()
+    while (got := lab.evaluate(RUN_CHART_WIDTH)) and got[0] > got[1] + 2 and time.monotonic() - t0 < 30:
+        time.sleep(0.5)
+    lab.set_viewport_size({"width": 1400, "height": 1000})
+    assert got and got[0] <= got[1] + 2, f"Training chart {got[0]} px wide in a column of {got[1]} px"
+
+
 def test_layout_fits_1000_to_1920_px(lab, shots):
     root = lab.locator(".wb-root").first
     button(root, "Find layouts that fit").click()
