@@ -194,6 +194,27 @@ def test_a_zoom_survives_live_updates_in_place_and_goes_with_the_axis():
     assert box.children == () and box.figure is None
 
 
+def test_a_redraw_leaves_what_the_browser_set_on_a_window_resize():
+    """plotly.js answers a window resize with a relayout {autosize: true}; a redraw that sent autosize
+    back as null made plotly.js pin the chart's width as it was then, wider than a later, narrower
+    column (browser: test_the_live_chart_follows_its_column_after_a_redraw). What an earlier figure
+    set and the new one does not is still cleared."""
+    box = LiveFigure()
+    first = figures.run_figure(steps(3))
+    first.update_layout(legend_title_text="runs")
+    box.show(first)
+    widget = box.widget
+    sent = []
+    widget.observe(lambda ch: sent.append(ch["new"]), names=["_py2js_update", "_py2js_relayout"])
+    widget._js2py_relayout = {"relayout_data": {"autosize": True}, "source_view_id": "browser"}
+    box.show(figures.run_figure(steps(6), x_axis="tokens"))  # in place, another x axis
+    box.show(figures.run_figure(steps(6) + [{"event": "eval", "step": 4, "loss": 1.0, "perplexity": 2.7}]))  # replaced
+    layouts = [m.get("layout_data") or m.get("relayout_data") for m in sent if m and m.get("source_view_id") != "browser"]
+    assert layouts and not [d for d in layouts if d and "autosize" in d], layouts
+    assert widget.layout.autosize is True
+    assert any(d and d.get("legend", {}) == {} for d in layouts) and widget.layout.legend.title.text is None
+
+
 def test_the_run_panel_keeps_a_zoom_while_the_run_goes():
     wb = Workbench()
     st, panel = wb.state, wb.run_panel

@@ -92,6 +92,7 @@ class LiveFigure(w.VBox):
         key = fig.to_json() if fig is not None else None
         if key == self._shown and (fig is None) == (self.widget is None):
             return  # the same figure again (the refresher redraws each second): nothing to send
+        before = self.figure
         self.figure, self._shown = fig, key
         if fig is None:
             self._replace(None)
@@ -101,9 +102,13 @@ class LiveFigure(w.VBox):
         kept = self.zoomed(layout)
         for axis, rng in kept.items():
             layout[axis] = {**layout.get(axis, {}), "range": list(rng), "autorange": False}
+        # What the earlier figure set and this one does not is cleared; never what the browser set on its
+        # own: plotly.js answers each window resize with a relayout {autosize: true} that the widget records,
+        # and clearing that (autosize: null) makes plotly.js pin the chart's width as it is then, so the
+        # chart stayed that wide in a narrower column (browser test, #34).
+        gone = {k: None for k in (before.layout.to_plotly_json() if before is not None else {})
+                if k not in layout and k != "template"}
         if self.widget is not None and _same_traces(self.widget.data, fig.data):
-            old = self.widget.layout.to_plotly_json()
-            gone = {k: None for k in old if k not in layout and k != "template"}
             layout.setdefault("shapes", [])
             layout.setdefault("annotations", [])
             with self.widget.batch_update():
@@ -112,8 +117,6 @@ class LiveFigure(w.VBox):
                 self.widget.update_layout({**gone, **{k: v for k, v in layout.items() if k != "template"}},
                                           overwrite=True)
         elif self.widget is not None:  # other traces: the same widget, its traces replaced
-            old = self.widget.layout.to_plotly_json()
-            gone = {k: None for k in old if k not in layout and k != "template"}
             self.widget.data = ()
             self.widget.add_traces(list(fig.data))
             self.widget.update_layout({**gone, **{k: v for k, v in layout.items() if k != "template"}},
