@@ -353,12 +353,47 @@ def test_stop_and_resume_from_a_checkpoint(lab, tmp_path):
     assert len(owners) == 1 and owners.pop().startswith("notebook-"), owners
     print(f"Stop clicked with step {shown} shown, the panel had step {pressed}, the run ended after step {ended}; "
           f"Resume ran {ended + 1}..{steps}")
+    lab.info["checkpoints"] = str(tmp_path / "ckpt")  # (its metrics: the dashboard test compares them)
     toggle.click()
     uri.fill("")
     uri.press("Enter")
     settle(lab)
     toggle.click()
     set_field(lab, root, "train.steps", RUN_STEPS)
+
+
+def test_the_dashboard_x_axis_compare_and_rank_output(lab, shots):
+    """#34, as a person sees the finished run: on tokens as its x axis; with the stopped-and-resumed run
+    of the checkpoint folder added under Compare runs (its legend names its layout); each rank's
+    stdout/stderr tail unfolded. Screenshots of each for docs/ui.md."""
+    assert "checkpoints" in lab.info, "the stop-and-resume test did not finish"
+    root = lab.locator(".wb-root").first
+    for axis, title in (("tokens", "tokens"), ("wall time", "wall time (s)")):
+        root.locator(".wb-run-x-axis button", has_text=re.compile(rf"^\s*{axis}\s*$")).click()
+        wait_until(lab, lambda: lab.evaluate(X_TITLE) == title, f"the chart on {axis}", limit_s=30)  # noqa: B023
+        shot(lab, shots, "07-x-axis-" + axis.replace(" ", "-"))
+    root.locator(".wb-run-x-axis button", has_text=re.compile(r"^\s*step\s*$")).click()
+    wait_until(lab, lambda: lab.evaluate(X_TITLE) == "step", "the chart on steps", limit_s=30)
+
+    path = root.locator(".wb-compare-path input")
+    path.fill(lab.info["checkpoints"])
+    path.press("Enter")
+    button(root, "Add runs").click()
+    def compared():
+        plot = lab.evaluate(PLOT, "Training")
+        return [t["name"] for t in plot["traces"] if "(dp2 tp1 pp1" in str(t["name"])] if plot else []
+
+    wait_until(lab, lambda: len(compared()) >= 1, "the compared run in the Training chart", limit_s=60)
+    shot(lab, shots, "08-compare-runs")
+    root.locator(".wb-compare-pick select").select_option([])  # unticked: the chart as before
+    wait_until(lab, lambda: not compared(), "the compared run gone", limit_s=30)
+
+    tails = root.locator(".wb-rank-output")
+    wait_until(lab, tails.is_visible, "the ranks' output", limit_s=30)
+    tails.get_by_text("rank 0: stdout/stderr, last lines").click()
+    tails.locator("pre").first.wait_for()
+    shot(lab, shots, "09-rank-output")
+    tails.get_by_text("rank 0: stdout/stderr, last lines").click()
 
 
 def test_random_edit_sequences_match_the_cli(lab, tmp_path):

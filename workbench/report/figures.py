@@ -110,20 +110,24 @@ def memory_figure(estimate: dict | None, measured: dict[int, dict] | None = None
             fig.add_vrect(x0=i * len(kinds) - 0.5, x1=(i + 1) * len(kinds) - 0.5, fillcolor=COLORS["overflow"],
                           opacity=0.08, line_width=0, layer="below")
     worst = max(g[1]["total"] for g in groups) / scale
-    top = top_bytes / scale
-    # Bars tiny next to the device (a CPU run): zoom to the bars; the title still names the device.
+    _memory_axis(fig, estimate["device_memory"], device, top_bytes / scale, unit)
+    verdict = _verdict(estimate, groups, fits, kinds, f"{worst:.3g} {unit}")
+    return _base_layout(fig, f"Memory per rank ({verdict})", height)
+
+
+def _memory_axis(fig: go.Figure, device_bytes: int, device: float, top: float, unit: str) -> None:
+    """The memory chart's y axis in `unit`, with the device's memory as a dashed line, or zoomed to the
+    bars when they are tiny next to it (a CPU run; the title still names the device)."""
     zoomed = device > 0 and top <= 0.05 * device
     if device > 0 and not zoomed:
         fig.add_hline(y=device, line=dict(color=COLORS["device"], dash="dash", width=1.5),
-                      annotation_text=f"device memory {estimate['device_memory'] / GiB:.1f} GiB",
+                      annotation_text=f"device memory {device_bytes / GiB:.1f} GiB",
                       annotation_position="top left")
     fig.update_layout(barmode="stack", yaxis_title=unit, bargap=0.25)
     if zoomed:
         fig.update_layout(yaxis_range=[0, top * 1.15])
     elif device > 0:
         fig.update_layout(yaxis_range=[0, max(device, top) * 1.12])
-    verdict = _verdict(estimate, groups, fits, kinds, f"{worst:.3g} {unit}")
-    return _base_layout(fig, f"Memory per rank ({verdict})", height)
 
 
 def _verdict(estimate: dict, groups: list, fits: list[bool], kinds: list[str], peak: str) -> str:
