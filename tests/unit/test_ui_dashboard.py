@@ -215,34 +215,6 @@ def test_a_redraw_leaves_what_the_browser_set_on_a_window_resize():
     assert any(d and d.get("legend", {}) == {} for d in layouts) and widget.layout.legend.title.text is None
 
 
-def drawn(widget, view="view-1"):
-    """What plotly.js sends when a view of the widget has drawn its traces (after its first drawing
-    and after each update from the kernel): the trace deltas, with the newest edit it drew."""
-    widget._js2py_traceDeltas = {"trace_deltas": [{"uid": t.uid} for t in widget.data],
-                                 "trace_edit_id": widget._last_trace_edit_id, "source_view_id": view}
-
-
-def test_each_first_drawing_of_the_live_chart_is_measured_again_in_the_placed_page():
-    """plotly.js sizes a view before the page places it (700 px whatever the column): the kernel answers
-    a view's first drawing with a relayout {autosize: true}, and not the drawings that follow its own updates."""
-    box = LiveFigure()
-    box.show(figures.run_figure(steps(3)))
-    widget = box.widget
-    assert widget.layout.autosize is True  # each update from the kernel measures the chart again
-    sent = []
-    widget.observe(lambda ch: sent.append(ch["new"]["relayout_data"]) if ch["new"] else None, names="_py2js_relayout")
-    drawn(widget)
-    assert sent == [{"autosize": True}]
-    box.show(figures.run_figure(steps(4)))
-    drawn(widget)  # after that update: measured by it, nothing more
-    assert sent == [{"autosize": True}]
-    drawn(widget, "view-2")  # the same edit drawn again: another view (a page reloaded)
-    assert sent == [{"autosize": True}] * 2
-    box.show(None)
-    drawn(widget)  # a view of a widget no longer shown
-    assert sent == [{"autosize": True}] * 2
-
-
 def test_the_run_panel_keeps_a_zoom_while_the_run_goes():
     wb = Workbench()
     st, panel = wb.state, wb.run_panel

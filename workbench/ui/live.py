@@ -78,12 +78,6 @@ class LiveFigure(w.VBox):
     with those ranges, so no trace or shape of an earlier figure is left behind. The widget itself is
     never swapped for another: swapped twice in quick succession (a new run's first redraws), the
     page was left without the chart (browser test, #34). Safe to call from a background thread.
-
-    The chart's width is its column's. plotly.js sizes a FigureWidget when it first draws it, before
-    the page has placed it (so 700 px, plotly's default, whatever the column), and again only on a
-    window resize or, with ``layout.autosize`` true, on each update from the kernel. So the layout
-    always carries ``autosize: true``, and each time a view reports its first drawing the kernel
-    answers with a relayout ``{autosize: true}``, which plotly.js measures in the placed page.
     """
 
     def __init__(self, **kwargs):
@@ -92,7 +86,6 @@ class LiveFigure(w.VBox):
         self.widget: go.FigureWidget | None = None
         self._pushed: dict = {}  # the axis ranges and titles of the newest figure shown, as we set them
         self._shown: str | None = None
-        self._reported: int | None = None  # the newest trace edit a view of the widget reported drawn
 
     def show(self, fig: go.Figure | None) -> None:
         """Draw `fig` (None: nothing), keeping the ranges a person zoomed to."""
@@ -105,7 +98,7 @@ class LiveFigure(w.VBox):
             self._replace(None)
             self._pushed = {}
             return
-        layout = {**fig.layout.to_plotly_json(), "autosize": True}  # (see the class's docstring)
+        layout = fig.layout.to_plotly_json()
         kept = self.zoomed(layout)
         for axis, rng in kept.items():
             layout[axis] = {**layout.get(axis, {}), "range": list(rng), "autorange": False}
@@ -130,30 +123,13 @@ class LiveFigure(w.VBox):
                                       overwrite=True)
         else:
             widget = go.FigureWidget(data=fig.data, layout=layout)
-            widget._config = {**widget._config, "responsive": True}  # follow the window's resizes (plotly.js)
-            widget.observe(lambda change, shown=widget: self._drawn(shown, change["new"]), names="_js2py_traceDeltas")
+            widget._config = {**widget._config, "responsive": True}  # follow the column's width (plotly.js)
             self._replace(widget)
         self._pushed = _axes(fig.layout.to_plotly_json())
 
     def _replace(self, widget: go.FigureWidget | None) -> None:
-        self.widget, self._reported = widget, None
+        self.widget = widget
         self.children = () if widget is None else (widget,)
-
-    def _drawn(self, widget: go.FigureWidget, report: dict | None) -> None:
-        """A view of `widget` reports its traces as drawn (plotly.js sends this after its first drawing
-        and after each update from the kernel). A first drawing (the widget's first report, or a
-        report of an edit already reported: another view, e.g. after a page reload) is measured
-        before the page placed it, so the kernel asks for a relayout {autosize: true}; after an
-        update nothing is sent, since the update itself measured the chart (the layout's autosize)."""
-        if not report or widget is not self.widget:
-            return
-        edit = report.get("trace_edit_id")
-        first = self._reported is None or edit == self._reported
-        self._reported = edit
-        if first:
-            # plotly's own kernel -> browser relayout message: plotly_relayout/update_layout send only
-            # what changed, and autosize is true already
-            widget._send_relayout_msg({"autosize": True})
 
     def zoomed(self, new_layout: dict) -> dict[str, tuple]:
         """{axis: range} of the shown widget's axes whose range differs from the one the newest figure
