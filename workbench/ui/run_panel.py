@@ -86,7 +86,7 @@ class RunPanel:
         self.x_axis = w.ToggleButtons(options=[("step", "step"), ("wall time", "time"), ("tokens", "tokens")],
                                       value="step", tooltips=["optimizer step", "seconds since the run's first step",
                                                               "tokens trained so far"],
-                                      style={"button_width": "72px"})
+                                      style={"button_width": "92px"})
         self.x_axis.add_class("wb-run-x-axis")
         self.run_button.on_click(lambda _: self.run())
         self.resume_button.on_click(lambda _: self.run(resume=True))
