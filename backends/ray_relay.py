@@ -183,7 +183,7 @@ class RankRelay:
         self._put({"event": "worker", "rank": int(env["RANK"]), "pid": os.getpid(), "rank_pid": proc.pid,
                    "attempt": config["attempt"], "world_size": int(env["WORLD_SIZE"]),
                    "node": ray.get_runtime_context().get_node_id(),
-                   "master": f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"})
+                   "master": f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", **_output_files()})
         outcome = None
         while True:
             try:
@@ -237,3 +237,18 @@ def relay_class():
     import ray
 
     return ray.remote(max_concurrency=4)(RankRelay)
+
+
+def _output_files() -> dict:
+    """The files this process's stdout and stderr go to, which its rank's process inherits (Ray writes
+    a worker's output to `<session>/logs/worker-*.out` and `.err`): {"stdout": path, "stderr": path},
+    only for plain files (Linux), so the notebook can show each rank's tail."""
+    out = {}
+    for fd, key in ((1, "stdout"), (2, "stderr")):
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if os.path.isfile(path):
+            out[key] = path
+    return out

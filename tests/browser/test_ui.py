@@ -178,8 +178,8 @@ def test_three_runs_back_to_back_and_stop_within_a_step(lab, shots):
             plot = lab.evaluate(PLOT, "Training")
             return plot and [plot["traces"][0]["n"], len(plot["traces"])]
 
-        # 3 curves, earlier runs' loss beneath, the 2 dashed "predicted" lines (tokens/s, step time)
-        wait_until(lab, lambda: curves() == [RUN_STEPS, 3 + run - 1 + 2], f"run {run}'s curves", limit_s=30)  # noqa: B023 (waited on here)
+        # 3 curves, earlier runs' beneath (3 each), the 2 dashed "predicted" lines (tokens/s, step time)
+        wait_until(lab, lambda: curves() == [RUN_STEPS, 3 + 3 * (run - 1) + 2], f"run {run}'s curves", limit_s=30)  # noqa: B023 (waited on here)
         print(f"\nrun {run}: {time.monotonic() - t0:.0f}s")
         if run == 1:
             check_predicted_beside_measured(lab, root, f"median of steps 2-{RUN_STEPS}")
@@ -195,6 +195,7 @@ def test_three_runs_back_to_back_and_stop_within_a_step(lab, shots):
                "run 3 at step 10", limit_s=START_S)
     check_predicted_beside_measured(lab, root, "median of steps 2-")  # live: the run goes on
     shot(lab, shots, "02-run-live")
+    check_a_zoom_survives_new_steps(lab, root)
     shown, ended, pressed = stop_and_wait(lab, root)
     lab.info["last_run_end"] = time.monotonic()
     print(f"Stop clicked with step {shown} shown, the panel had step {pressed}, the run ended after step {ended}")
@@ -206,6 +207,31 @@ def test_three_runs_back_to_back_and_stop_within_a_step(lab, shots):
     assert "cannot be resumed: no checkpoint" in root.locator(".wb-note-info").last.inner_text()
     assert not button(root, "Resume").is_visible()
     set_field(lab, root, "train.steps", RUN_STEPS)
+
+
+# The Training plot's first x axis (its range when zoomed) and its loss points.
+TRAINING_X = """() => { const g = Array.from(document.querySelectorAll('.wb-root .js-plotly-plot')).find(
+  p => p.layout && p.layout.title && String(p.layout.title.text || '').startsWith('Training'));
+  return g ? {range: g.layout.xaxis.autorange === false ? Array.from(g.layout.xaxis.range) : null,
+              n: (g.data[0].x || []).length} : null; }"""
+
+
+def check_a_zoom_survives_new_steps(lab, root) -> None:
+    """#34: a person drags a zoom box over the loss panel while the run goes; new steps keep coming
+    into the same plot (updated in place) and the zoom stays."""
+    drag = root.locator(".wb-run-chart .draglayer .xy .nsewdrag").first
+    drag.scroll_into_view_if_needed()  # the mouse acts on what the window shows
+    box = drag.bounding_box()
+    y = box["y"] + box["height"] / 2
+    lab.mouse.move(box["x"] + box["width"] * 0.3, y)
+    lab.mouse.down()
+    lab.mouse.move(box["x"] + box["width"] * 0.6, y, steps=8)
+    lab.mouse.up()
+    wait_until(lab, lambda: (lab.evaluate(TRAINING_X) or {}).get("range") is not None, "the zoom", limit_s=10)
+    zoomed = lab.evaluate(TRAINING_X)
+    wait_until(lab, lambda: lab.evaluate(TRAINING_X)["n"] >= zoomed["n"] + 5, "five more steps drawn", limit_s=120)
+    after = lab.evaluate(TRAINING_X)
+    assert after["range"] == pytest.approx(zoomed["range"]), (zoomed, after)
 
 
 # The run panel's predicted-beside-measured table: {cell class: text}, and its source line.
@@ -315,12 +341,47 @@ def test_stop_and_resume_from_a_checkpoint(lab, tmp_path):
     assert len(owners) == 1 and owners.pop().startswith("notebook-"), owners
     print(f"Stop clicked with step {shown} shown, the panel had step {pressed}, the run ended after step {ended}; "
           f"Resume ran {ended + 1}..{steps}")
+    lab.info["checkpoints"] = str(tmp_path / "ckpt")  # (its metrics: the dashboard test compares them)
     toggle.click()
     uri.fill("")
     uri.press("Enter")
     settle(lab)
     toggle.click()
     set_field(lab, root, "train.steps", RUN_STEPS)
+
+
+def test_the_dashboard_x_axis_compare_and_rank_output(lab, shots):
+    """#34, as a person sees the finished run: on tokens as its x axis; with the stopped-and-resumed run
+    of the checkpoint folder added under Compare runs (its legend names its layout); each rank's
+    stdout/stderr tail unfolded. Screenshots of each for docs/ui.md."""
+    assert "checkpoints" in lab.info, "the stop-and-resume test did not finish"
+    root = lab.locator(".wb-root").first
+    for axis, title in (("tokens", "tokens"), ("wall time", "wall time (s)")):
+        root.locator(".wb-run-x-axis button", has_text=re.compile(rf"^\s*{axis}\s*$")).click()
+        wait_until(lab, lambda: lab.evaluate(X_TITLE) == title, f"the chart on {axis}", limit_s=30)  # noqa: B023
+        shot(lab, shots, "07-x-axis-" + axis.replace(" ", "-"))
+    root.locator(".wb-run-x-axis button", has_text=re.compile(r"^\s*step\s*$")).click()
+    wait_until(lab, lambda: lab.evaluate(X_TITLE) == "step", "the chart on steps", limit_s=30)
+
+    path = root.locator(".wb-compare-path input")
+    path.fill(lab.info["checkpoints"])
+    path.press("Enter")
+    button(root, "Add runs").click()
+    def compared():
+        plot = lab.evaluate(PLOT, "Training")
+        return [t["name"] for t in plot["traces"] if "(dp2 tp1 pp1" in str(t["name"])] if plot else []
+
+    wait_until(lab, lambda: len(compared()) >= 1, "the compared run in the Training chart", limit_s=60)
+    shot(lab, shots, "08-compare-runs")
+    root.locator(".wb-compare-pick select").select_option([])  # unticked: the chart as before
+    wait_until(lab, lambda: not compared(), "the compared run gone", limit_s=30)
+
+    tails = root.locator(".wb-rank-output")
+    wait_until(lab, tails.is_visible, "the ranks' output", limit_s=30)
+    tails.get_by_text("rank 0: stdout/stderr, last lines").click()
+    tails.locator("pre").first.wait_for()
+    shot(lab, shots, "09-rank-output")
+    tails.get_by_text("rank 0: stdout/stderr, last lines").click()
 
 
 def test_random_edit_sequences_match_the_cli(lab, tmp_path):
@@ -472,6 +533,40 @@ def test_a_model_folder_sets_the_model(lab, shots, tmp_path):
     path.press("Enter")
     settle(lab)
     assert root.locator(".wb-model-preset select").input_value() == "gpt-tiny"
+
+
+# The live Training chart's drawn width (its svg) and its column's, in px.
+RUN_CHART_WIDTH = """() => { const svg = document.querySelector('.wb-root .wb-run-chart .main-svg');
+  const col = document.querySelector('.wb-root .wb-right');
+  return svg && col ? [Math.round(svg.getBoundingClientRect().width), Math.round(col.getBoundingClientRect().width)]
+                    : null; }"""
+
+
+X_TITLE = """() => { const g = document.querySelector('.wb-root .wb-run-chart .js-plotly-plot');
+  const t = g && g.layout && g.layout.xaxis && g.layout.xaxis.title;
+  return t ? String(t.text || t) : null; }"""
+
+
+def test_the_live_chart_follows_its_column_after_a_redraw(lab):
+    """#34: the window resized (plotly.js answers with a relayout {autosize: true} that the kernel's
+    FigureWidget records), then the chart redrawn with another figure (here: the x axis changed), then
+    the window narrowed: the chart follows the narrower column. It stayed at the width it had when
+    redrawn, since the redraw cleared "autosize" and plotly.js pins the width it had then."""
+    root = lab.locator(".wb-root").first
+    wait_until(lab, lambda: lab.evaluate(RUN_CHART_WIDTH) is not None, "the Training chart", limit_s=60)
+    lab.set_viewport_size({"width": 1600, "height": 1000})
+    wait_until(lab, lambda: abs(lab.evaluate(RUN_CHART_WIDTH)[0] - lab.evaluate(RUN_CHART_WIDTH)[1]) < 80,
+               "the chart following the wider window", limit_s=30)
+    settle(lab)  # the kernel has the browser's relayout
+    for axis in ("tokens", "step"):  # a redraw with another figure: the x axis is another quantity
+        root.locator(".wb-run-x-axis button", has_text=re.compile(rf"^\s*{axis}\s*$")).click()
+        wait_until(lab, lambda: lab.evaluate(X_TITLE) == axis, f"the chart redrawn on {axis}", limit_s=30)  # noqa: B023
+    lab.set_viewport_size({"width": 1000, "height": 1000})
+    t0 = time.monotonic()
+    while (got := lab.evaluate(RUN_CHART_WIDTH)) and got[0] > got[1] + 2 and time.monotonic() - t0 < 30:
+        time.sleep(0.5)
+    lab.set_viewport_size({"width": 1400, "height": 1000})
+    assert got and got[0] <= got[1] + 2, f"Training chart {got[0]} px wide in a column of {got[1]} px"
 
 
 def test_layout_fits_1000_to_1920_px(lab, shots):

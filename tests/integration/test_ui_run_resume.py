@@ -52,6 +52,7 @@ def test_run_stop_and_resume_from_the_panel(tmp_path):
     print(f"Stop pressed with step {panel.stop_step} in the panel; the run ended after step {end['step']}")
     wait_for(lambda: panel.resumable_step() == end["step"], "the stop's checkpoint", limit_s=30)
     check_the_checkpoint_is_this_runs(wb, uri, end["step"])
+    check_the_metrics_are_kept_beside_the_checkpoints(wb, uri, stopped)
     panel.render()
     assert panel.resume_button.layout.display == "" and "Resume continues" in panel.note.value
 
@@ -112,3 +113,13 @@ def check_the_checkpoint_is_this_runs(wb, uri, step: int) -> None:
     other.run_panel.render()
     assert other.run_panel.resumable_step() is None and other.run_panel.resume_button.layout.display == "none"
     assert f"written by another run ({panel.run_id})" in other.run_panel.note.value
+
+
+def check_the_metrics_are_kept_beside_the_checkpoints(wb, uri, events: list[dict]) -> None:
+    """A later session compares this run from its checkpoint folder alone (Compare runs)."""
+    from workbench.ui.runs import load_run
+
+    wait_for(lambda: (uri / f"metrics-{wb.run_panel.run_id}.jsonl").is_file(), "the kept metrics", limit_s=30)
+    run = load_run(uri)
+    assert run["run_id"] == wb.run_panel.run_id and run["label"] == "panel-resume (dp2 tp1 pp1 mb=2)"
+    assert steps_of(run["events"]) == steps_of(events)

@@ -183,7 +183,8 @@ def test_earlier_runs_have_a_legend_and_the_charts_follow_the_page_theme():
     events = [{"event": "step", "step": 1, "loss": 2.0, "tokens_per_s": 10.0, "step_time_s": 0.1}]
     fig = figures.run_figure(events, history=[{"label": "run 1", "events": events},
                                               {"label": "run 2", "events": events}])
-    past = [t for t in fig.data if t.name in ("run 1", "run 2")]
-    assert [t.showlegend for t in past] == [True, True] and past[0].legendgrouptitle.text == "earlier runs"
+    past = [t for t in fig.data if t.name in ("run 1", "run 2")]  # loss, tokens/s and step time of each
+    assert [t.showlegend for t in past] == [True, False, False] * 2 and past[0].legendgrouptitle.text == "earlier runs"
+    assert not past[3].legendgrouptitle.text  # one title for the group
     assert fig.layout.paper_bgcolor == fig.layout.plot_bgcolor == "rgba(0,0,0,0)"
     assert fig.layout.modebar.orientation == "v"

@@ -5,6 +5,8 @@ widgets draw each fresh figure whole (``workbench.ui.live.FigureBox``).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -18,6 +20,7 @@ COLORS = {
     "device": "#222222", "overflow": "#D62728", "F": "#4C78A8", "B": "#F58518", "W": "#54A24B",
 }
 _PAST = ("#9e9e9e", "#bcbd22", "#17becf", "#e377c2")  # earlier runs' loss, beneath the current one
+_RANK_COLORS = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D")
 _FONT = dict(family="DejaVu Sans, Arial, sans-serif", size=12)
 # Above this many ranks, identical (pp, tp) positions are drawn once with a count.
 MAX_BARS = 32
@@ -107,20 +110,24 @@ def memory_figure(estimate: dict | None, measured: dict[int, dict] | None = None
             fig.add_vrect(x0=i * len(kinds) - 0.5, x1=(i + 1) * len(kinds) - 0.5, fillcolor=COLORS["overflow"],
                           opacity=0.08, line_width=0, layer="below")
     worst = max(g[1]["total"] for g in groups) / scale
-    top = top_bytes / scale
-    # Bars tiny next to the device (a CPU run): zoom to the bars; the title still names the device.
+    _memory_axis(fig, estimate["device_memory"], device, top_bytes / scale, unit)
+    verdict = _verdict(estimate, groups, fits, kinds, f"{worst:.3g} {unit}")
+    return _base_layout(fig, f"Memory per rank ({verdict})", height)
+
+
+def _memory_axis(fig: go.Figure, device_bytes: int, device: float, top: float, unit: str) -> None:
+    """The memory chart's y axis in `unit`, with the device's memory as a dashed line, or zoomed to the
+    bars when they are tiny next to it (a CPU run; the title still names the device)."""
     zoomed = device > 0 and top <= 0.05 * device
     if device > 0 and not zoomed:
         fig.add_hline(y=device, line=dict(color=COLORS["device"], dash="dash", width=1.5),
-                      annotation_text=f"device memory {estimate['device_memory'] / GiB:.1f} GiB",
+                      annotation_text=f"device memory {device_bytes / GiB:.1f} GiB",
                       annotation_position="top left")
     fig.update_layout(barmode="stack", yaxis_title=unit, bargap=0.25)
     if zoomed:
         fig.update_layout(yaxis_range=[0, top * 1.15])
     elif device > 0:
         fig.update_layout(yaxis_range=[0, max(device, top) * 1.12])
-    verdict = _verdict(estimate, groups, fits, kinds, f"{worst:.3g} {unit}")
-    return _base_layout(fig, f"Memory per rank ({verdict})", height)
 
 
 def _verdict(estimate: dict, groups: list, fits: list[bool], kinds: list[str], peak: str) -> str:
@@ -161,87 +168,231 @@ def latest_rank_times(events: list[dict]) -> dict[int, dict]:
     return out
 
 
-def smoothed(values: list[float], weight: float) -> list[float]:
-    """Exponential moving average (TensorBoard's smoothing): weight 0 keeps the values."""
-    out, avg = [], None
+def smoothed(values: Sequence[float | None], weight: float) -> list[float | None]:
+    """Exponential moving average (TensorBoard's smoothing): weight 0 keeps the values; a None (no
+    value at that point) stays None and does not reset the average."""
+    out: list[float | None] = []
+    avg = None
     for v in values:
-        avg = v if avg is None or v is None else weight * avg + (1 - weight) * v
-        out.append(avg)
+        if v is not None:
+            avg = v if avg is None else weight * avg + (1 - weight) * v
+        out.append(None if v is None else avg)
     return out
 
 
+X_AXES = {"step": "step", "time": "wall time (s)", "tokens": "tokens"}  # run_figure's x_axis: its title
+_X_HOVER = {"step": "step %{x}", "time": "%{x:.1f} s", "tokens": "%{x:,.0f} tokens"}
+
+
+def step_x(steps: list[dict], x_axis: str = "step") -> list[float]:
+    """The x of each step event on the chosen axis.
+
+    Args:
+        steps: a run's "step" events, in order.
+        x_axis: "step" (the optimizer step), "time" (wall seconds since the run's first step began:
+            the events' "time" when they all carry it, else the summed step times) or "tokens" (tokens
+            trained so far: each step's tokens_per_s x step_time_s, summed; a run that starts after
+            step 1, a resume, counts its earlier steps at its first step's tokens).
+    Returns:
+        One x per step event.
+    Raises:
+        ValueError: an unknown x_axis.
+    """
+    if x_axis == "step":
+        return [e["step"] for e in steps]
+    if x_axis == "tokens":
+        out: list[float] = []
+        for e in steps:
+            tokens = round(e.get("tokens_per_s", 0.0) * e.get("step_time_s", 0.0))
+            out.append((out[-1] if out else tokens * (e["step"] - 1)) + tokens)
+        return out
+    if x_axis == "time":
+        if steps and all("time" in e for e in steps):
+            t0 = steps[0]["time"] - steps[0].get("step_time_s", 0.0)
+            return [e["time"] - t0 for e in steps]
+        out, total = [], 0.0
+        for e in steps:
+            total += e.get("step_time_s", 0.0)
+            out.append(total)
+        return out
+    raise ValueError(f"x_axis is {x_axis!r}; use one of {', '.join(X_AXES)}")
+
+
+def _x_of(steps: list[dict], xs: list[float], x_axis: str):
+    """step -> x for events other than steps (eval, restart, memory): the step event's x, or, for a
+    step without one, the step scaled by the first step's x per step."""
+    at = {e["step"]: x for e, x in zip(steps, xs)}
+    per_step = xs[0] / steps[0]["step"] if steps and steps[0]["step"] else 1.0
+
+    def x_of(step: int) -> float:
+        return step if x_axis == "step" else at.get(step, step * per_step)
+    return x_of
+
+
 def run_figure(events: list[dict], height: int = 320, *, history: list[dict] = (), smooth: float = 0.0,
-               log_loss: bool = False, predicted: dict | None = None) -> go.Figure:
-    """Loss, throughput (tokens/s) and step time (s) against the optimizer step.
+               log_loss: bool = False, predicted: dict | None = None, x_axis: str = "step") -> go.Figure:
+    """Loss, throughput (tokens/s) and step time (s) against the step, the wall time or the tokens.
 
     Args:
         events: metrics events (the contract in docs/architecture.md); only "step", "eval", "restart" and "checkpoint" are read.
         height: figure height in pixels.
-        history: earlier runs, ``{"label": str, "events": [...]}``, whose loss is drawn thin beneath.
-        smooth: exponential-moving-average weight for the loss curves (0: raw).
+        history: other runs, ``{"label": str, "events": [...]}`` (earlier runs of the session, or runs
+            loaded from files with ``"group": "compared runs"``), drawn thin and dotted beneath on all
+            three panels, one legend entry each.
+        smooth: exponential-moving-average weight for every curve (0: raw).
         log_loss: draw the loss on a log axis.
         predicted: the prediction for the running layout (`run_panel.predict_run`): its tokens/s
             and step time are drawn as dashed "predicted" lines on those panels, the source in
             their hover text.
+        x_axis: "step", "time" or "tokens" (`step_x`), the same for every run drawn.
     Returns:
         A go.Figure with three side-by-side panels; three traces (one per panel, the first ones),
         empty before the first step, then the held-out loss (dashed, on the loss panel) once there
-        are "eval" events, then one loss trace per earlier run, then the two "predicted" lines.
+        are "eval" events, then three traces per other run (loss, tokens/s, step time), then the
+        two "predicted" lines.
     """
     steps = [e for e in events if e.get("event") == "step"]
-    x = [e["step"] for e in steps]
+    xs = step_x(steps, x_axis)
+    x_of = _x_of(steps, xs, x_axis)
     fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.07,
                         subplot_titles=("loss", "tokens/s", "step time (s)"))
-    for col, key in enumerate(("loss", "tokens_per_s", "step_time_s"), start=1):
-        y = [e.get(key) for e in steps]
-        fig.add_trace(go.Scatter(x=x, y=smoothed(y, smooth) if key == "loss" else y, mode="lines+markers", name=key,
-                                 line=dict(color=COLORS[key], width=2), marker=dict(size=4), showlegend=False,
-                                 hovertemplate=f"step %{{x}}<br>{key}: %{{y:.4g}}<extra></extra>"),
-                      row=1, col=col)
-        fig.update_xaxes(title_text="step", row=1, col=col, rangemode="tozero")
-    fig.update_yaxes(rangemode="tozero", row=1, col=2)
-    fig.update_yaxes(rangemode="tozero", row=1, col=3)
+    _add_run_curves(fig, steps, xs, smooth, x_axis)
     evals = [e for e in events if e.get("event") == "eval"]
     if evals:  # held-out loss beside the training loss, on the same panel
-        fig.add_trace(go.Scatter(x=[e["step"] for e in evals], y=[e["loss"] for e in evals], mode="lines+markers",
-                                 name="val_loss", line=dict(color=COLORS["val_loss"], width=2, dash="dash"),
+        fig.add_trace(go.Scatter(x=[x_of(e["step"]) for e in evals], y=smoothed([e["loss"] for e in evals], smooth),
+                                 mode="lines+markers", name="val_loss",
+                                 line=dict(color=COLORS["val_loss"], width=2, dash="dash"),
                                  marker=dict(size=7, symbol="diamond"), showlegend=False,
                                  customdata=[e["perplexity"] for e in evals],
-                                 hovertemplate="step %{x}<br>val loss: %{y:.4g}<br>perplexity: %{customdata:.4g}"
-                                               "<extra></extra>"), row=1, col=1)
-    for i, run in enumerate(history):
-        past = [e for e in run["events"] if e.get("event") == "step"]
-        fig.add_trace(go.Scatter(x=[e["step"] for e in past], y=smoothed([e["loss"] for e in past], smooth),
-                                 mode="lines", name=run["label"], showlegend=True, opacity=0.55,
-                                 legendgroup="earlier", legendgrouptitle_text="earlier runs" if i == 0 else None,
-                                 line=dict(color=_PAST[i % len(_PAST)], width=1.2, dash="dot"),
-                                 hovertemplate=f"{run['label']}<br>step %{{x}}<br>loss %{{y:.4g}}<extra></extra>"),
-                      row=1, col=1)
+                                 hovertemplate=_X_HOVER[x_axis] + "<br>val loss: %{y:.4g}<br>perplexity: "
+                                               "%{customdata:.4g}<extra></extra>"), row=1, col=1)
+    _add_history(fig, history, smooth, x_axis)
     if predicted and predicted.get("step_time_s"):
-        ends = [1, max(x[-1] if x else 1, 2)]
-        source = str(predicted["source"]).replace("%{", "% {")
-        for col, key, fmt in ((2, "tokens_per_s", ",.0f"), (3, "step_time_s", ".4g")):
-            fig.add_trace(go.Scatter(x=ends, y=[predicted[key]] * 2, mode="lines", name="predicted",
-                                     showlegend=False, line=dict(color=COLORS[key], width=1.5, dash="dash"),
-                                     hovertemplate=f"predicted {key}: %{{y:{fmt}}}<br>{source}<extra></extra>"),
-                          row=1, col=col)
+        _add_predicted(fig, predicted, [1, max(xs[-1] if xs else 1, 2)] if x_axis == "step" else
+                       [0, xs[-1] if xs else 1])
     if log_loss:
         fig.update_yaxes(type="log", row=1, col=1)
     for e in events:
         if e.get("event") == "restart":  # the step it restarted from (the contract's "from_step")
-            fig.add_vline(x=e.get("from_step", e.get("step", 0)), line=dict(color=COLORS["overflow"], dash="dot"))
+            fig.add_vline(x=x_of(e.get("from_step", e.get("step", 0))), line=dict(color=COLORS["overflow"], dash="dot"))
     if not steps and not history:
         fig.update_xaxes(range=[0, 10])
         fig.update_yaxes(showticklabels=False)
     if not steps:
         fig.add_annotation(text="no steps yet: press Run", xref="paper", yref="paper", x=0.5, y=0.45,
                            showarrow=False, font=dict(size=14, color="#888"))
+    return _base_layout(fig, _run_title(steps, evals), height)
+
+
+def _add_run_curves(fig: go.Figure, steps: list[dict], xs: list[float], smooth: float, x_axis: str) -> None:
+    """The run's own loss, tokens/s and step time, one panel each (the figure's first three traces)."""
+    for col, key in enumerate(("loss", "tokens_per_s", "step_time_s"), start=1):
+        y = smoothed([e.get(key) for e in steps], smooth)
+        fig.add_trace(go.Scatter(x=xs, y=y, mode="lines+markers", name=key,
+                                 line=dict(color=COLORS[key], width=2), marker=dict(size=4), showlegend=False,
+                                 hovertemplate=f"{_X_HOVER[x_axis]}<br>{key}: %{{y:.4g}}<extra></extra>"),
+                      row=1, col=col)
+        fig.update_xaxes(title_text=X_AXES[x_axis], row=1, col=col, rangemode="tozero")
+    fig.update_yaxes(rangemode="tozero", row=1, col=2)
+    fig.update_yaxes(rangemode="tozero", row=1, col=3)
+
+
+def _add_history(fig: go.Figure, history: list[dict], smooth: float, x_axis: str) -> None:
+    """Other runs beneath the current one: thin dotted curves on every panel, one legend entry per run
+    (its label carries its layout for runs loaded from files), grouped as earlier or compared runs."""
+    titled: set[str] = set()
+    for i, run in enumerate(history):
+        past = [e for e in run["events"] if e.get("event") == "step"]
+        xs, group = step_x(past, x_axis), run.get("group", "earlier runs")
+        color = run.get("color") or _PAST[i % len(_PAST)]
+        for col, key in enumerate(("loss", "tokens_per_s", "step_time_s"), start=1):
+            first = col == 1
+            fig.add_trace(go.Scatter(
+                x=xs, y=smoothed([e.get(key) for e in past], smooth), mode="lines", name=run["label"],
+                showlegend=first, opacity=0.55, legendgroup=f"{group}:{i}",
+                legendgrouptitle_text=group if first and group not in titled else None,
+                line=dict(color=color, width=1.2, dash="dot"),
+                hovertemplate=f"{run['label']}<br>{_X_HOVER[x_axis]}<br>{key} %{{y:.4g}}<extra></extra>"),
+                row=1, col=col)
+        titled.add(group)
+
+
+def _add_predicted(fig: go.Figure, predicted: dict, ends: list[float]) -> None:
+    source = str(predicted["source"]).replace("%{", "% {")
+    for col, key, fmt in ((2, "tokens_per_s", ",.0f"), (3, "step_time_s", ".4g")):
+        fig.add_trace(go.Scatter(x=ends, y=[predicted[key]] * 2, mode="lines", name="predicted",
+                                 showlegend=False, line=dict(color=COLORS[key], width=1.5, dash="dash"),
+                                 hovertemplate=f"predicted {key}: %{{y:{fmt}}}<br>{source}<extra></extra>"),
+                      row=1, col=col)
+
+
+def _run_title(steps: list[dict], evals: list[dict]) -> str:
     last = steps[-1] if steps else None
     title = "Training" if last is None else (
         f"Training: step {last['step']}, loss {last['loss']:.4f}, {last['tokens_per_s']:,.0f} tokens/s")
     if evals:
         title += f", val loss {evals[-1]['loss']:.4f} (dashed)"
-    return _base_layout(fig, title, height)
+    return title
+
+
+def host_series(events: list[dict]) -> dict[int, list[dict]]:
+    """Per rank, what its memory events say about the host and the GPU, in step order:
+    ``{"step", "cpu_percent" (the process's CPU time over the step's wall time), "rss_bytes",
+    "gpu_util_percent", "gpu_memory_bytes"}``, each None where the event does not carry it."""
+    out: dict[int, list[dict]] = {}
+    for e in events:
+        if e.get("event") != "memory":
+            continue
+        wall, cpu = e.get("step_time_s"), e.get("cpu_s")
+        host, gpu = e.get("host") or {}, e.get("gpu") or {}
+        out.setdefault(int(e["rank"]), []).append({
+            "step": e["step"], "cpu_percent": 100.0 * cpu / wall if cpu is not None and wall else None,
+            "rss_bytes": host.get("rss_bytes"), "gpu_util_percent": gpu.get("util_percent"),
+            "gpu_memory_bytes": gpu.get("memory_used_bytes")})
+    return out
+
+
+_HOST_PANELS = (("cpu_percent", "host CPU (%)", 1), ("rss_bytes", "host memory", GiB),
+                ("gpu_util_percent", "GPU utilisation (%)", 1), ("gpu_memory_bytes", "GPU memory", GiB))
+
+
+def host_figure(events: list[dict], height: int = 260, *, smooth: float = 0.0, x_axis: str = "step") -> go.Figure:
+    """Host CPU and memory per rank, and GPU utilisation and memory per rank where the memory events
+    carry them (NVML on GPU ranks), against the same x as the run chart.
+
+    Args:
+        events: metrics events; "memory" events are drawn ("step" events place them on the x axis).
+        height: figure height in pixels.
+        smooth: exponential-moving-average weight for every curve (0: raw).
+        x_axis: "step", "time" or "tokens" (`step_x`).
+    Returns:
+        A go.Figure with one panel per figure that any rank reports (CPU first), one line per rank.
+    """
+    steps = [e for e in events if e.get("event") == "step"]
+    x_of = _x_of(steps, step_x(steps, x_axis), x_axis)
+    series = host_series(events)
+    panels = []
+    for key, title, scale in _HOST_PANELS:
+        values = [row[key] for rows in series.values() for row in rows if row[key] is not None]
+        if values and scale == GiB:  # bytes: GiB, or MiB where GiB would read 0.00
+            unit, scale = ("GiB", GiB) if max(values) >= GiB / 2 else ("MiB", 2**20)
+            title = f"{title} ({unit})"
+        if values:
+            panels.append((key, title, scale))
+    fig = make_subplots(rows=1, cols=max(len(panels), 1), horizontal_spacing=0.08,
+                        subplot_titles=[t for _, t, _ in panels] or ["host"])
+    for col, (key, title, div) in enumerate(panels, start=1):
+        for j, rank in enumerate(sorted(series)):
+            rows = [r for r in series[rank] if r[key] is not None]
+            fig.add_trace(go.Scatter(x=[x_of(r["step"]) for r in rows], y=smoothed([r[key] / div for r in rows], smooth),
+                                     mode="lines+markers", name=f"rank {rank}", legendgroup=f"rank {rank}",
+                                     showlegend=col == 1, marker=dict(size=4),
+                                     line=dict(color=_RANK_COLORS[j % len(_RANK_COLORS)], width=1.5),
+                                     hovertemplate=f"rank {rank}<br>{_X_HOVER[x_axis]}<br>{title}: %{{y:.3g}}"
+                                                   "<extra></extra>"), row=1, col=col)
+        fig.update_xaxes(title_text=X_AXES[x_axis], row=1, col=col, rangemode="tozero")
+        fig.update_yaxes(rangemode="tozero", row=1, col=col)
+    return _base_layout(fig, "Hosts and GPUs per rank" if panels else "Hosts and GPUs per rank: no figures yet", height)
 
 
 def lr_figure(train, events: list[dict] | None = None, height: int = 180, max_points: int = 400) -> go.Figure:

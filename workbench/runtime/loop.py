@@ -26,6 +26,7 @@ from workbench.parallel.step import TrainStep
 from workbench.parallelism import Parallelism
 from workbench.runtime.checkpoint import build_checkpointer
 from workbench.runtime.checkpoint_store import RESUME_OR_FRESH
+from workbench.runtime.host import host_figures
 from workbench.runtime.meter import MemoryMeter
 from workbench.runtime.preemption import PreemptionNotice
 from workbench.runtime.tracking import tracked
@@ -314,8 +315,8 @@ def _step(run: _Run, step: int, first: int, sink: Sink) -> float:
         sink({"event": "memory", "step": step, "rank": rank, "coords": run.where,
               "step_time_s": elapsed, "cpu_s": time.process_time() - cpu_start,
               "measured": meter.measure(parallelized.modules, held["optimizer"], master=held["master"],
-                                        offloaded=held["offloaded"],
-                                        params_are_master=parallelized.params_are_master)})
+                                        offloaded=held["offloaded"], params_are_master=parallelized.params_are_master),
+              **host_figures(run.ctx.device)})  # host memory; GPU utilisation and memory (NVML)
     step_fn.zero_grad()
     if rank == 0:
         sink({"event": "step", "step": step, "loss": loss_value,

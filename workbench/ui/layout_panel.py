@@ -39,6 +39,34 @@ def _section_of(error: str) -> str:
     return min(hits)[1] if hits else "spec"
 
 
+def _build_fields(presets: list[str]) -> dict[str, w.ValueWidget]:
+    """One widget per dotted spec key the form edits (their values come from `LayoutPanel.sync`)."""
+    return {
+        "model.preset": w.Dropdown(options=presets, layout=_FIELD),
+        **{f"model.{k}": w.IntText(layout=_FIELD) for k in SHAPE_KEYS},
+        "resources.gpu": w.Dropdown(options=list(DEVICES), layout=_FIELD),
+        "resources.nodes": w.IntText(layout=_FIELD),
+        "resources.gpus_per_node": w.IntText(layout=_FIELD),
+        "layout.dp": w.IntText(layout=_FIELD),
+        "layout.tp": w.IntText(layout=_FIELD),
+        "layout.pp": w.IntText(layout=_FIELD),
+        "layout.zero": w.ToggleButtons(options=[0, 1, 2, 3], style={"button_width": "34px"}),
+        "layout.offload": w.Dropdown(options=["none", "cpu", "nvme"], layout=_FIELD),
+        "layout.activation_checkpointing": w.Dropdown(options=["none", "selective", "full"], layout=_FIELD),
+        "layout.pp_schedule": w.Dropdown(options=list(PIPELINE_SCHEDULES), layout=_FIELD),
+        "layout.virtual_stages": w.IntText(layout=_FIELD, tooltip=(
+            "Stages per pipeline rank of interleaved-1f1b and zero-bubble (more: a smaller bubble, "
+            "more sends)")),
+        "layout.sequence_parallel": w.Checkbox(indent=False, layout=w.Layout(width="auto"), tooltip=(
+            "Shard the residual stream, norms and saved inputs along the sequence between tensor-parallel "
+            "regions (Megatron-style); needs tp >= 2")),
+        "precision.dtype": w.ToggleButtons(options=["fp32", "bf16", "fp16"], style={"button_width": "52px"}),
+        "train.micro_batch": w.IntText(layout=_FIELD),
+        "train.global_batch": w.IntText(layout=_FIELD),
+        "train.steps": w.IntText(layout=_FIELD),
+    }
+
+
 class LayoutPanel:
     """Form for the spec's model, resources, layout, precision and batch; `.widget` to display."""
 
@@ -48,31 +76,8 @@ class LayoutPanel:
         self.state = state
         self.presets = PRESETS
         self._syncing = False
-        presets = list(PRESETS) + (["custom"] if "custom" not in PRESETS else [])
-        self.fields: dict[str, w.ValueWidget] = {
-            "model.preset": w.Dropdown(options=presets, layout=_FIELD),
-            **{f"model.{k}": w.IntText(layout=_FIELD) for k in SHAPE_KEYS},
-            "resources.gpu": w.Dropdown(options=list(DEVICES), layout=_FIELD),
-            "resources.nodes": w.IntText(layout=_FIELD),
-            "resources.gpus_per_node": w.IntText(layout=_FIELD),
-            "layout.dp": w.IntText(layout=_FIELD),
-            "layout.tp": w.IntText(layout=_FIELD),
-            "layout.pp": w.IntText(layout=_FIELD),
-            "layout.zero": w.ToggleButtons(options=[0, 1, 2, 3], style={"button_width": "34px"}),
-            "layout.offload": w.Dropdown(options=["none", "cpu", "nvme"], layout=_FIELD),
-            "layout.activation_checkpointing": w.Dropdown(options=["none", "selective", "full"], layout=_FIELD),
-            "layout.pp_schedule": w.Dropdown(options=list(PIPELINE_SCHEDULES), layout=_FIELD),
-            "layout.virtual_stages": w.IntText(layout=_FIELD, tooltip=(
-                "Stages per pipeline rank of interleaved-1f1b and zero-bubble (more: a smaller bubble, "
-                "more sends)")),
-            "layout.sequence_parallel": w.Checkbox(indent=False, layout=w.Layout(width="auto"), tooltip=(
-                "Shard the residual stream, norms and saved inputs along the sequence between tensor-parallel "
-                "regions (Megatron-style); needs tp >= 2")),
-            "precision.dtype": w.ToggleButtons(options=["fp32", "bf16", "fp16"], style={"button_width": "52px"}),
-            "train.micro_batch": w.IntText(layout=_FIELD),
-            "train.global_batch": w.IntText(layout=_FIELD),
-            "train.steps": w.IntText(layout=_FIELD),
-        }
+        self.fields: dict[str, w.ValueWidget] = _build_fields(list(PRESETS) + (["custom"] if "custom" not in PRESETS
+                                                                               else []))
         self.follow = w.Checkbox(value=True, description="GPUs = dp × tp × pp", indent=False)
         # A local Hugging Face folder (config.json + safetensors): model.init = "hf", model.path = it;
         # the shape then comes from its config.json (the preset and shape fields show it, read-only).
@@ -94,10 +99,15 @@ class LayoutPanel:
             field.observe(lambda ch, key=key: self._on_change(key), names="value")
         self.follow.observe(lambda ch: self._on_change("follow"), names="value")
         self.model_path.observe(lambda ch: self._on_folder(), names="value")
-        f = self.fields
-        e = self.errors
-        self.shape_rows = {k: labeled(f[f"model.{k}"], k.replace("_", " ")) for k in SHAPE_KEYS}
-        self.widget = w.VBox([
+        self.shape_rows = {k: labeled(self.fields[f"model.{k}"], k.replace("_", " ")) for k in SHAPE_KEYS}
+        self.widget = self._build_widget()
+        state.observe(self._on_state)
+        self.sync()
+
+    def _build_widget(self) -> w.VBox:
+        """The form's sections, each with its error line under it, then the summary and the schedule."""
+        f, e = self.fields, self.errors
+        return w.VBox([
             e["spec"],
             section("Model", labeled(f["model.preset"], "preset"), self.size_note,
                     *self.shape_rows.values(), labeled(self.model_path, "HF folder"), e["model"]),
@@ -115,8 +125,6 @@ class LayoutPanel:
                     labeled(f["train.steps"], "steps"), e["train"]),
             self.summary, section("Learning rate", self.lr_box),
         ], layout=w.Layout(width="330px", min_width="330px", padding="0 12px 0 0"))
-        state.observe(self._on_state)
-        self.sync()
 
     # -- state -> widgets ------------------------------------------------------------------
     def sync(self) -> None:

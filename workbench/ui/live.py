@@ -1,7 +1,8 @@
 """Small helpers shared by the panels: figure boxes and inline notes.
 
-A panel rebuilds a figure with a pure builder from the state and `FigureBox.show` draws it, so
-builders stay testable and no view is ever patched from an earlier one.
+A panel rebuilds a figure with a pure builder from the state and `FigureBox.show` draws it whole, so
+builders stay testable and no view is ever patched from an earlier one; the live run charts use
+`LiveFigure`, which copies each new figure into one FigureWidget so that a zoom survives updates.
 """
 from __future__ import annotations
 
@@ -64,3 +65,99 @@ def labeled(widget: w.Widget, label: str, width: str = "110px") -> w.HBox:
 def section(title: str, *children: w.Widget) -> w.VBox:
     return w.VBox([w.HTML(f"<b style='font-size:13px'>{html.escape(title)}</b>"), *children],
                   layout=w.Layout(margin="0 0 8px 0"))
+
+
+class LiveFigure(w.VBox):
+    """One plotly ``FigureWidget`` kept across redraws, so that a zoom or pan survives live updates.
+
+    `show(fig)` copies a freshly built figure into the widget: while its traces are the same ones (the
+    same count, types and names: each new step of a run) their data and the layout are updated in
+    place in one `batch_update`, and every axis range the person set in the browser (plotly.js sends
+    it back as a relayout) is kept unless the axis now measures something else (its title changed);
+    otherwise the widget's traces are replaced (deleted, then the new ones added) and its layout set
+    with those ranges, so no trace or shape of an earlier figure is left behind. The widget itself is
+    never swapped for another: swapped twice in quick succession (a new run's first redraws), the
+    page was left without the chart (browser test, #34). Safe to call from a background thread.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(layout=w.Layout(width="100%", max_width="100%"), **kwargs)
+        self.figure: go.Figure | None = None  # the newest figure shown (what the builders made)
+        self.widget: go.FigureWidget | None = None
+        self._pushed: dict = {}  # the axis ranges and titles of the newest figure shown, as we set them
+        self._shown: str | None = None
+
+    def show(self, fig: go.Figure | None) -> None:
+        """Draw `fig` (None: nothing), keeping the ranges a person zoomed to."""
+        key = fig.to_json() if fig is not None else None
+        if key == self._shown and (fig is None) == (self.widget is None):
+            return  # the same figure again (the refresher redraws each second): nothing to send
+        before = self.figure
+        self.figure, self._shown = fig, key
+        if fig is None:
+            self._replace(None)
+            self._pushed = {}
+            return
+        layout = fig.layout.to_plotly_json()
+        kept = self.zoomed(layout)
+        for axis, rng in kept.items():
+            layout[axis] = {**layout.get(axis, {}), "range": list(rng), "autorange": False}
+        # What the earlier figure set and this one does not is cleared; never what the browser set on its
+        # own: plotly.js answers each window resize with a relayout {autosize: true} that the widget records,
+        # and clearing that (autosize: null) makes plotly.js pin the chart's width as it is then, so the
+        # chart stayed that wide in a narrower column (browser test, #34).
+        gone = {k: None for k in (before.layout.to_plotly_json() if before is not None else {})
+                if k not in layout and k != "template"}
+        if self.widget is not None and _same_traces(self.widget.data, fig.data):
+            layout.setdefault("shapes", [])
+            layout.setdefault("annotations", [])
+            with self.widget.batch_update():
+                for trace, new in zip(self.widget.data, fig.data):
+                    trace.update({k: v for k, v in new.to_plotly_json().items() if k != "type"}, overwrite=True)
+                self.widget.update_layout({**gone, **{k: v for k, v in layout.items() if k != "template"}},
+                                          overwrite=True)
+        elif self.widget is not None:  # other traces: the same widget, its traces replaced
+            self.widget.data = ()
+            self.widget.add_traces(list(fig.data))
+            self.widget.update_layout({**gone, **{k: v for k, v in layout.items() if k != "template"}},
+                                      overwrite=True)
+        else:
+            widget = go.FigureWidget(data=fig.data, layout=layout)
+            widget._config = {**widget._config, "responsive": True}  # follow the column's width (plotly.js)
+            self._replace(widget)
+        self._pushed = _axes(fig.layout.to_plotly_json())
+
+    def _replace(self, widget: go.FigureWidget | None) -> None:
+        self.widget = widget
+        self.children = () if widget is None else (widget,)
+
+    def zoomed(self, new_layout: dict) -> dict[str, tuple]:
+        """{axis: range} of the shown widget's axes whose range differs from the one the newest figure
+        set (a person zoomed or panned) and that measure the same thing in `new_layout`."""
+        if self.widget is None:
+            return {}
+        now = _axes(self.widget.layout.to_plotly_json())
+        out = {}
+        for axis, (rng, title) in now.items():
+            before = self._pushed.get(axis, (None, title))
+            if rng is not None and rng != before[0] and _axis_title(new_layout.get(axis, {})) == before[1]:
+                out[axis] = rng
+        return out
+
+
+def _axes(layout: dict) -> dict[str, tuple]:
+    """{axis name: (range as a tuple or None, its title)} of a layout's x and y axes."""
+    return {k: (tuple(v["range"]) if v.get("range") is not None and v.get("autorange") is not True else None,
+                _axis_title(v))
+            for k, v in layout.items() if (k.startswith("xaxis") or k.startswith("yaxis")) and isinstance(v, dict)}
+
+
+def _axis_title(axis: dict) -> str | None:
+    title = axis.get("title")
+    return title.get("text") if isinstance(title, dict) else title
+
+
+def _same_traces(old, new) -> bool:
+    return len(old) == len(new) and all(
+        (a.type, a.name, getattr(a, "xaxis", None), getattr(a, "yaxis", None)) ==
+        (b.type, b.name, getattr(b, "xaxis", None), getattr(b, "yaxis", None)) for a, b in zip(old, new))

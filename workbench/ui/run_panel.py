@@ -18,7 +18,8 @@ import ipywidgets as w
 
 from workbench.errors import ConfigError, WorkerError
 from workbench.report import figures
-from workbench.ui.live import FigureBox, note_html
+from workbench.ui.live import FigureBox, LiveFigure, note_html
+from workbench.ui.runs import rank_tails
 from workbench.ui.state import WorkbenchState
 
 _DONE_KIND = {"completed": "ok", "stopped": "info", "preempted": "info", "failed": "error"}
@@ -56,6 +57,14 @@ class RunPanel:
         self.prediction: dict | None = None  # predict_run(run_spec), from the run's thread
         self._run_seq = 0  # which Run press the prediction belongs to
         self._render_lock = threading.Lock()  # the refresher thread and the kernel's thread both render
+        self._build_controls()
+        self._build_views()
+        self.widget = self._build_widget()
+        state.observe(self._on_state)
+        self.render()
+
+    def _build_controls(self) -> None:
+        """The buttons, the progress line and the chart's toggles, wired to their actions."""
         self.run_button = w.Button(description="Run", icon="play", button_style="success",
                                    tooltip="Train this spec on local Ray", layout=w.Layout(**_BUTTON))
         self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger", disabled=True,
@@ -68,35 +77,54 @@ class RunPanel:
                                       layout=w.Layout(flex="1 1 160px", min_width="120px", max_width="320px"))
         self.progress_text = w.HTML("idle")
         self.progress_text.add_class("wb-run-progress")
-        self.note = w.HTML()
         self.smooth = w.FloatSlider(value=0.0, min=0.0, max=0.95, step=0.05, description="smoothing",
-                                    readout_format=".2f", layout=w.Layout(width="260px"))
+                                    readout_format=".2f", layout=w.Layout(width="260px"),
+                                    tooltip="Exponential moving average of every curve (0: raw)")
         self.log_loss = w.Checkbox(value=False, description="log-scale loss", indent=False,
                                    layout=w.Layout(width="auto"))
         self.overlay = w.Checkbox(value=True, description="earlier runs", indent=False, layout=w.Layout(width="auto"))
-        self.run_box = FigureBox()
+        self.x_axis = w.ToggleButtons(options=[("step", "step"), ("wall time", "time"), ("tokens", "tokens")],
+                                      value="step", tooltips=["optimizer step", "seconds since the run's first step",
+                                                              "tokens trained so far"],
+                                      style={"button_width": "92px"})
+        self.x_axis.add_class("wb-run-x-axis")
+        self.run_button.on_click(lambda _: self.run())
+        self.resume_button.on_click(lambda _: self.run(resume=True))
+        self.stop_button.on_click(lambda _: self.stop())
+        self.report_button.on_click(lambda _: self.export_report())
+        for toggle in (self.smooth, self.log_loss, self.overlay, self.x_axis):
+            toggle.observe(lambda _: self.render(), names="value")
+
+    def _build_views(self) -> None:
+        """What the state is drawn into: notes, the live charts (zoom kept), tables, logs, comparison."""
+        from workbench.ui.compare_panel import ComparePanel
+
+        self.note = w.HTML()
+        self.run_box = LiveFigure()  # updated in place: a zoom survives new steps
         self.run_box.add_class("wb-run-chart")
         self.mem_box = FigureBox()  # with the first memory event
+        self.host_box = LiveFigure()  # host CPU/memory and GPU utilisation/memory per rank
+        self.host_box.add_class("wb-host-chart")
         self.timeline_box = FigureBox()
         self.rank_times = w.HTML()
         self.predicted = w.HTML()  # step time and tokens/s: predicted for the running layout beside measured
         self.predicted.add_class("wb-run-predicted")
         self.log = w.HTML()
-        self.run_button.on_click(lambda _: self.run())
-        self.resume_button.on_click(lambda _: self.run(resume=True))
-        self.stop_button.on_click(lambda _: self.stop())
-        self.report_button.on_click(lambda _: self.export_report())
-        for toggle in (self.smooth, self.log_loss, self.overlay):
-            toggle.observe(lambda _: self.render(), names="value")
+        # The tail of each rank's stdout/stderr, a fold per rank: which one is open is the widget's own
+        # state, so new output does not close what a person opened (as re-sent <details> would).
+        self.rank_output = w.Accordion(children=(), layout=w.Layout(display="none", max_width="100%"))
+        self.rank_output.add_class("wb-rank-output")
+        self.compare = ComparePanel(on_change=self.render)
+
+    def _build_widget(self) -> w.VBox:
         wrap = dict(flex_flow="row wrap", align_items="center", grid_gap="6px 8px")
-        self.widget = w.VBox([
+        return w.VBox([
             w.HBox([self.run_button, self.stop_button, self.resume_button, self.progress, self.progress_text],
                    layout=w.Layout(**wrap)),
             self.note, self.predicted, self.run_box,
-            w.HBox([self.smooth, self.log_loss, self.overlay, self.report_button], layout=w.Layout(**wrap)),
-            self.mem_box, self.rank_times, self.timeline_box, self.log], layout=w.Layout(max_width="100%"))
-        state.observe(self._on_state)
-        self.render()
+            w.HBox([self.x_axis, self.smooth, self.log_loss, self.overlay, self.report_button], layout=w.Layout(**wrap)),
+            self.compare.widget, self.mem_box, self.rank_times, self.host_box, self.timeline_box, self.log,
+            self.rank_output], layout=w.Layout(max_width="100%"))
 
     # -- actions -------------------------------------------------------------------------
     def run(self, resume: bool = False) -> None:
@@ -169,6 +197,21 @@ class RunPanel:
         if state == "failed":
             self._error = message or "the run failed (see the Ray logs)"
         self.state.finish("failed" if state == "failed" else "completed")
+        self._keep_metrics(spec)
+
+    def _keep_metrics(self, spec) -> None:
+        """A run whose checkpoint folder is on this machine leaves its events there
+        (`metrics-<run id>.jsonl`), so a later session can compare it (Compare runs: the folder)."""
+        uri = spec.checkpoint.uri
+        if not uri or "://" in uri or self.run_id is None or not Path(uri).expanduser().is_dir():
+            return
+        from workbench.ui.runs import save_events
+
+        try:
+            save_events(self.state.snapshot(), uri, self.run_id)
+        except OSError as e:  # the run itself is done: say so, never raise on this thread
+            self._report = note_html(f"The run's metrics could not be kept beside its checkpoints: {e}", "error")
+            self.state.touch()
 
     def stop(self) -> None:
         """Ask the workers to stop: every rank stops after the same step, at most one step after the
@@ -229,18 +272,38 @@ class RunPanel:
                                                                    running))
         ended = not running and st.run_state != "idle"  # (the idle and running notes keep what they show)
         self.note.value = self._note(events, steps, running, can_resume) + (self._report if ended else "")
-        history = [r for r in st.history if self.overlay.value]
-        predicted = self.prediction if self.prediction and "error" not in self.prediction else None
-        self.run_box.show(figures.run_figure(events, history=history, smooth=self.smooth.value,
-                                             log_loss=self.log_loss.value, predicted=predicted))
-        measured = figures.latest_measured(events)
-        self.mem_box.show(self._memory_figure(measured) if measured else None)
+        self._render_charts(events)
         self.rank_times.value = _rank_times_html(figures.latest_rank_times(events))
         self.predicted.value = prediction_html(self.prediction, steps[self._carried:], self.run_spec) \
             if self.run_spec is not None and st.run_state != "idle" else ""
         has_timeline = any(e.get("event") == "timeline" for e in events)
         self.timeline_box.show(figures.measured_timeline_figure(events) if has_timeline else None)
         self.log.value = _log_html(events)
+        self._show_rank_output(rank_tails(events))
+
+    def _show_rank_output(self, tails: dict[int, dict[str, str]]) -> None:
+        bodies = {rank: _rank_output_html(kinds) for rank, kinds in tails.items()}
+        bodies = {rank: body for rank, body in bodies.items() if body}
+        titles = tuple(f"rank {rank}: stdout/stderr, last lines" for rank in bodies)
+        if tuple(self.rank_output.titles) != titles:
+            self.rank_output.children = tuple(w.HTML() for _ in bodies)
+            self.rank_output.titles = titles
+        for child, body in zip(self.rank_output.children, bodies.values()):
+            child.value = body
+        self.rank_output.layout.display = "" if bodies else "none"
+
+    def _render_charts(self, events: list[dict]) -> None:
+        """The Training chart (with earlier and compared runs), the measured memory and the hosts' chart,
+        on the chosen x axis with the smoothing."""
+        history = [r for r in self.state.history if self.overlay.value] + self.compare.picked()
+        predicted = self.prediction if self.prediction and "error" not in self.prediction else None
+        x_axis, smooth = self.x_axis.value, self.smooth.value
+        self.run_box.show(figures.run_figure(events, history=history, smooth=smooth, log_loss=self.log_loss.value,
+                                             predicted=predicted, x_axis=x_axis))
+        measured = figures.latest_measured(events)
+        self.mem_box.show(self._memory_figure(measured) if measured else None)
+        has_host = any(e.get("event") == "memory" and ("cpu_s" in e or "host" in e or "gpu" in e) for e in events)
+        self.host_box.show(figures.host_figure(events, smooth=smooth, x_axis=x_axis) if has_host else None)
 
     def _progress_line(self, last: dict | None, first: dict | None, running: bool) -> str:
         """The line beside the buttons, from the newest step event and this run's first own one."""
@@ -477,6 +540,14 @@ def _log_html(events: list[dict]) -> str:
     return (f"<details class='wb-run-log'><summary style='font-size:12px'>run log: {count}</summary>"
             f"<pre style='max-height:180px;overflow:auto;font-size:11px;background:var(--jp-layout-color2, #f7f7f7);"
             f"color:var(--jp-content-font-color1, #222);padding:6px;white-space:pre-wrap'>{body}</pre></details>")
+
+
+def _rank_output_html(kinds: dict[str, str]) -> str:
+    """One rank's stdout and stderr tails, each in a scrolling block ('' when both are empty)."""
+    pre = ("max-height:160px;overflow:auto;font-size:11px;background:var(--jp-layout-color2, #f7f7f7);"
+           "color:var(--jp-content-font-color1, #222);padding:6px;margin:2px 0;white-space:pre-wrap")
+    return "".join(f"<div style='font-size:11px'>{kind}</div><pre style='{pre}'>{html.escape(text)}</pre>"
+                   for kind, text in kinds.items() if text)
 
 
 def _with_run_id(start, run_id: str | None):
