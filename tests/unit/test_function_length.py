@@ -12,13 +12,6 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("workbench", "backends")
 MAX_LINES = 60
 
-# Split on another branch (the ui/ and report/ helper of #36) at the time of writing; the merge
-# empties this set. Each entry: "path:qualified name".
-_SPLIT_ELSEWHERE = {
-    "workbench/report/figures.py:run_figure",
-    "workbench/ui/layout_panel.py:LayoutPanel.__init__",
-    "workbench/ui/run_panel.py:RunPanel.__init__",
-}
 
 
 def long_functions(source: str, path: str, limit: int = MAX_LINES) -> dict[str, int]:
@@ -58,7 +51,4 @@ def test_no_function_is_over_60_lines():
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             found.update(long_functions(path.read_text(), path.relative_to(ROOT).as_posix()))
-    over = {name: lines for name, lines in found.items() if name not in _SPLIT_ELSEWHERE}
-    assert over == {}, "split these into named parts: " + ", ".join(f"{k} ({v} lines)" for k, v in over.items())
-    # An allowance that no longer applies is removed, so the set only shrinks.
-    assert _SPLIT_ELSEWHERE <= set(found), sorted(_SPLIT_ELSEWHERE - set(found))
+    assert found == {}, "split these into named parts: " + ", ".join(f"{k} ({v} lines)" for k, v in found.items())

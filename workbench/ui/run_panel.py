@@ -220,7 +220,7 @@ class RunPanel:
         self.stop_button.disabled = True
         self._stop_requested = True  # honoured as soon as the job exists, if it is still starting
         if self.handle is not None:
-            self.handle.cancel()  # rank 0 reads it with the acknowledgement of its next step
+            self.handle.cancel()  # rank 0 reads it with an acknowledgement within STOP_WITHIN_STEPS steps
         # read after cancel(): no step delivered before the cancel is newer than this one
         steps = [e["step"] for e in self.state.snapshot() if e.get("event") == "step"]
         self.stop_step = steps[-1] if steps else 0
