@@ -318,7 +318,7 @@ def test_stop_and_resume_from_a_checkpoint(lab, tmp_path):
     wait_until(lab, lambda: progress(root).startswith("step ") and int(progress(root).split()[1]) >= 10,
                "the run at step 10", limit_s=START_S)
     shown, ended, pressed = stop_and_wait(lab, root)
-    assert shown <= pressed <= ended <= pressed + 1 < steps, (shown, pressed, ended)
+    assert shown <= pressed <= ended <= pressed + STOP_WITHIN_STEPS < steps, (shown, pressed, ended)
     wait_until(lab, lambda: button(root, "Resume").is_visible(), "the Resume button", limit_s=30)
     assert "Resume continues from its newest checkpoint" in root.locator(".wb-note-info").last.inner_text()
     stopped = lab.evaluate(LOSS, ".wb-root")
