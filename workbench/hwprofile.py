@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
@@ -175,17 +176,17 @@ class HardwareProfile:
         measured time where this very shape was measured (calibrate measures the spec's own GEMMs),
         else the GemmFit through the measured points (increasing in m, n and k; linear past them)."""
         d = self._measured_dtype(dtype)
-        exact = self._exact(("gemm", d), [p[1:] for p in self.gemm if p[0] == d]).get((m, n, k))
+        exact = self._exact(("gemm", d), lambda: [p[1:] for p in self.gemm if p[0] == d]).get((m, n, k))
         return exact if exact is not None else self.gemm_fit(dtype).seconds(m, n, k)
 
-    def _exact(self, key: tuple, points: list) -> dict:
-        """{(m, n, k): median seconds} of `points` (m, n, k, seconds), cached under `key`. One smooth
+    def _exact(self, key: tuple, points: Callable[[], list]) -> dict:
+        """{(m, n, k): median seconds} of `points()` (m, n, k, seconds), cached under `key`. One smooth
         surface cannot follow every kernel choice: on a CPU, bf16's input-gradient GEMMs run 5-20x
         slower than its forward ones of the same size, and the fit misses them by up to 2x."""
         key = ("exact", *key)
         if key not in self._cache:
             by_shape: dict = {}
-            for m, n, k, t in points:
+            for m, n, k, t in points():
                 by_shape.setdefault((int(m), int(n), int(k)), []).append(float(t))
             self._cache[key] = {shape: sorted(ts)[len(ts) // 2] for shape, ts in by_shape.items()}
         return self._cache[key]
@@ -195,11 +196,15 @@ class HardwareProfile:
         (see gemm_s), else from the fit through the measured backward GEMMs of `dtype`; None when none
         of that dtype was measured."""
         key = ("grad", kind, dtype)
-        pts = [p[2:] for p in self.gemm_grad if p[0] == kind and p[1] == dtype]
+
+        def points() -> list:
+            return [p[2:] for p in self.gemm_grad if p[0] == kind and p[1] == dtype]
+
         if key not in self._cache:
+            pts = points()
             self._cache[key] = fit_gemm(pts) if pts else None
         fit = self._cache[key]
-        exact = self._exact(key, pts).get((m, n, k))
+        exact = self._exact(key, points).get((m, n, k))
         return exact if exact is not None else (None if fit is None else fit.seconds(m, n, k))
 
     def gemm_flops(self, dtype: str) -> float:
