@@ -120,13 +120,15 @@ def run(quick: bool = False) -> dict:
     from workbench.shards import prepare
 
     cfg = config(quick)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-data-"))
-    files = make_corpus(tmp, cfg["corpus_mb"], cfg["files"])
-    shards = str(tmp / "bytes")
-    prepare([str(f) for f in files], shards, tokenizer="bytes", progress=False)  # fits gpt-*'s 256 tokens
-    whole = whole_runs(cfg, shards)
-    alone = data_path_alone(cfg, shards, whole["cpu_step_s"]["tokens (memmap shards)"]["median"])
-    return {"config": cfg, "whole": whole, "alone": alone, "prepare": prepare_vs_encode(cfg, files, tmp),
+    with tempfile.TemporaryDirectory(prefix="bench-data-") as folder:
+        tmp = Path(folder)
+        files = make_corpus(tmp, cfg["corpus_mb"], cfg["files"])
+        shards = str(tmp / "bytes")
+        prepare([str(f) for f in files], shards, tokenizer="bytes", progress=False)  # fits gpt-*'s 256 tokens
+        whole = whole_runs(cfg, shards)
+        alone = data_path_alone(cfg, shards, whole["cpu_step_s"]["tokens (memmap shards)"]["median"])
+        prepared = prepare_vs_encode(cfg, files, tmp)
+    return {"config": cfg, "whole": whole, "alone": alone, "prepare": prepared,
             "tokens_vs_synthetic": whole["tokens_vs_synthetic"], "goal_data": GOAL_DATA}
 
 

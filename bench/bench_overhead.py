@@ -33,7 +33,7 @@ def _intervals(times: list[float], skip: int) -> list[float]:
     return [b - a for a, b in zip(times[skip:], times[skip + 1:])]
 
 
-def whole_runs(cfg: dict) -> dict:
+def whole_runs(cfg: dict, tmp: Path) -> dict:
     """Runtime (JSONL sink / no-op sink / checkpointing) and the plain loop, alternated.
 
     Each run records, at every step end, the wall clock and this process's CPU time. CPU time
@@ -45,7 +45,6 @@ def whole_runs(cfg: dict) -> dict:
 
     spec = tiny_spec(cfg["preset"], train={"steps": cfg["steps"], "global_batch": cfg["global_batch"],
                                            "micro_batch": cfg["micro_batch"]})
-    tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     ckpt_name = f"runtime, checkpoint every {cfg['ckpt_every']}"
     runs: dict[str, list[dict]] = {}
 
@@ -148,7 +147,8 @@ def components(cfg: dict) -> dict:
 
 def run(quick: bool = False) -> dict:
     cfg = config(quick)
-    whole = whole_runs(cfg)
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
+        whole = whole_runs(cfg, Path(tmp))
     parts = components(cfg)
 
     def overhead(clock, a, b):
