@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from workbench.catalog import DEVICES
 from workbench.errors import ConfigError, did_you_mean
 from workbench.parallelism import Parallelism, num_micro_batches
+from workbench.spec_input import MAX_PP
 
 if TYPE_CHECKING:
     from workbench.spec_fields import JobFields, ModelSpec
@@ -59,8 +60,6 @@ def _check_bounds(spec: JobFields, layout: bool = True) -> None:
 
 def check_stage_bound(par: Parallelism) -> None:
     """At most MAX_PP pipeline stages (pp x virtual stages)."""
-    from workbench.spec_input import MAX_PP
-
     stages = par.num_stages
     if stages > MAX_PP:
         raise ConfigError(f"layout: pp({par.pp}) x virtual_stages({par.virtual_stages}) = {stages:,} pipeline stages, "
