@@ -37,6 +37,9 @@ class Case:
     tie_embeddings: bool = False
     catalog_match: bool = True  # False: the run's GPU differs from the catalog device named (held out)
     fsdp: dict | None = None  # the run's FSDP settings as printed (llm-foundry: sharding, mixed_precision, precision)
+    # The engine's own pipeline split (steptime.engine_split's keywords: Megatron-Core's
+    # account_for_embedding / account_for_loss, or first / last stage layers); None: the runtime's.
+    pipeline_split: dict | None = None
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -104,7 +107,7 @@ def load_cases() -> tuple[Case, ...]:
                         published=c["published"], attention=c["attention"], assumed=c.get("assumed", ""),
                         engine=c.get("engine", "megatron-lm-2021"), overlap=c.get("overlap"),
                         tie_embeddings=c.get("tie_embeddings", False), catalog_match=c.get("catalog_match", True),
-                        fsdp=c.get("fsdp")))
+                        fsdp=c.get("fsdp"), pipeline_split=c.get("pipeline_split")))
     return tuple(out)
 
 
@@ -113,15 +116,20 @@ def predict(case: Case):
     from workbench.catalog import get_device
     from workbench.memory import Layout
     from workbench.memory.estimate import _stage_params
-    from workbench.steptime import step_time
+    from workbench.steptime import engine_split, split_params, step_time
 
     sh = case.shape()
     dp = case.layout.get("dp", 1)
     lay = Layout(**case.layout, micro_batch=case.micro_batch,
                  num_micro=num_micro_batches(case.global_batch, dp, case.micro_batch), dtype=case.dtype, device="cuda")
-    p, shard = _stage_params(sh, lay.tp, lay.pp, 0, lay.chunks, lay.dp)
+    split = None
+    if case.pipeline_split is not None:
+        split = engine_split(sh.layers, lay.pp, lay.chunks, **case.pipeline_split)
+        p, shard = split_params(sh, lay.tp, lay.pp, lay.chunks, lay.dp, split)
+    else:
+        p, shard = _stage_params(sh, lay.tp, lay.pp, 0, lay.chunks, lay.dp)
     return step_time(sh, lay, get_device(case.gpu), case.global_batch, case.gpus_per_node, p, shard,
-                     attention=case.attention, engine=case.engine_overlap())
+                     attention=case.attention, engine=case.engine_overlap(), split=split)
 
 
 def priced(case: Case) -> bool:

@@ -14,7 +14,7 @@ from workbench.memory import Layout, estimate_stage
 from workbench.memory.estimate import _stage_params, device_used
 from workbench.prices import PRICES_DATE, load_prices
 from workbench.steptime import Hardware, step_time
-from workbench.validate import zero_bubble_refused
+from workbench.validate import check_layout_rules, zero_bubble_refused
 
 # With offload=cpu, the offloaded states of the node's ranks share its RAM with the processes
 # and pinned staging buffers.
@@ -247,6 +247,8 @@ def _search(spec, shape, dev, hw: Hardware, dev_prices: dict):
             if searched >= MAX_SEARCHED:
                 truncated = True
                 break
+            if not _runtime_accepts(shape, options[0], spec.train.global_batch):
+                continue
             for lay in options:
                 searched += 1
                 peak, host = _peak(shape, lay)
@@ -255,6 +257,19 @@ def _search(spec, shape, dev, hw: Hardware, dev_prices: dict):
                     break
                 misses.append((peak, lay))
     return fitting, misses, searched, truncated
+
+
+def _runtime_accepts(shape, lay: Layout, global_batch: int) -> bool:
+    """The layout passes every rule `validate` and `run` apply to it (validate.check_layout_rules, the
+    ones `step_time` enforces): the planner ranks no layout the runtime refuses. The checkpointing modes
+    of one option group differ in nothing these rules read."""
+    from workbench.errors import ConfigError
+
+    try:
+        check_layout_rules(shape, lay, global_batch)
+    except ConfigError:
+        return False
+    return True
 
 
 def _notes(dev, fitting: list[Candidate], truncated: bool) -> list[str]:
@@ -296,11 +311,11 @@ def _given(spec, shape, hw, dev_prices: dict):
 
     try:
         validate_spec(spec)
-    except ConfigError as e:
+        lay = layout_from_spec(spec)
+        peak, host = _peak(shape, lay)
+        c = _candidate(shape, lay, hw, spec, peak, _fits(hw.dev, lay, peak, host), dev_prices)
+    except ConfigError as e:  # a rule of validate's, or one of run's that step_time enforces too
         return None, str(e)
-    lay = layout_from_spec(spec)
-    peak, host = _peak(shape, lay)
-    c = _candidate(shape, lay, hw, spec, peak, _fits(hw.dev, lay, peak, host), dev_prices)
     _check_runnable(spec, c)
     return c, None
 

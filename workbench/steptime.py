@@ -316,18 +316,103 @@ def recomputed_forward(mode: str, blocks: int, every: int) -> tuple[int, int]:
 
 
 @lru_cache(maxsize=4096)
-def _rank_work(shape, pp: int, chunks: int) -> tuple[int, bool, bool]:
-    """(blocks on the busiest pipeline rank, does it hold the head, does it hold the embedding)."""
+def _rank_work(shape, pp: int, chunks: int, split: tuple[int, ...] | None = None) -> tuple[int, bool, bool]:
+    """(blocks on the busiest pipeline rank, does it hold the head, does it hold the embedding), for
+    the runtime's split or an engine's own (`split`: blocks per stage)."""
     from workbench.memory.params import stage_blocks
     from workbench.parallelism import looped_stages
 
-    n = pp * chunks
-    split = stage_blocks(shape, n)
-    per_rank = [sum(len(split[s]) for s in looped_stages(k, pp, chunks)) for k in range(pp)]
+    sizes = split or tuple(len(r) for r in stage_blocks(shape, pp * chunks))
+    per_rank = [sum(sizes[s] for s in looped_stages(k, pp, chunks)) for k in range(pp)]
     dense, attn, head = _forward_flops(shape)
     cost = [b * (dense + attn) + (head if k == pp - 1 else 0) for k, b in enumerate(per_rank)]
     k = max(range(pp), key=cost.__getitem__)
     return per_rank[k], k == pp - 1, k == 0
+
+
+def check_split(shape, lay, split: tuple[int, ...]) -> None:
+    """An engine's own split covers the model: one count per (virtual) stage, none negative, summing
+    to the model's layers.
+
+    Raises:
+        ConfigError: the rule, the numbers and a fix.
+    """
+    from workbench.errors import ConfigError
+
+    if len(split) != lay.num_stages or min(split) < 0 or sum(split) != shape.layers:
+        raise ConfigError(
+            f"pipeline split {list(split)}: needs one block count per stage (pp({lay.pp}) x {lay.chunks} = "
+            f"{lay.num_stages} stages), none negative, summing to the model's {shape.layers} layers; it has "
+            f"{len(split)} counts summing to {sum(split)}. Give the blocks of every stage in stage order.")
+
+
+def engine_split(layers: int, pp: int, chunks: int, account_for_embedding: bool = False,
+                 account_for_loss: bool = False, first: int | None = None,
+                 last: int | None = None) -> tuple[int, ...]:
+    """Blocks per (virtual) stage, in stage order, as Megatron-Core builds them
+    (megatron/core/transformer/transformer_block.py `get_num_layers_to_build`):
+    `--decoder-first-pipeline-num-layers` / `--decoder-last-pipeline-num-layers` (`first`, `last`) give
+    the first and last pipeline rank their own count and split the rest evenly; otherwise
+    `--account-for-embedding-in-pipeline-split` / `--account-for-loss-in-pipeline-split` count the
+    embedding and the loss as one layer each, and the first (last) virtual stage builds one block fewer.
+    Each rank's count is then divided evenly over its `chunks` virtual stages. Llama 3 405B's
+    pipeline is the second (Llama Team 2024, sec. 3.3.2: "we reduce one Transformer layer each from the
+    first and the last stages").
+
+    Raises:
+        ConfigError: a split Megatron-Core refuses (its asserts), with the numbers and a fix.
+    """
+    from workbench.errors import ConfigError
+
+    per_rank = _engine_rank_layers(layers + account_for_embedding + account_for_loss, pp, first, last)
+    if any(n % chunks for n in per_rank):
+        raise ConfigError(
+            f"pipeline split: layers per pipeline rank {sorted(set(per_rank))} must divide into virtual_stages"
+            f"({chunks}) (Megatron-Core: num_layers_per_pipeline_rank % vp_size == 0). Use virtual stages dividing "
+            f"{min(per_rank)}.")
+    stages = [per_rank[s % pp] // chunks for s in range(pp * chunks)]
+    stages[0] -= account_for_embedding
+    stages[-1] -= account_for_loss
+    if min(stages) < 0:
+        raise ConfigError(f"pipeline split: the first or last virtual stage has no block left for the embedding or "
+                          f"the loss to replace ({stages[0]}, {stages[-1]}). Use fewer virtual stages.")
+    return tuple(stages)
+
+
+def _engine_rank_layers(layers: int, pp: int, first: int | None, last: int | None) -> list[int]:
+    """Layers per pipeline rank of `engine_split` (Megatron-Core's even split, or its uneven first/last)."""
+    from workbench.errors import ConfigError
+
+    ends = (first is not None) + (last is not None)
+    rest, left = layers - (first or 0) - (last or 0), pp - ends
+    if left > 0 and rest % left or left <= 0 and rest:
+        raise ConfigError(
+            f"pipeline split: {layers} layers less the first ({first}) and last ({last}) stages leave {rest} for "
+            f"{left} stages, which must divide evenly (Megatron-Core: 'the left over layers must be divisible by "
+            f"left over stages'). Change first/last so that {left} divides the rest.")
+    per = [rest // left if left > 0 else 0] * pp
+    if first is not None:
+        per[0] = first
+    if last is not None:
+        per[-1] = last
+    return per
+
+
+def split_params(shape, tp: int, pp: int, chunks: int, dp: int, split: tuple[int, ...],
+                 pp_index: int = 0) -> tuple[int, int]:
+    """(parameters, FSDP2 shard over dp) of pipeline rank `pp_index` under an engine's own split: its
+    blocks, the embedding on stage 0 and the final norm and head on the last (memory.params.rank_counts'
+    counting for the runtime's split)."""
+    from workbench.memory.params import block_tensors, embedding_tensors, final_tensors, fsdp_shard_numel, numel
+    from workbench.parallelism import looped_stages
+
+    stages = looped_stages(pp_index, pp, chunks)
+    edge = (embedding_tensors(shape, tp) if 0 in stages else []) + \
+        (final_tensors(shape, tp, head_copy=pp * chunks > 1) if pp * chunks - 1 in stages else [])
+    block = block_tensors(shape, tp)
+    n = sum(split[s] for s in stages)
+    return (sum(numel(t) for t in edge) + n * sum(numel(t) for t in block),
+            fsdp_shard_numel(edge, dp) + n * fsdp_shard_numel(block, dp))
 
 
 @lru_cache(maxsize=4096)
@@ -443,7 +528,7 @@ def _edge_work(hw: Hardware, shape, tokens: int, tp: int, dtype: str, has_head: 
 
 def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per_rank: float,
               shard_per_rank: float, attention: str = "flash", hw: Hardware | None = None,
-              engine: Engine = WORKBENCH) -> StepTime:
+              engine: Engine = WORKBENCH, split: tuple[int, ...] | None = None) -> StepTime:
     """Predicted seconds per optimizer step for a Layout (see workbench.memory.Layout).
 
     Args:
@@ -456,37 +541,37 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
         attention: "flash" (our runtime's fused kernel) or "unfused" (published runs before it).
         hw: the Hardware to ask (default: the catalog's figures for `dev`).
         engine: what the engine overlaps (default: our runtime).
+        split: blocks per (virtual) stage where a published run's engine split the model its own way
+            (`engine_split`); None: the runtime's split (contiguous, min-max parameters: parallel/pp.py).
     Returns:
         StepTime with the parts that make it up.
+    Raises:
+        ConfigError: a layout `validate` and `run` refuse, with their message (`check_priceable`).
     """
     from workbench.memory.activations import DTYPE_BYTES
 
+    check_priceable(shape, lay, global_batch, split)
     hw = hw or Hardware(dev, gpus_per_node)
     w = DTYPE_BYTES[lay.dtype]
     s, m, tp = shape.seq_len, lay.num_micro, lay.tp
     tokens = lay.micro_batch * s
     model_fpt, _ = flops_per_token(shape)
-    blocks, fwd_block, bwd_block, re_dense, head_and_recompute, mem = _compute(hw, shape, lay, tokens, attention)
+    blocks, fwd_block, bwd_block, re_dense, head_and_recompute, mem = _compute(hw, shape, lay, tokens, attention, split)
     fwd_all, bwd_all = fwd_block * blocks, bwd_block * blocks
     compute = fwd_all + bwd_all + head_and_recompute
     # Gradient accumulation: every micro-batch after the first adds into the gradients.
     accumulate = _Work(hw.memory_s(params_per_rank * 3 * (4 if lay.fsdp else w)), 1) if m > 1 else _Work()
-
     act_bytes = tokens * shape.hidden * w
     tp_micro, tp_ops = _tp_comm(hw, shape, lay, act_bytes, blocks, re_dense, (fwd_all + bwd_all).device_s, engine)
     fsdp_micro = _fsdp_comm(hw, shape, lay, params_per_rank / max(1, blocks), w, blocks, fwd_block, bwd_block, engine)
     p2p_micro, tied_s = _pp_comm(hw, shape, lay, act_bytes, w)
     bubble = _bubble(lay.pp_schedule, lay.pp, m, lay.chunks)
-
     micro = _timed(hw, compute + accumulate, tp_micro + fsdp_micro + p2p_micro, tp_ops)
     per_micro = (compute + accumulate).device_s
     pipelined = m * micro / (1 - bubble)
-
     exposed_dp, dp_comm = _dp_comm(hw, lay, params_per_rank, w, fwd_all, bwd_all, engine)
-
     optimizer = _optimizer_time(lay, hw, shard_per_rank, params_per_rank, w, _tensors(shape, tp, lay.pp, lay.chunks))
-    # What the runtime's step costs beyond this work (hooks, wrappers, the loop's own collectives and
-    # events), as a calibrated profile measured it for the layout's strategy family; 0 otherwise.
+    # The runtime's own step cost beyond this work, as a calibrated profile measured it (hw.overhead).
     per_step, per_block = hw.overhead(lay, block_numel(shape, tp))
     runtime_s = per_step + m * blocks * per_block
     total = pipelined + tied_s + exposed_dp + optimizer + runtime_s
@@ -502,10 +587,21 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
     return StepTime(total, tokens_per_s, mfu, m * per_micro, bubble, exposed, optimizer, detail)
 
 
-def _compute(hw: Hardware, shape, lay, tokens: int, attention: str):
+def check_priceable(shape, lay, global_batch: int, split: tuple[int, ...] | None = None) -> None:
+    """Refuse what `validate` and `run` refuse, with their ConfigError (validate.check_layout_rules: rule,
+    numbers, fix), so no layout the runtime would not run gets a price; with an engine's own `split`
+    (a published run), a stage may hold no block, and the split must cover the model (`check_split`)."""
+    from workbench.validate import check_layout_rules
+
+    check_layout_rules(shape, lay, global_batch, explicit_split=split is not None)
+    if split is not None:
+        check_split(shape, lay, split)
+
+
+def _compute(hw: Hardware, shape, lay, tokens: int, attention: str, split: tuple[int, ...] | None = None):
     """The rank's compute per micro-batch: (blocks, one block's forward, its backward, blocks
     recomputed, head + embedding + recomputation work, one block's memory-bound seconds)."""
-    blocks, has_head, has_embedding = _rank_work(shape, lay.pp, lay.chunks)
+    blocks, has_head, has_embedding = _rank_work(shape, lay.pp, lay.chunks, split)
     fused = attention == "flash" or hw.cpu
     fwd_block, bwd_block, attn_fwd, mem = _block_work(hw, shape, tokens, lay.tp, lay.sequence_parallel, lay.dtype,
                                                       fused)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from workbench.catalog import DEVICES
 from workbench.errors import ConfigError, did_you_mean
 from workbench.parallelism import Parallelism, num_micro_batches
+from workbench.spec_input import MAX_PP
 
 if TYPE_CHECKING:
     from workbench.spec_fields import JobFields, ModelSpec
@@ -42,7 +43,7 @@ def validate_spec(spec: JobFields, layout: bool = True) -> None:
 
 def _check_bounds(spec: JobFields, layout: bool = True) -> None:
     """Products of bounded fields stay bounded (each field's own bound is in spec_fields.py)."""
-    from workbench.spec_input import MAX_PP, MAX_RANKS
+    from workbench.spec_input import MAX_RANKS
 
     r, lay = spec.resources, spec.layout
     if r.num_gpus > MAX_RANKS:
@@ -54,9 +55,14 @@ def _check_bounds(spec: JobFields, layout: bool = True) -> None:
     if lay.world_size > MAX_RANKS:
         raise ConfigError(f"layout: dp({lay.dp}) x tp({lay.tp}) x pp({lay.pp}) = {lay.world_size:,} ranks, more than "
                           f"{MAX_RANKS:,}, beyond any real run. Use degrees whose product is at most {MAX_RANKS:,}.")
-    stages = Parallelism.from_spec(spec).num_stages
+    check_stage_bound(Parallelism.from_spec(spec))
+
+
+def check_stage_bound(par: Parallelism) -> None:
+    """At most MAX_PP pipeline stages (pp x virtual stages)."""
+    stages = par.num_stages
     if stages > MAX_PP:
-        raise ConfigError(f"layout: pp({lay.pp}) x virtual_stages({lay.virtual_stages}) = {stages:,} pipeline stages, "
+        raise ConfigError(f"layout: pp({par.pp}) x virtual_stages({par.virtual_stages}) = {stages:,} pipeline stages, "
                           f"more than {MAX_PP:,}; each holds a block and the deepest published models have ~130. "
                           f"Use at most {MAX_PP:,} stages.")
 
@@ -105,21 +111,8 @@ def _check_layout(spec: JobFields) -> None:
     if m.params is not None:
         return
     shape = m.shape()
-    for name, value in (("heads", shape.heads), ("kv_heads", shape.kv_heads), ("hidden", shape.hidden),
-                        ("ffn_hidden", shape.ffn_hidden)):
-        if value % lay.tp:
-            raise ConfigError(
-                f"layout.tp({lay.tp}) must divide model.{name}({value}): each tensor-parallel rank takes "
-                f"{name}/tp of it. Use tp in {[d for d in (1, 2, 4, 8) if value % d == 0]}."
-            )
-    stages = Parallelism.from_spec(spec).num_stages
-    if stages > shape.layers:
-        raise ConfigError(
-            f"layout: {stages} pipeline stages (pp={lay.pp}"
-            + (f" x virtual_stages={lay.virtual_stages}" if stages != lay.pp else "")
-            + f") but the model has {shape.layers} layers; each stage needs at least one block. "
-            f"Use pp <= {shape.layers}."
-        )
+    check_tp_divides(shape, lay.tp)
+    check_stages(shape, Parallelism.from_spec(spec))
     if lay.activation_checkpointing == "selective" and "checkpoint_every" in lay.model_fields_set \
             and lay.checkpoint_every != 1:
         raise ConfigError(
@@ -129,29 +122,82 @@ def _check_layout(spec: JobFields) -> None:
             f"activation_checkpointing: full, checkpoint_every: {lay.checkpoint_every}.")
 
 
-def _check_batch(spec: JobFields) -> None:
-    t, lay = spec.train, spec.layout
-    per_step = lay.dp * t.micro_batch
-    if t.global_batch % per_step:
-        lo = max(per_step, t.global_batch // per_step * per_step)
+def check_layout_rules(shape, par: Parallelism, global_batch: int, explicit_split: bool = False) -> None:
+    """Every rule of a layout over a model's shape and batch that `validate` and `run` enforce, on
+    plain values, in the order they check them: at most MAX_PP stages, tp divides the widths, each
+    stage holds a block, the batch splits into the schedule's micro-batches, and the combinations
+    the runtime runs (check_runnable). The step-time model and the planner ask these, so they
+    refuse exactly what `validate` + `run` refuse, with the same ConfigError.
+
+    Args:
+        shape: ModelShape.
+        par: the layout and batch split (a Parallelism, e.g. the planner's memory.Layout).
+        global_batch: sequences per step.
+        explicit_split: the stages' blocks are given (a published run's engine split its own way, which
+            may leave a stage only the embedding or the head), so "each stage holds a block" is not asked.
+    Raises:
+        ConfigError: the first rule broken, with its numbers and a fix.
+    """
+    check_stage_bound(par)
+    check_tp_divides(shape, par.tp)
+    if not explicit_split:
+        check_stages(shape, par)
+    check_batch_split(par, global_batch)
+    check_dp_combinations(par)
+    check_model_parallel(par, shape.seq_len)
+
+
+def check_tp_divides(shape, tp: int) -> None:
+    """tp divides heads, KV heads, hidden and the MLP width (each tp rank takes 1/tp of each)."""
+    for name, value in (("heads", shape.heads), ("kv_heads", shape.kv_heads), ("hidden", shape.hidden),
+                        ("ffn_hidden", shape.ffn_hidden)):
+        if value % tp:
+            raise ConfigError(
+                f"layout.tp({tp}) must divide model.{name}({value}): each tensor-parallel rank takes "
+                f"{name}/tp of it. Use tp in {[d for d in (1, 2, 4, 8) if value % d == 0]}."
+            )
+
+
+def check_stages(shape, par: Parallelism) -> None:
+    """Each (virtual) pipeline stage holds at least one block."""
+    stages = par.num_stages
+    if stages > shape.layers:
         raise ConfigError(
-            f"train.global_batch({t.global_batch}) must be divisible by dp({lay.dp}) x micro_batch({t.micro_batch}) "
+            f"layout: {stages} pipeline stages (pp={par.pp}"
+            + (f" x virtual_stages={par.virtual_stages}" if stages != par.pp else "")
+            + f") but the model has {shape.layers} layers; each stage needs at least one block. "
+            f"Use pp <= {shape.layers}."
+        )
+
+
+def _check_batch(spec: JobFields) -> None:
+    check_batch_split(Parallelism.from_spec(spec), spec.train.global_batch)
+
+
+def check_batch_split(par: Parallelism, global_batch: int) -> None:
+    """The global batch splits into dp x micro_batch, and into the micro-batches the pipeline
+    schedule runs (at least pp for all but GPipe; whole rounds of pp for the multi-stage ones)."""
+    per_step = par.dp * par.micro_batch
+    if global_batch % per_step:
+        lo = max(per_step, global_batch // per_step * per_step)
+        raise ConfigError(
+            f"train.global_batch({global_batch}) must be divisible by dp({par.dp}) x micro_batch({par.micro_batch}) "
             f"= {per_step}. Use global_batch={lo} or {lo + per_step}, or change micro_batch."
         )
-    num_micro = num_micro_batches(t.global_batch, lay.dp, t.micro_batch)
-    if lay.pp > 1 and num_micro < lay.pp and lay.pp_schedule != "gpipe":
+    num_micro = num_micro_batches(global_batch, par.dp, par.micro_batch)
+    if par.pp > 1 and num_micro < par.pp and par.pp_schedule != "gpipe":
         raise ConfigError(
-            f"layout.pp_schedule={lay.pp_schedule} needs at least pp({lay.pp}) micro-batches per step, but "
-            f"global_batch({t.global_batch}) / (dp({lay.dp}) x micro_batch({t.micro_batch})) = {num_micro}. "
-            f"Raise global_batch to {lay.pp * per_step} or lower micro_batch."
+            f"layout.pp_schedule={par.pp_schedule} needs at least pp({par.pp}) micro-batches per step, but "
+            f"global_batch({global_batch}) / (dp({par.dp}) x micro_batch({par.micro_batch})) = {num_micro}. "
+            f"Raise global_batch to {par.pp * per_step} or lower micro_batch."
         )
-    rounds = max(1, num_micro // lay.pp)
-    if Parallelism.from_spec(spec).multi_stage and num_micro % rounds:
-        fits = [n for n in range(lay.pp, 4 * lay.pp + 1) if n % max(1, n // lay.pp) == 0]
+    rounds = max(1, num_micro // par.pp)
+    if par.multi_stage and num_micro % rounds:
+        fits = [n for n in range(par.pp, 4 * par.pp + 1) if n % max(1, n // par.pp) == 0]
         raise ConfigError(
-            f"layout.pp_schedule={lay.pp_schedule} runs micro-batches in rounds of pp({lay.pp}): it needs "
+            f"layout.pp_schedule={par.pp_schedule} runs micro-batches in rounds of pp({par.pp}): it needs "
             f"micro-batches per step divisible by max(1, micro-batches // pp) = {rounds}, but global_batch"
-            f"({t.global_batch}) / (dp({lay.dp}) x micro_batch({t.micro_batch})) = {num_micro}. Use a count "
+            f"({global_batch}) / (dp({par.dp}) x micro_batch({par.micro_batch})) = {num_micro}. Use a count "
             f"such as {fits[:4]} (e.g. a multiple of pp)."
         )
 
@@ -178,8 +224,9 @@ def check_runnable(spec: JobFields) -> None:
             f"model: {{params: {spec.model.params:g}}} is a size alone, for planning (workbench memory/plan). "
             "To run, give a preset or a shape, e.g. model: {preset: gpt-tiny}."
         )
-    _check_dp_combinations(spec)
-    _check_model_parallel_runnable(spec)
+    lay = spec.layout
+    check_dp_combinations(lay)
+    check_model_parallel(lay, spec.model.shape().seq_len if lay.tp > 1 and lay.sequence_parallel else 0)
     if spec.data.source == "tokens":  # the shards exist, fit the vocabulary and the split
         from workbench.shards import open_token_data
 
@@ -202,9 +249,9 @@ def token_dims(m: ModelSpec) -> tuple[int, int]:
     return shape.vocab, shape.seq_len
 
 
-def _check_dp_combinations(spec: JobFields) -> None:
-    """ZeRO / offload / precision combinations the runtime cannot do (docs/strategies.md)."""
-    lay = spec.layout
+def check_dp_combinations(lay) -> None:
+    """ZeRO / offload / precision combinations the runtime cannot do (docs/strategies.md); `lay`: the
+    spec's layout or a Parallelism."""
     if lay.offload == "cpu" and lay.zero < 2:
         raise ConfigError(
             f"layout.offload=cpu with zero={lay.zero}: CPU offload is FSDP2's CPUOffloadPolicy, which needs the "
@@ -223,16 +270,15 @@ def _check_dp_combinations(spec: JobFields) -> None:
         )
 
 
-def _check_model_parallel_runnable(spec: JobFields) -> None:
-    """What tensor/pipeline parallel cannot run with, each with the reason and a fix."""
-    lay = spec.layout
+def check_model_parallel(lay, seq: int) -> None:
+    """What tensor/pipeline parallel cannot run with, each with the reason and a fix; `lay`: the spec's
+    layout or a Parallelism, `seq`: the model's sequence length (read with sequence parallelism only)."""
     if lay.tp == 1 and lay.sequence_parallel:  # under pp too: nothing would shard, silently
         raise ConfigError("layout.sequence_parallel=true shards activations across tensor-parallel ranks, "
                           "but tp=1. Set tp >= 2 or sequence_parallel: false.")
     if lay.tp == 1 and lay.pp == 1:
         return
     if lay.tp > 1 and lay.sequence_parallel:
-        seq = spec.model.shape().seq_len
         if seq % lay.tp:
             raise ConfigError(
                 f"layout.sequence_parallel with tp({lay.tp}) splits each sequence into tp equal parts, but "

@@ -245,3 +245,19 @@ def test_full_fine_tuning_of_released_llama3_shapes_plans_like_pretraining(prese
     assert dataclasses.asdict(resolve_shape(ModelSpec(init="hf", path=str(tmp_path)))) == \
         dataclasses.asdict(dataclasses.replace(sh, seq_len=8192))
     assert [c.step_time_s for c in folder.candidates[:5]] == [c.step_time_s for c in r.candidates[:5]]
+
+
+def test_every_candidate_passes_validate_where_the_schedule_rules_bite():
+    """gpt-mini on 8 H100 at global batch 18: interleaved 1F1B at 9 micro-batches over 2 stages (rounds of
+    4 do not divide 9) is refused by validate, so the planner must not rank it (#28). Every candidate,
+    rebuilt as a spec, passes `workbench validate` (load_spec + check_runnable)."""
+    from workbench.validate import check_runnable
+
+    raw = {"model": {"preset": "gpt-mini"}, "train": {"global_batch": 18},
+           "precision": {"dtype": "bf16"}, "resources": {"gpu": "h100-80gb", "gpus_per_node": 8}}
+    result = plan(raw)
+    assert len(result.candidates) > 20
+    assert any(c.layout["pp_schedule"] == "interleaved-1f1b" for c in result.candidates)
+    for c in result.candidates:
+        spec = {**raw, "layout": c.layout, "train": {"global_batch": 18, "micro_batch": c.micro_batch}}
+        check_runnable(load_spec(spec))  # raises ConfigError for a layout validate refuses

@@ -258,3 +258,118 @@ def test_backward_gemms_at_their_measured_layout_where_the_profile_has_them():
     fp32 = {**spec, "precision": {"dtype": "fp32"}}
     assert plan(fp32, profile=_cpu_profile(gemm_grad=slow_dgrad)).given.step_time_s == \
         plan(fp32, profile=_cpu_profile(gemm_grad=like_forward)).given.step_time_s
+
+
+# -- the predictor refuses exactly what validate + run refuse (#28) ----------------------------------
+# gpt-tiny (4 layers, 4 heads), llama-tiny (kv_heads 2, ffn 192), gpt2-xl (25 heads: only tp 1 divides it),
+# llama3-405b (126 layers: pp 16 x 8 virtual stages is 128 stages)
+WALK_PRESETS = ("gpt-tiny", "llama-tiny", "gpt2-xl", "llama3-405b")
+
+
+def _random_layout(rng):
+    """A random (preset, layout, micro_batch, global_batch) within every field's own bounds: the rules
+    between the fields are what the walk is about."""
+    dp, tp, pp = rng.choice((1, 2, 3, 4)), rng.choice((1, 1, 2, 2, 3, 4, 8)), rng.choice((1, 2, 3, 4, 16))
+    layout = {"dp": dp, "tp": tp, "pp": pp, "zero": rng.choice((0, 1, 2, 3)),
+              "offload": rng.choice(("none", "none", "cpu", "nvme")),
+              "activation_checkpointing": rng.choice(("none", "selective", "full")),
+              "pp_schedule": rng.choice(("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble")),
+              "virtual_stages": rng.choice((1, 2, 3, 4, 8)), "sequence_parallel": rng.random() < 0.4}
+    mb = rng.choice((1, 2, 3, 4))
+    gb = dp * mb * rng.choice((1, 2, 3, 4, 6, 8, 9, 16, 32)) if rng.random() < 0.8 else rng.choice((1, 6, 9, 64))
+    return rng.choice(WALK_PRESETS), layout, mb, gb
+
+
+def _validate_verdict(preset, layout, mb, gb) -> str | None:
+    """None when `workbench validate` (load_spec + check_runnable) accepts the layout, else its message."""
+    from workbench.errors import ConfigError
+    from workbench.spec import load_spec
+    from workbench.validate import check_runnable
+
+    world = layout["dp"] * layout["tp"] * layout["pp"]
+    gpn = 8 if world % 8 == 0 else world
+    raw = {"model": {"preset": preset}, "layout": layout, "train": {"micro_batch": mb, "global_batch": gb},
+           "precision": {"dtype": "bf16"}, "resources": {"gpu": "h100-80gb", "gpus_per_node": gpn, "nodes": world // gpn}}
+    try:
+        check_runnable(load_spec(raw))
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def _predictor_verdict(preset, layout, mb, gb) -> str | None:
+    """None when step_time prices the layout, else its ConfigError's message."""
+    from workbench.errors import ConfigError
+    from workbench.parallelism import num_micro_batches
+
+    sh = shape(preset)
+    lay = Layout(**layout, micro_batch=mb, num_micro=num_micro_batches(gb, layout["dp"], mb), dtype="bf16",
+                 device="cuda")
+    try:
+        p, shard = _stage_params(sh, lay.tp, lay.pp, 0, lay.chunks, lay.dp)
+        st = step_time(sh, lay, H100, gb, 8, p, shard)
+    except ConfigError as e:
+        return str(e)
+    assert st.step_time_s > 0 and st.tokens_per_s > 0
+    return None
+
+
+def test_predictor_refuses_exactly_the_layouts_validate_refuses_with_the_same_error():
+    """A random walk over layouts (degrees, ZeRO, offload, checkpointing, schedules, virtual stages,
+    sequence parallel, batch splits) of four shapes: step_time accepts a layout exactly when `workbench
+    validate` does, and refuses it with validate's own ConfigError (rule, numbers, fix)."""
+    import random
+
+    rng = random.Random(28)
+    verdicts = []
+    for _ in range(800):
+        case = _random_layout(rng)
+        expected = _validate_verdict(*case)
+        assert _predictor_verdict(*case) == expected, case
+        verdicts.append(expected)
+    # the walk reaches acceptance and every layout rule of validate and run
+    assert sum(v is None for v in verdicts) >= 100
+    for rule in ("must divide model.", "pipeline stages (pp=", "must be divisible by dp", "needs at least pp(",
+                 "in rounds of pp(", "offload=cpu with zero", "offload=nvme with zero", "with dp=1",
+                 "sequence_parallel=true shards", "with pp_schedule=zero-bubble"):
+        assert any(v and rule in v for v in verdicts), rule
+
+
+def test_llama3_405b_on_16_stages_of_8_virtual_stages_is_refused_not_priced():
+    """126 layers over pp 16 x 8 virtual stages = 128 stages: the runtime refuses it (a stage without a
+    block), so step_time does too, with the numbers; with the engine's own split (Llama 3's: the first
+    chunk holds only the embedding, the last only the head) it prices what that engine ran."""
+    from workbench.errors import ConfigError
+    from workbench.steptime import engine_split, split_params
+
+    sh = shape("llama3-405b")
+    lay = Layout(dp=128, tp=8, pp=16, zero=1, pp_schedule="interleaved-1f1b", virtual_stages=8,
+                 sequence_parallel=True, micro_batch=1, num_micro=16, dtype="bf16", device="cuda")
+    p, shard = _stage_params(sh, 8, 16, 0, 8, 128)
+    with pytest.raises(ConfigError, match=r"128 pipeline stages \(pp=16 x virtual_stages=8\) but the model has 126"):
+        step_time(sh, lay, H100, 2048, 8, p, shard)
+    split = engine_split(126, 16, 8, account_for_embedding=True, account_for_loss=True)
+    assert split == (0,) + (1,) * 126 + (0,)
+    p, shard = split_params(sh, 8, 16, 8, 128, split)
+    even = step_time(sh, lay, H100, 2048, 8, p, shard, split=split)
+    v4 = Layout(**{**lay.__dict__, "virtual_stages": 4})
+    p4, shard4 = _stage_params(sh, 8, 16, 0, 4, 128)
+    assert even.bubble < step_time(sh, v4, H100, 2048, 8, p4, shard4).bubble
+    with pytest.raises(ConfigError, match="summing to the model's 126 layers"):
+        step_time(sh, lay, H100, 2048, 8, p, shard, split=(1,) * 128)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"pp": 16, "chunks": 4}, r"num_layers should be divisible|divide evenly"),
+    ({"pp": 16, "chunks": 3, "account_for_embedding": True, "account_for_loss": True}, "vp_size"),
+    ({"pp": 4, "chunks": 1, "first": 31, "last": 30}, "left over stages"),
+])
+def test_engine_split_refuses_what_megatron_core_asserts(kw, match):
+    """Megatron-Core's get_num_layers_to_build asserts an even split of what the first/last stage flags
+    leave, and layers per rank divisible by the virtual stages."""
+    from workbench.errors import ConfigError
+    from workbench.steptime import engine_split
+
+    with pytest.raises(ConfigError, match=match):
+        engine_split(126, **kw)
+    assert engine_split(126, 4, 1, first=30, last=30) == (30, 33, 33, 30)
