@@ -50,7 +50,7 @@ def run(args: argparse.Namespace, pools: dict | None = None) -> dict:
     t0 = time.monotonic()
     gpu = gpu_catalog_name(args.gpu_name) if args.device == "cuda" else "cpu"
     base = A.base_spec(args.preset, args.seq_len, args.dtype, args.steps, args.global_batch, args.micro_batch, gpu)
-    pools, own = dict(pools or {}), set()
+    pools, own = dict(pools or {}), set[int]()
     out: dict[str, dict] = {}
     setup_s = SETUP_S[args.device]
     try:
@@ -185,9 +185,19 @@ def resolve(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Nam
     if args.gpus is not None and not 1 <= args.gpus <= (count or args.gpus):
         ap.error(f"--gpus {args.gpus}: between 1 and the {count} visible GPUs")
     args.world = args.gpus or (count if args.device == "cuda" else 2)
-    args.gpu_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    args.gpu_name = _gpu_name() if args.device == "cuda" else "cpu"
     args.device_count = count
     return args
+
+
+def _gpu_name() -> str:
+    """torch's name of cuda:0, asked in a child process: this one never creates a CUDA context,
+    which would hold memory on the device that rank 0 measures for the whole run."""
+    import subprocess
+
+    code = "import torch; print(torch.cuda.get_device_name(0))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    return done.stdout.strip().splitlines()[-1]
 
 
 def main(argv: list[str] | None = None, pools: dict | None = None) -> dict:
