@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runnable as a file from anywhere
@@ -36,13 +37,15 @@ SETUP_S = {"cuda": 60.0, "cpu": 20.0}  # per run, until an arm has measured it: 
 RESERVE_S = 10.0  # kept back for writing the results
 
 
-def run(args: argparse.Namespace, pools: dict | None = None) -> dict:
+def run(args: argparse.Namespace, pools: dict | None = None, save: Callable[[dict], None] | None = None) -> dict:
     """Run the arms of `args.arms` within `args.budget_s`; return the result dict.
 
     Args:
         args: run_all's options (see `parser`), with `device` and `world` resolved.
         pools: SpawnPools by world size to use (their backend must fit the device); missing ones
             are started here and closed at the end.
+        save: called with the result so far after each arm (a run stopped from outside keeps
+            the arms it finished).
     """
     from bench.gpu import arms as A
     from bench.gpu.train_1b import gpu_catalog_name
@@ -63,11 +66,17 @@ def run(args: argparse.Namespace, pools: dict | None = None) -> dict:
             if out[name]["status"] == "ok":
                 setup_s = max(5.0, out[name]["wall_s"] / _runs(name, args)
                               - args.steps * out[name]["step_time_s"]["measured"])
+            if save:
+                save(_result(args, gpu, out, t0))
     finally:
         for world in own:
             pools[world].close()
+    return _result(args, gpu, out, t0)
+
+
+def _result(args, gpu: str, arms: dict, t0: float) -> dict:
     return {"config": {**{k: v for k, v in vars(args).items() if k not in ("out", "doc")}, "catalog_gpu": gpu},
-            "arms": out, "used_s": time.monotonic() - t0}
+            "arms": dict(arms), "used_s": time.monotonic() - t0}
 
 
 def _runs(name: str, args) -> int:
@@ -204,12 +213,17 @@ def main(argv: list[str] | None = None, pools: dict | None = None) -> dict:
     from bench.common import machine
 
     args = resolve(parser(), argv)
-    result = run(args, pools)
-    result["machine"] = {**machine(), "gpu": args.gpu_name, "device_count": args.device_count}
     out = args.out or (Path(__file__).resolve().parents[1] / "results" / "gpu.json" if args.device == "cuda" else None)
+
+    def save(result: dict) -> None:
+        result["machine"] = {**machine(), "gpu": args.gpu_name, "device_count": args.device_count}
+        if out:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"name": "gpu", **result}, indent=2, default=float) + "\n")
+
+    result = run(args, pools, save)
+    save(result)
     if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"name": "gpu", **result}, indent=2, default=float) + "\n")
         print(f"wrote {out}")
     if out and args.device == "cuda" and args.doc:
         from bench.report import write_report

@@ -55,13 +55,13 @@ def _speed_rows(arms: dict) -> list[list]:
             v = a["variants"]
             rows.append([f"`{name}` runtime", 1, _layout(a["layout"]), f"{v['runtime']['tokens_per_s']['median']:,.0f}",
                          _pct(v["runtime"]["mfu"]["median"]), _pct(pred.get("mfu")), f"{st['measured']:.3f}",
-                         f"{st['predicted']:.3f}", f"{st['measured_over_predicted']:.2f}"])
+                         f"{st['predicted']:.3f}", f"{st['measured_over_predicted']:.2f}", "-"])
             rows.append([f"`{name}` plain loop", 1, "", f"{v['plain']['tokens_per_s']['median']:,.0f}",
-                         _pct(v["plain"]["mfu"]["median"]), "", "", "", ""])
+                         _pct(v["plain"]["mfu"]["median"]), "", "", "", "", ""])
             continue
         rows.append([f"`{name}`", a["world"], _layout(a["layout"]), f"{a['tokens_per_s']:,.0f}", _pct(a["mfu"]),
                      _pct(pred.get("mfu")), f"{st['measured']:.3f}", f"{st['predicted']:.3f}",
-                     f"{st['measured_over_predicted']:.2f}"])
+                     f"{st['measured_over_predicted']:.2f}", f"{a['cpu_s_per_step_rank0']:.3f}"])
     return rows
 
 
@@ -110,7 +110,7 @@ def section(r: dict | None) -> str:
     speed = _speed_rows(arms)
     if speed:
         out.append(_table(speed, ["arm", "GPUs", "layout", "tokens/s", "MFU", "MFU predicted", "step s",
-                                  "step s predicted", "measured / predicted"]))
+                                  "step s predicted", "measured / predicted", "rank 0 CPU s/step"]))
     single = arms.get("single", {})
     if single.get("status") == "ok":
         out.append(f"Runtime / plain loop tokens/s: {single['ratio']['median']:.3f} "
