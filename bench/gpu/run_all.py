@@ -13,8 +13,9 @@ the budget is skipped and says so; an arm that fails or overruns is recorded wit
 others still run. Writes bench/results/gpu.json and, on a GPU, regenerates docs/benchmarks.md (its
 GPU section is bench/gpu/section.py's rendering of that file).
 
-On a GPU host (about 4-6 minutes on one H100/H200):
+On a GPU host (within the budget; with one GPU only `single` runs):
     python -m bench.gpu.run_all --budget-s 540
+On a machine lent through the device tool: bench/gpu/device_run.sh (it says how to prepare it).
 CPU smoke run of the same code (gloo, 2 ranks; writes nothing unless --out):
     python -m bench.gpu.run_all --device cpu --preset gpt-tiny --steps 4 --warmup 1 --reps 1 --global-batch 4 --micro-batch 2
 """
@@ -100,7 +101,11 @@ def _arm(name: str, spec: dict, world: int, args, left: float, setup_s: float, p
         try:
             result = _measure(name, spec, world, args, pool, left)
         except Exception:
-            pools.pop(world, None)  # SpawnPool.run closed it: the next arm starts a fresh one
+            # SpawnPool.run closes a pool whose job failed; one that ran but whose figures could not
+            # be read is closed here if this run started it. The next arm starts a fresh one.
+            failed = pools.pop(world, None)
+            if world in own and failed is not None:
+                failed.close()
             own.discard(world)
             raise
         return {**result, "wall_s": time.monotonic() - start}

@@ -20,7 +20,8 @@ ABOUT = (
     "the CUDA context and NCCL's buffers.")
 
 PENDING = (
-    "**GPU figures are pending**: no GPU has been lent yet. The same code runs on CPU in a smoke mode "
+    "**GPU figures are pending**: no GPU has been lent yet (on a lent machine: `bash bench/gpu/device_run.sh`, "
+    "which says how to prepare it). The same code runs on CPU in a smoke mode "
     "(`python -m bench.gpu.run_all --device cpu --preset gpt-tiny`, gloo, 2 ranks), tested by "
     "tests/unit/test_bench_gpu.py so that it cannot rot; tests/gpu/test_bench_gpu_cuda.py runs it on CUDA.")
 
