@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import statistics
 import time
 
@@ -99,6 +100,7 @@ def single_job(job: dict, emit) -> None:
 
     result = train_1b.measure(argparse.Namespace(**job["args"]))
     if torch.cuda.is_available():
+        gc.collect()  # the last run's model may live on in reference cycles
         torch.cuda.empty_cache()  # the next arm's ranks share this device
     emit({"event": "single", "result": result})
 
@@ -112,6 +114,7 @@ def rank_job(job: dict, emit) -> None:
 
     cuda = torch.cuda.is_available()
     if cuda:  # the pool's earlier jobs leave cached blocks: this job's reserve is its own
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     rec: dict[str, list] = {"times": [], "cpu": [], "losses": [], "step_time_s": [], "peaks": [], "nvml_used": []}

@@ -11,6 +11,7 @@ CPU smoke test of the same path:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -85,6 +86,9 @@ def measure(args) -> dict:
     def once(name, fn):
         def go():
             if cuda:
+                # The previous run's model and optimizer may live on in reference cycles (its
+                # process groups, hooks): collected first, or this run's peak would count them.
+                gc.collect()
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             r = fn()
