@@ -342,29 +342,13 @@ over rounds. Regenerate everything (results JSON, figures, this page) with one c
 Results: `bench/results/*.json`. Figures: `docs/img/bench_*.png` (redraw alone: `python -m bench.plots`).
 """
 
-GPU = """## GPU: ~1.3B GPT in bf16 on one H100/H200
-
-`bench/gpu/train_1b.py` trains `gpt-1.3b` in bf16 through the per-rank runtime in-process (no Ray:
-`workbench.runtime.loop.train` with world size 1) against a plain PyTorch loop (autocast bf16, fp32
-weights and AdamW) on the same model and batches, alternating, and prints tokens/s, MFU and peak memory
-against `estimate_memory`. Run it on a GPU host as:
-
-```
-python bench/gpu/train_1b.py --steps 30 --micro-batch 4 --global-batch 8
-```
-
-**GPU figures are pending**: no GPU was available when this page was generated. The script's CPU path
-is tested (`--device cpu --preset gpt-tiny`, see tests/unit/test_bench_gpu.py).
-"""
-
-
 def write_report(results_dir: Path | None = None, doc: Path | None = None, img_dir: Path | None = None) -> Path:
     """Write the markdown report; returns its path."""
     results_dir, doc, img = Path(results_dir or RESULTS), Path(doc or DOC), Path(img_dir or IMG)
     res = {n: read_result(n, results_dir) for n in
            ("throughput", "cpu_share", "memory", "pipeline", "overlap", "activation_ckpt", "overhead", "data", "tp",
-            "gpu_1b")}
-    machines = [r["machine"] for n, r in res.items() if r and "machine" in r and n != "gpu_1b"]
+            "gpu")}
+    machines = [r["machine"] for n, r in res.items() if r and "machine" in r and n != "gpu"]
     parts = [HEADER]
     if machines:
         m = machines[0]
@@ -390,7 +374,7 @@ def write_report(results_dir: Path | None = None, doc: Path | None = None, img_d
         if r is not None:
             parts.append(importlib.import_module(module).section(r, doc, img) + (PREDICTION_MISSES if name == "prediction" else ""))
     parts.append(PROFILE + _hotpath(results_dir))
-    parts.append(GPU if res["gpu_1b"] is None else sec_gpu(res["gpu_1b"]))
+    parts.append(sec_gpu(res["gpu"]))
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n\n".join(parts).rstrip() + "\n")
     return doc
@@ -516,14 +500,11 @@ def _hotpath(results_dir: Path) -> str:
             + _md_table(rows, ["model", "rounds", "runtime vs plain, before", "after", "runtime CPU ms/step"]))
 
 
-def sec_gpu(r: dict) -> str:
-    rows = [[k, f"{v['tokens_per_s']['median']:,.0f}", f"{v['mfu']['median']:.1%}", f"{v['peak_gib']:.1f}"]
-            for k, v in r["variants"].items()]
-    return "\n\n".join([
-        "## GPU: ~1.3B GPT in bf16 on one GPU",
-        f"{r['machine'].get('gpu', '?')}, {r['machine']['date_utc']}; `{r['config']}`.",
-        _md_table(rows, ["variant", "tokens/s", "MFU", "peak GiB"]),
-        f"Runtime / plain tokens/s: {r['ratio']['median']:.3f}. Predicted peak: {r.get('predicted_peak_gib', '?')} GiB."])
+def sec_gpu(r: dict | None) -> str:
+    """The GPU section from bench/results/gpu.json (bench/gpu/run_all.py), or its pending note."""
+    from bench.gpu.section import section
+
+    return section(r)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ CPU smoke test of the same path:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -77,17 +78,23 @@ def measure(args) -> dict:
     spec = build_spec(args, gpu)
     shape = load_spec(spec).model.shape()
     tokens_per_step = args.global_batch * shape.seq_len
-    peak_flops = get_device(gpu).compute_flops()[args.dtype] if cuda else float("nan")
+    peak_flops = get_device(gpu).compute_flops[args.dtype] if cuda else float("nan")
     peaks: dict[str, list[int]] = {"runtime": [], "plain": []}
+    reserved: dict[str, list[int]] = {"runtime": [], "plain": []}  # the allocator's reserve after each run (CUDA)
     losses: dict[str, list[float]] = {}
 
     def once(name, fn):
         def go():
             if cuda:
+                # The previous run's model and optimizer may live on in reference cycles (its
+                # process groups, hooks): collected first, or this run's peak would count them.
+                gc.collect()
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             r = fn()
             peaks[name].append(r["peak_bytes"])
+            if cuda:  # the run's tensors are freed, their blocks still cached: what it reserved
+                reserved[name].append(torch.cuda.memory_reserved())
             losses[name] = r["losses"]
             return steady_tokens_per_s(r["times"], tokens_per_step, args.warmup)
         return go
@@ -97,7 +104,8 @@ def measure(args) -> dict:
     fpt = flops_per_token(shape)
     predicted = _predicted_peak(spec)
     variants = {k: {"tokens_per_s": stats(v), "mfu": stats([x * fpt / peak_flops for x in v]),
-                    "peak_gib": max(peaks[k]) / 2**30 if peaks[k] else float("nan")} for k, v in tps.items()}
+                    "peak_gib": max(peaks[k]) / 2**30 if peaks[k] else float("nan"),
+                    "reserved_gib": max(reserved[k]) / 2**30 if reserved[k] else None} for k, v in tps.items()}
     info = machine()
     if cuda:
         info["gpu"] = torch.cuda.get_device_name()
