@@ -1,14 +1,23 @@
 """`workbench calibrate --quick` on 2 local CPU ranks through the local-Ray launcher: it writes a
-profile that loads, whose figures are physical, and says where it wrote it."""
-import os
-import subprocess
-import sys
+profile that loads, whose figures are physical, and says where it wrote it.
+
+The command runs in this process (tests/helpers/cli.py), on the embedded Ray cluster the
+in-process Ray tests share. It is `slow`: its timed budgets (8 s of GEMMs alone) and a Ray job
+of two ranks come to 25-30 s. The fast loop runs the same rank code, `calibrate_rank`, on the
+session's two gloo ranks (tests/conftest.py) with budgets of a fraction of a second, and builds,
+prints, saves and loads the profile from what rank 0 sent, as `calibrate` does."""
+import functools
+from datetime import datetime, timezone
 
 import pytest
+import yaml
 
-from workbench.hwprofile import default_profile_path, find_profile, load_profile
+from tests.helpers.cli import run_cli
+from workbench import calibrate as C
+from workbench.hwprofile import default_profile_path, find_profile, load_profile, profile_from_dict, save_profile
+from workbench.spec import load_spec
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.timeout(400)]
 
 SPEC = """
 name: calibrate-test
@@ -19,11 +28,12 @@ resources: {gpu: cpu, gpus_per_node: 2, nodes: 1}
 """
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_calibrate_quick_on_two_local_ranks(tmp_path):
     spec = tmp_path / "spec.yaml"
     spec.write_text(SPEC)
-    proc = subprocess.run([sys.executable, "-m", "workbench.cli", "calibrate", str(spec), "--quick"],
-                          capture_output=True, text=True, timeout=360, env=os.environ.copy())
+    proc = run_cli("calibrate", spec, "--quick")
     assert proc.returncode == 0, proc.stderr[-3000:]
     path = default_profile_path("cpu")  # under this test's WORKBENCH_HOME (tests/conftest.py)
     assert f"wrote {path}; `workbench plan`" in proc.stdout  # and what else uses it (workbench/cli.py)
@@ -58,10 +68,42 @@ def test_calibrate_quick_on_two_local_ranks(tmp_path):
 def test_calibrate_refuses_before_any_worker(tmp_path):
     spec = tmp_path / "spec.yaml"
     spec.write_text(SPEC.replace("backend", "x") + "backend: {name: sagemaker}\n")
-    proc = subprocess.run([sys.executable, "-m", "workbench.cli", "calibrate", str(spec), "--quick",
-                           "-o", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    proc = run_cli("calibrate", spec, "--quick", "-o", tmp_path)
     assert proc.returncode == 2 and "calibrate runs on this machine" in proc.stderr, proc.stderr
     spec.write_text(SPEC)
-    proc = subprocess.run([sys.executable, "-m", "workbench.cli", "calibrate", str(spec), "--quick",
-                           "-o", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    proc = run_cli("calibrate", spec, "--quick", "-o", tmp_path)
     assert proc.returncode == 2 and "it is a folder" in proc.stderr, proc.stderr
+
+
+# --quick with every timed budget cut to a fraction of a second, fewer sizes: the same benchmarks,
+# collectives and strategy probes in the same order, figures too noisy to check against physics.
+SMALL = {"sizes": [4 << 10, 64 << 10], "budget_s": 0.002, "elements": 1 << 16, "cubes": [32, 128], "repeats": 1,
+         "gemm_budget_s": 0.2, "probe_steps": (1, 2)}
+
+
+@pytest.mark.distributed
+def test_calibrate_ranks_measure_every_figure_of_the_profile(pool2, tmp_path):
+    spec = load_spec(yaml.safe_load(SPEC), layout=False)
+    options = {**C._options(spec, quick=True), **SMALL}
+    events = pool2.run(C._job_spec(spec).to_dict(), fn=functools.partial(C.calibrate_rank, options=options),
+                       timeout_s=240)
+    (found,) = [e for e in events if e["event"] == "calibration"]  # rank 0's, once
+    assert {"event": "end", "status": "completed", "step": 0} in events
+    raw = {**found["profile"], "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "backend": "local"}
+    seconds = raw.pop("probe_seconds")
+    assert len(seconds) == len(options["probes"]) and all(t > 0 for t in seconds)
+    profile = C.derive_overheads(profile_from_dict(raw, "(measured)"),
+                                 [(f, r, t) for (f, r), t in zip(options["probes"], seconds)])
+    assert (profile.device, profile.backend, profile.nodes, profile.ranks_per_node) == ("cpu", "local", 1, 2)
+    assert ("fp32", 256, 64, 64) in {p[:4] for p in profile.gemm}  # gpt-tiny's own GEMM shapes
+    assert profile.gemm_flops("fp32") > 0 and profile.memory_bw > 0 and profile.op_overhead_s > 0
+    kinds = {(p[0], p[1], p[2]) for p in profile.collectives}
+    assert kinds == {(k, "intra", 2) for k in ("all_reduce", "all_gather", "reduce_scatter", "p2p")}
+    assert profile.collective_s("all_reduce", 2, 4096, "intra") > 0
+    assert {p[0] for p in profile.probes} == {"single", "ddp", "zero1", "zero2", "zero3", "tp", "pp"}
+    assert {p[0] for p in profile.overheads} == {p[0] for p in profile.probes}
+    assert {(p[0], p[1]) for p in profile.gemm_grad} == {("dgrad", "fp32"), ("wgrad", "fp32")}
+    text = C.summary(profile)
+    assert "bus bandwidth" in text and "all_reduce intra x2" in text and "runtime step beyond the modelled work" in text
+    save_profile(profile, tmp_path / "cpu.yaml")
+    assert load_profile(tmp_path / "cpu.yaml") == profile

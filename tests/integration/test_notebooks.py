@@ -2,8 +2,15 @@
 
 Pressing the quickstart's Run button, and what follows in the page, is the browser tests' job
 (tests/browser/test_ui.py); the run panel without a browser is tests/integration/test_ui_run_resume.py.
+
+The fast loop starts a kernel for the quickstart and the memory planner; the cloud dispatch
+notebook's kernel (9-10 s: it imports the four cloud SDKs again) runs in the whole suite, and its
+cells run in this process in the fast loop (`run_cells`), where the cloud tests imported the SDKs.
 """
+import ast
+import contextlib
 import importlib
+import io
 import os
 import shutil
 from pathlib import Path
@@ -49,6 +56,40 @@ def execute(name: str, tmp_path: Path, extra_cells: list[str] = (), timeout: int
     return nb
 
 
+def run_cells(name: str, tmp_path: Path) -> list[tuple[str, object]]:
+    """The notebook's code cells in this process, top to bottom in one namespace, from a copy in
+    tmp_path (the working folder, as `execute` gives its kernel): per cell (markdown too), what it
+    printed and the value of its last expression (what a kernel displays as its result)."""
+    shutil.copy(NOTEBOOKS / name, tmp_path / name)
+    nb = nbformat.read(tmp_path / name, as_version=4)
+    namespace: dict = {"__name__": "__main__"}
+    results = []
+    with contextlib.chdir(tmp_path):
+        for i, cell in enumerate(nb.cells):
+            tree = ast.parse(cell.source if cell.cell_type == "code" else "")
+            last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+            printed, value = io.StringIO(), None
+            with contextlib.redirect_stdout(printed):
+                exec(compile(tree, f"{name} cell {i}", "exec"), namespace)
+                if last is not None:
+                    value = eval(compile(ast.Expression(last.value), f"{name} cell {i}", "eval"), namespace)
+            results.append((printed.getvalue(), value))
+    return results
+
+
+def present_backends() -> list[str]:
+    """The remote backends this installation can build requests for (their SDK imports)."""
+    backends = importlib.import_module("backends")
+    present = []
+    for name in ("ray", "sagemaker", "vertex", "azureml"):
+        try:
+            backends.get_backend(name)
+            present.append(name)
+        except ImportError:
+            pass
+    return present
+
+
 def outputs(cell) -> str:
     return "".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) for o in cell.get("outputs", []))
 
@@ -71,22 +112,29 @@ def test_memory_planner_notebook(tmp_path):
     assert "fits=True" in text
 
 
+@pytest.mark.slow  # the same cells in this process are the fast test below; a kernel is the quickstart's test
 @pytest.mark.timeout(240)
 def test_cloud_dispatch_notebook(tmp_path):
     nb = execute("cloud_dispatch.ipynb", tmp_path)
-    backends = importlib.import_module("backends")
-    present = []
-    for name in ("ray", "sagemaker", "vertex", "azureml"):
-        try:
-            backends.get_backend(name)
-            present.append(name)
-        except ImportError:
-            pass
+    present = present_backends()
     listed = outputs(nb.cells[5])
     assert listed.strip() == repr(sorted(present))
     text = "".join(outputs(c) for c in nb.cells)
     for name in present:
         assert f"== {name}:" in text
+
+
+@pytest.mark.timeout(240)
+def test_cloud_dispatch_notebook_cells_in_process(tmp_path):
+    """The cells of test_cloud_dispatch_notebook without a kernel: every dry-run request it prints,
+    the list of backends it built one for, the dispatch panel's request (the last cell)."""
+    cells = run_cells("cloud_dispatch.ipynb", tmp_path)
+    present = present_backends()
+    assert cells[5][1] == sorted(present)
+    text = "".join(printed for printed, _ in cells)
+    for name in present:
+        assert f"== {name}:" in text
+    assert type(cells[-1][1]).__name__ == "Workbench"
 
 
 @pytest.mark.ray

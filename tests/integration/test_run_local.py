@@ -1,23 +1,22 @@
-"""`workbench run` end to end on an embedded local Ray cluster with 2 CPU workers."""
+"""`workbench run` end to end on an embedded local Ray cluster with 2 CPU workers: the cluster
+of this pytest process, started by the first in-process Ray test and shared by the next ones
+(the CLI's `run` too: tests/helpers/cli.py)."""
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 import workbench
+from tests.helpers.cli import run_cli
 from workbench import WorkerError
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
-CLI = [sys.executable, "-m", "workbench.cli"]
 
 
 def test_cli_run_writes_the_metrics_contract(tmp_path):
     out = tmp_path / "m.jsonl"
-    proc = subprocess.run(CLI + ["run", "examples/quickstart.yaml", "--metrics-out", str(out), "--set", "train.steps=12"],
-                          capture_output=True, text=True, timeout=360)
+    proc = run_cli("run", "examples/quickstart.yaml", "--metrics-out", out, "--set", "train.steps=12")
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = [json.loads(line) for line in out.read_text().splitlines()]
     steps = [e for e in events if e["event"] == "step"]

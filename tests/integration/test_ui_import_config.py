@@ -1,5 +1,8 @@
 """The notebook's "Import config" button, in a real kernel: a DeepSpeed config becomes the edited spec,
-its unmapped keys are listed, and an ill-formed file shows its ConfigError and changes nothing."""
+its unmapped keys are listed, and an ill-formed file shows its ConfigError and changes nothing.
+
+The same cells run in this process in the fast loop (a kernel start and its imports: 4-9 s); the
+kernel run is the whole suite's, beside the notebooks' kernels (test_notebooks.py)."""
 import os
 from pathlib import Path
 
@@ -33,6 +36,7 @@ CELLS = [
 ]
 
 
+@pytest.mark.slow
 def test_import_config_button_in_a_real_kernel(tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(src) for src in CELLS]
@@ -40,3 +44,12 @@ def test_import_config_button_in_a_real_kernel(tmp_path):
     client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute(env=env)  # a failing assert raises CellExecutionError with the cell and its traceback
+
+
+def test_import_config_button_in_this_process():
+    """CELLS, each run as a kernel runs a cell (one namespace): the upload observer of a real
+    FileUpload widget, set as the browser sets it."""
+    namespace: dict = {"__name__": "__main__"}
+    for i, src in enumerate(CELLS):
+        exec(compile(src, f"cell {i}", "exec"), namespace)
+    assert namespace["wb"].spec.layout.zero == 3

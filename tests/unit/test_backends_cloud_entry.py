@@ -104,6 +104,10 @@ def _train_takes_resume() -> bool:
 
 
 @pytest.mark.distributed
+# torchrun and two gloo ranks (6-7 s): slow. The fast loop keeps each part of the route: the Vertex
+# rendezvous and the torchrun command (above), cloud_entry.main training a job
+# (test_backends_bundle.py::test_the_job_runs_from_the_bundle_alone), dp=2 on gloo (tests/distributed).
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not _train_takes_resume(), reason="needs workbench.runtime.loop.train(..., resume=)")
 def test_vertex_style_node_start_runs_two_gloo_ranks(tmp_path):

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 import backends
+from tests.helpers.cli import run_cli
 from workbench.spec import load_spec
 
 SECRETS = {"AWS_SECRET_ACCESS_KEY": "wbLeakAws" + "X" * 20, "AZURE_CLIENT_SECRET": "wbLeakAzure" + "Y" * 20,
@@ -42,20 +42,21 @@ def test_dry_run_of_the_example_is_complete_and_clean(name, monkeypatch):
         assert value not in text
 
 
-def test_cli_prints_the_request(tmp_path):
+def test_cli_prints_the_request(monkeypatch):
+    """`workbench dispatch --dry-run` in this process (tests/helpers/cli.py): the SDKs the cloud
+    tests already imported are not imported again by a new `python -m workbench.cli`."""
     pytest.importorskip("boto3")
-    env = {**os.environ, **SECRETS, "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent"}
-    env.pop("AWS_ACCESS_KEY_ID", None)
-    out = subprocess.run([sys.executable, "-m", "workbench.cli", "dispatch", "examples/cloud-spot.yaml", "--backend",
-                          "sagemaker", "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
+    for key, value in {**SECRETS, "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
+    out = run_cli("dispatch", "examples/cloud-spot.yaml", "--backend", "sagemaker", "--dry-run")
     assert out.returncode == 0, out.stderr
     printed = json.loads(out.stdout)
     assert printed["backend"] == "sagemaker"
     assert printed["request"]["body"]["EnableManagedSpotTraining"] is True
     assert not any(v in out.stdout + out.stderr for v in SECRETS.values())
-    bad = subprocess.run([sys.executable, "-m", "workbench.cli", "dispatch", "examples/cloud-spot.yaml", "--backend",
-                          "sagemaker", "--dry-run", "--set", "backend.sagemaker.region=mars-1"],
-                         env=env, capture_output=True, text=True, timeout=120)
+    bad = run_cli("dispatch", "examples/cloud-spot.yaml", "--backend", "sagemaker", "--dry-run",
+                  "--set", "backend.sagemaker.region=mars-1")
     assert bad.returncode == 2 and "not a SageMaker training region" in bad.stderr
 
 

@@ -3,14 +3,13 @@ model folder's chat template by prefixes or {% generation %}), the index checks,
 row or packed windows, the masked loss normalised by the global batch, and the man-page set."""
 import gzip
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 from tests.helpers.chat import jsonl, many_chats
+from tests.helpers.cli import run_cli
 from workbench import ConfigError
 from workbench.data import IGNORE, TokenSource, targets
 from workbench.shards import TokenShards, prepare
@@ -359,10 +358,8 @@ def test_this_machines_man_pages_give_a_question_answer_set():
 
 def test_cli_prepares_chat_data_and_says_what_trains(tmp_path):
     path = jsonl(tmp_path / "c.jsonl", CHATS)
-    done = subprocess.run([sys.executable, "-m", "workbench.cli", "data", "prepare", path, "--out", str(tmp_path / "o"),
-                           "--tokenizer", "bytes", "--no-progress"], capture_output=True, text=True, timeout=120)
+    done = run_cli("data", "prepare", path, "--out", tmp_path / "o", "--tokenizer", "bytes", "--no-progress")
     assert done.returncode == 0, done.stderr
     assert "2 chat examples, 61 of the tokens train; median 82 tokens, longest 91" in done.stdout
-    bad = subprocess.run([sys.executable, "-m", "workbench.cli", "data", "prepare", path, "--out", str(tmp_path / "o2"),
-                          "--format", "instruct", "--no-progress"], capture_output=True, text=True, timeout=120)
+    bad = run_cli("data", "prepare", path, "--out", tmp_path / "o2", "--format", "instruct", "--no-progress")
     assert bad.returncode == 2 and "an instruct record has string fields 'prompt'" in bad.stderr

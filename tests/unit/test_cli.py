@@ -1,16 +1,16 @@
-"""The CLI's validate command: exit codes and messages, never a traceback."""
+"""The CLI's validate command: exit codes and messages, never a traceback. The first test starts
+`python -m workbench.cli` (the entry point and its exit code); the others call main() in this
+process (tests/helpers/cli.py), where an escaping exception fails the test."""
 import subprocess
 import sys
+
+from tests.helpers.cli import run_cli as run
 
 CLI = [sys.executable, "-m", "workbench.cli"]
 
 
-def run(*args):
-    return subprocess.run(CLI + list(args), capture_output=True, text=True, timeout=60)
-
-
 def test_validate_ok():
-    proc = run("validate", "examples/quickstart.yaml")
+    proc = subprocess.run(CLI + ["validate", "examples/quickstart.yaml"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.startswith("ok: JobSpec('quickstart'")
 
 

@@ -15,6 +15,7 @@ import pytest
 import tomllib
 import yaml
 
+from tests.helpers.cli import run_cli
 from tests.helpers.environ import keep_environ  # noqa: F401 (autouse)
 from workbench.errors import ConfigError
 from workbench.interop import common, detect_format, export_config, import_config, import_text
@@ -522,11 +523,7 @@ def test_interop_imports_no_torch():
 
 # -- the CLI --------------------------------------------------------------------------------------
 
-CLI = [sys.executable, "-m", "workbench.cli"]
-
-
-def cli(*args):
-    return subprocess.run(CLI + [str(a) for a in args], capture_output=True, text=True, timeout=120)
+cli = run_cli  # `workbench ARGS` in this process (tests/helpers/cli.py)
 
 
 def test_cli_import_writes_a_spec_and_names_each_unmapped_key(tmp_path):

@@ -2,8 +2,6 @@
 stale chart or plan, dispatch settings stay per backend, nothing is clamped, Resume needs a checkpoint."""
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +9,7 @@ import pytest
 pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
+from tests.helpers.cli import run_cli  # noqa: E402
 from workbench.memory import estimate_memory  # noqa: E402
 from workbench.report import figures  # noqa: E402
 from workbench.spec import load_spec  # noqa: E402
@@ -63,8 +62,8 @@ def test_the_chart_matches_the_cli_after_an_invalid_edit(tmp_path):
     f["layout.dp"].value = 4
     path = tmp_path / "s.yaml"
     wb.save(path)
-    cli = subprocess.run([sys.executable, "-m", "workbench.cli", "memory", str(path), "--json"],
-                         capture_output=True, text=True, timeout=120, check=True)
+    cli = run_cli("memory", path, "--json")  # in this process (tests/helpers/cli.py)
+    assert cli.returncode == 0, cli.stderr
     expected = figures.memory_figure(json.loads(cli.stdout))
     assert bars(shown(wb.memory_panel.fig_box)) == bars(expected)
     assert len(shown(wb.memory_panel.fig_box).data[0].x) == 4
@@ -270,8 +269,8 @@ def test_a_spec_given_by_its_size_survives_edits_and_matches_the_cli(tmp_path):
     assert wb.state.error is None and wb.state.raw["model"]["params"] == 7.5e9
     path = tmp_path / "s.yaml"
     wb.save(path)
-    cli = subprocess.run([sys.executable, "-m", "workbench.cli", "memory", str(path), "--json"],
-                         capture_output=True, text=True, timeout=120, check=True)
+    cli = run_cli("memory", path, "--json")  # in this process (tests/helpers/cli.py)
+    assert cli.returncode == 0, cli.stderr
     expected = json.loads(cli.stdout)
     assert bars(shown(wb.memory_panel.fig_box)) == bars(figures.memory_figure(expected))
     assert expected["world_size"] == 128 and wb.state.spec.layout.tp == 2
