@@ -7,7 +7,9 @@ builders stay testable and no view is ever patched from an earlier one; the live
 from __future__ import annotations
 
 import html
+from copy import deepcopy
 
+import anywidget
 import ipywidgets as w
 import numpy  # noqa: F401  (see below)
 import plotly.graph_objects as go
@@ -67,6 +69,49 @@ def section(title: str, *children: w.Widget) -> w.VBox:
                   layout=w.Layout(margin="0 0 8px 0"))
 
 
+# The browser half of `LiveFigure`'s width: a FigureWidget's view draws its chart when it renders, and it
+# renders before the page has placed it (plotly.js then takes its default 700 px, whatever the column)
+# and plotly.js follows only window resizes after that. This watches the box of the LiveFigure it
+# sits in and every element in it (ResizeObserver: called once an element is laid out and on every
+# change of its size, not after a delay) and resizes each plotly chart there to its box, through the
+# handler plotly.js itself installs for `responsive: true` (which does nothing for a hidden chart).
+_FIT_ESM = """
+function fit(box) {
+  for (const gd of box.querySelectorAll(".js-plotly-plot")) {
+    if (typeof gd._responsiveChartHandler === "function") gd._responsiveChartHandler();
+  }
+}
+export default {
+  render({ el }) {
+    let box = null;
+    const watched = new WeakSet();
+    const sizes = new ResizeObserver(() => { watch(); if (box) fit(box); });
+    const added = new MutationObserver(() => watch());
+    function watch() {
+      if (!box) {
+        box = el.closest(".wb-live-figure");
+        if (!box) return;
+        added.observe(box, { childList: true, subtree: true });
+        sizes.observe(box);
+      }
+      for (const child of box.querySelectorAll(":scope > *, .js-plotly-plot")) {
+        if (!watched.has(child)) { watched.add(child); sizes.observe(child); }
+      }
+    }
+    el.style.height = "1px";
+    sizes.observe(el);
+    return () => { sizes.disconnect(); added.disconnect(); };
+  },
+};
+"""
+
+
+class _FitWidth(anywidget.AnyWidget):
+    """Sized 1 px high and drawn nowhere: fits the plotly charts of its LiveFigure to their box (`_FIT_ESM`)."""
+
+    _esm = _FIT_ESM
+
+
 class LiveFigure(w.VBox):
     """One plotly ``FigureWidget`` kept across redraws, so that a zoom or pan survives live updates.
 
@@ -78,10 +123,20 @@ class LiveFigure(w.VBox):
     with those ranges, so no trace or shape of an earlier figure is left behind. The widget itself is
     never swapped for another: swapped twice in quick succession (a new run's first redraws), the
     page was left without the chart (browser test, #34). Safe to call from a background thread.
+
+    The page's copy of the figure is whole after every `show`, whenever the chart's view renders: the
+    widget's synced state (`_widget_data`, `_widget_layout`, which a view draws first) is set to the
+    whole figure after each update. plotly's browser model applies the in-place updates to that state
+    only once its 5 MB script has loaded; updates that came before were lost, and a view rendered then
+    drew the first figure, empty, until the next update (never, once the run had ended; #34).
+    The width: the chart fills its box from its first draw and follows it (`_FitWidth`).
     """
 
     def __init__(self, **kwargs):
         super().__init__(layout=w.Layout(width="100%", max_width="100%"), **kwargs)
+        self.add_class("wb-live-figure")
+        self.fit = _FitWidth(layout=w.Layout(width="100%", height="1px"))
+        self.children = (self.fit,)
         self.figure: go.Figure | None = None  # the newest figure shown (what the builders made)
         self.widget: go.FigureWidget | None = None
         self._pushed: dict = {}  # the axis ranges and titles of the newest figure shown, as we set them
@@ -126,10 +181,18 @@ class LiveFigure(w.VBox):
             widget._config = {**widget._config, "responsive": True}  # follow the column's width (plotly.js)
             self._replace(widget)
         self._pushed = _axes(fig.layout.to_plotly_json())
+        self._sync_whole()
+
+    def _sync_whole(self) -> None:
+        """Set the widget's synced state to the whole figure it holds, after the updates that made it."""
+        widget = self.widget
+        if widget is not None:
+            widget._widget_layout = deepcopy(widget._layout_obj._props)
+            widget._widget_data = deepcopy(widget._data)
 
     def _replace(self, widget: go.FigureWidget | None) -> None:
         self.widget = widget
-        self.children = () if widget is None else (widget,)
+        self.children = (self.fit,) if widget is None else (self.fit, widget)
 
     def zoomed(self, new_layout: dict) -> dict[str, tuple]:
         """{axis: range} of the shown widget's axes whose range differs from the one the newest figure
