@@ -238,7 +238,8 @@ def test_the_pages_copy_is_the_whole_newest_figure_after_every_update():
 
 def test_a_legend_of_side_by_side_panels_stands_below_them_not_over_their_titles():
     """#34: the legend of the run and host charts (earlier and compared runs, ranks) stood over the panel
-    titles and the chart's title; it goes to the foot of the figure, where plotly.js makes room for it."""
+    titles and the chart's title, the memory chart's over its title at 800 px; it goes to the foot of the
+    figure, where plotly.js makes room for it."""
     history = [{"label": f"run {i} (dp2 tp1 pp1 mb=4)", "events": steps(4), "group": "compared runs"} for i in range(5)]
     memory = [{"event": "memory", "rank": r, "step": 1, "step_time_s": 0.5, "cpu_s": 0.2,
                "host": {"rss_bytes": 3 * 2**20}} for r in (0, 1)]
@@ -249,7 +250,8 @@ def test_a_legend_of_side_by_side_panels_stands_below_them_not_over_their_titles
         assert {a.text for a in fig.layout.annotations} >= {"loss", "tokens/s"} or "host CPU (%)" in {
             a.text for a in fig.layout.annotations}
     memory_fig = figures.memory_figure(None, {0: {"peak": 2**20, "params": 2**19}}, device_memory=2**30)
-    assert memory_fig.layout.legend.yref is None and memory_fig.layout.legend.y == 1.0  # one panel: above it
+    assert memory_fig.layout.legend.yref == "container"  # its legend's three rows at 800 px covered its title
+    assert figures.run_figure(steps(4), history=history).layout.height == 320 + 22 * 6  # a row per run, + the group
 
 
 def test_the_run_panel_keeps_a_zoom_while_the_run_goes():
