@@ -236,6 +236,27 @@ def test_the_pages_copy_is_the_whole_newest_figure_after_every_update():
     assert widget._widget_data == widget._data and widget._widget_layout == widget._layout_obj._props
 
 
+def test_a_chart_the_page_reports_dead_is_drawn_again_in_a_new_widget():
+    """#34: anywidget drops every message to a widget whose 5 MB script took over 2 s to load (under load),
+    and the page drew an empty chart for good; the page's watcher reports a chart drawn without the
+    kernel's template, and the LiveFigure draws its newest figure in a new widget (a bounded number
+    of times); anything else the page sends changes nothing."""
+    box = LiveFigure()
+    box.show(figures.run_figure(steps(3)))
+    first = box.widget
+    box.fit._handle_custom_msg({"resized": True}, [])
+    assert box.widget is first and box.renewed == 0
+    box.fit._handle_custom_msg({"stale": True}, [])  # what the page sends (workbench.ui.live._FIT_ESM)
+    assert box.widget is not first and first.comm is None and box.renewed == 1  # the dead one closed
+    assert box.children == (box.fit, box.widget) and box.widget._widget_data == box.widget._data
+    assert list(box.widget.data[0].x) == [1, 2, 3] and box.widget.layout.title.text.startswith("Training: step 3")
+    box.show(figures.run_figure(steps(4)))  # and it goes on in place in the new widget
+    assert list(box.widget.data[0].x) == [1, 2, 3, 4]
+    for _ in range(LiveFigure.RENEW_AT_MOST + 2):
+        box.fit._handle_custom_msg({"stale": True}, [])
+    assert box.renewed == LiveFigure.RENEW_AT_MOST
+
+
 def test_a_legend_of_side_by_side_panels_stands_below_them_not_over_their_titles():
     """#34: the legend of the run and host charts (earlier and compared runs, ranks) stood over the panel
     titles and the chart's title, the memory chart's over its title at 800 px; it goes to the foot of the

@@ -7,6 +7,7 @@ builders stay testable and no view is ever patched from an earlier one; the live
 from __future__ import annotations
 
 import html
+import threading
 from copy import deepcopy
 
 import anywidget
@@ -69,12 +70,18 @@ def section(title: str, *children: w.Widget) -> w.VBox:
                   layout=w.Layout(margin="0 0 8px 0"))
 
 
-# The browser half of `LiveFigure`'s width: a FigureWidget's view draws its chart when it renders, and it
-# renders before the page has placed it (plotly.js then takes its default 700 px, whatever the column)
-# and plotly.js follows only window resizes after that. This watches the box of the LiveFigure it
-# sits in and every element in it (ResizeObserver: called once an element is laid out and on every
-# change of its size, not after a delay) and resizes each plotly chart there to its box, through the
-# handler plotly.js itself installs for `responsive: true` (which does nothing for a hidden chart).
+# The browser half of `LiveFigure`.
+# Width: a FigureWidget's view draws its chart when it renders, and it renders before the page has
+# placed it (plotly.js then takes its default 700 px, whatever the column) and plotly.js follows only
+# window resizes after that. This watches the box of the LiveFigure it sits in and every element in
+# it (ResizeObserver: called once an element is laid out and on every change of its size, not after a
+# delay) and resizes each plotly chart there to its box, through the handler plotly.js itself installs
+# for `responsive: true` (which does nothing for a hidden chart).
+# A dead chart: anywidget gives a widget's script 2 s to load and initialise (plotly's is 5 MB; under
+# load it took longer) and then drops every message to that widget for good, so its view draws the
+# state the widget was opened with: no data and an empty layout (a chart without title or template,
+# whatever the kernel sends later; #34). Every figure the kernel draws has a template, so a chart
+# drawn without one is reported to the kernel ({stale: true}), which draws the figure in a new widget.
 _FIT_ESM = """
 function fit(box) {
   for (const gd of box.querySelectorAll(".js-plotly-plot")) {
@@ -82,11 +89,20 @@ function fit(box) {
   }
 }
 export default {
-  render({ el }) {
+  render({ model, el }) {
     let box = null;
     const watched = new WeakSet();
-    const sizes = new ResizeObserver(() => { watch(); if (box) fit(box); });
-    const added = new MutationObserver(() => watch());
+    const reported = new WeakSet();
+    function check() {  // a chart drawn from a widget that never got the kernel's figure
+      for (const gd of box.querySelectorAll(".js-plotly-plot")) {
+        if (gd.layout && gd._fullLayout && !gd.layout.template && !reported.has(gd)) {
+          reported.add(gd);
+          model.send({ stale: true });
+        }
+      }
+    }
+    const sizes = new ResizeObserver(() => { watch(); if (box) { check(); fit(box); } });
+    const added = new MutationObserver(() => { watch(); check(); });
     function watch() {
       if (!box) {
         box = el.closest(".wb-live-figure");
@@ -107,7 +123,8 @@ export default {
 
 
 class _FitWidth(anywidget.AnyWidget):
-    """Sized 1 px high and drawn nowhere: fits the plotly charts of its LiveFigure to their box (`_FIT_ESM`)."""
+    """Sized 1 px high and drawn nowhere: fits the plotly charts of its LiveFigure to their box and
+    reports a chart drawn from a dead widget (`_FIT_ESM`)."""
 
     _esm = _FIT_ESM
 
@@ -124,19 +141,25 @@ class LiveFigure(w.VBox):
     never swapped for another: swapped twice in quick succession (a new run's first redraws), the
     page was left without the chart (browser test, #34). Safe to call from a background thread.
 
-    The page's copy of the figure is whole after every `show`, whenever the chart's view renders: the
-    widget's synced state (`_widget_data`, `_widget_layout`, which a view draws first) is set to the
-    whole figure after each update. plotly's browser model applies the in-place updates to that state
-    only once its 5 MB script has loaded; updates that came before were lost, and a view rendered then
-    drew the first figure, empty, until the next update (never, once the run had ended; #34).
-    The width: the chart fills its box from its first draw and follows it (`_FitWidth`).
+    The kernel's copy of the page's state is whole after every `show`: the widget's synced state
+    (`_widget_data`, `_widget_layout`, what a view draws first and what a reloaded page is sent) is set
+    to the whole figure after each update; plotly sets it only when the widget is made, so a reloaded
+    page drew the first figure. A chart whose widget never got the kernel's messages (anywidget gave up
+    on its script under load: the chart drew empty, #34) is reported by the page and drawn again in a
+    new widget, at most `RENEW_AT_MOST` times. The chart fills its box from its first draw and follows
+    it (`_FitWidth`).
     """
+
+    RENEW_AT_MOST = 5
 
     def __init__(self, **kwargs):
         super().__init__(layout=w.Layout(width="100%", max_width="100%"), **kwargs)
         self.add_class("wb-live-figure")
         self.fit = _FitWidth(layout=w.Layout(width="100%", height="1px"))
+        self.fit.on_msg(self._on_page_msg)
         self.children = (self.fit,)
+        self.renewed = 0  # widgets made again because the page reported theirs dead
+        self._lock = threading.RLock()  # show (the refresher's thread) and a renewal (the kernel's)
         self.figure: go.Figure | None = None  # the newest figure shown (what the builders made)
         self.widget: go.FigureWidget | None = None
         self._pushed: dict = {}  # the axis ranges and titles of the newest figure shown, as we set them
@@ -144,6 +167,24 @@ class LiveFigure(w.VBox):
 
     def show(self, fig: go.Figure | None) -> None:
         """Draw `fig` (None: nothing), keeping the ranges a person zoomed to."""
+        with self._lock:
+            self._show(fig)
+
+    def _on_page_msg(self, _widget, content, _buffers) -> None:
+        """The page drew a chart from a widget that never got the kernel's figure: draw it in a new one."""
+        if not (isinstance(content, dict) and content.get("stale")):
+            return
+        with self._lock:
+            if self.figure is None or self.renewed >= self.RENEW_AT_MOST:
+                return
+            self.renewed += 1
+            dead, fig = self.widget, self.figure
+            self.widget, self._shown = None, None
+            self._show(fig)
+            if dead is not None:
+                dead.close()
+
+    def _show(self, fig: go.Figure | None) -> None:
         key = fig.to_json() if fig is not None else None
         if key == self._shown and (fig is None) == (self.widget is None):
             return  # the same figure again (the refresher redraws each second): nothing to send
