@@ -191,7 +191,9 @@ def test_a_zoom_survives_live_updates_in_place_and_goes_with_the_axis():
     box.show(figures.run_figure(events + steps(1, first=7), x_axis="tokens"))
     assert box.widget is widget and not widget.layout.xaxis.range  # a double-click back to the whole curve stays
     box.show(None)
-    assert box.children == (box.fit,) and box.widget is None and box.figure is None
+    assert box.children == (box.fit,) and box.widget is widget and box.figure is None  # kept, off the page
+    box.show(figures.run_figure(steps(2)))  # the next run: the same widget, the zoom gone with the last one
+    assert box.children == (box.fit, widget) and list(widget.data[0].x) == [1, 2] and not widget.layout.xaxis.range
 
 
 def test_a_redraw_leaves_what_the_browser_set_on_a_window_resize():

@@ -137,9 +137,9 @@ class LiveFigure(w.VBox):
     place in one `batch_update`, and every axis range the person set in the browser (plotly.js sends
     it back as a relayout) is kept unless the axis now measures something else (its title changed);
     otherwise the widget's traces are replaced (deleted, then the new ones added) and its layout set
-    with those ranges, so no trace or shape of an earlier figure is left behind. The widget itself is
-    never swapped for another: swapped twice in quick succession (a new run's first redraws), the
-    page was left without the chart (browser test, #34). Safe to call from a background thread.
+    with those ranges, so no trace or shape of an earlier figure is left behind. The widget is made
+    with the LiveFigure and kept when nothing is shown (None), for the next figure: it is never
+    swapped for another but when the page reports it dead (below). Safe to call from a background thread.
 
     The kernel's copy of the page's state is whole after every `show`: the widget's synced state
     (`_widget_data`, `_widget_layout`, what a view draws first and what a reloaded page is sent) is set
@@ -161,7 +161,10 @@ class LiveFigure(w.VBox):
         self.renewed = 0  # widgets made again because the page reported theirs dead
         self._lock = threading.RLock()  # show (the refresher's thread) and a renewal (the kernel's)
         self.figure: go.Figure | None = None  # the newest figure shown (what the builders made)
-        self.widget: go.FigureWidget | None = None
+        self._drawn: go.Figure | None = None  # the newest figure drawn into the widget
+        # Made now, when the notebook shows the workbench, not during a run: the browser loads plotly's
+        # 5 MB script for each new widget, and under a run's load that took over anywidget's 2 s.
+        self.widget: go.FigureWidget | None = _figure_widget(layout={"template": "plotly_white"})
         self._pushed: dict = {}  # the axis ranges and titles of the newest figure shown, as we set them
         self._shown: str | None = None
 
@@ -186,13 +189,14 @@ class LiveFigure(w.VBox):
 
     def _show(self, fig: go.Figure | None) -> None:
         key = fig.to_json() if fig is not None else None
-        if key == self._shown and (fig is None) == (self.widget is None):
+        if key == self._shown and (fig is None or self.widget is not None):
             return  # the same figure again (the refresher redraws each second): nothing to send
-        before = self.figure
+        before = self._drawn
         self.figure, self._shown = fig, key
-        if fig is None:
-            self._replace(None)
-            self._pushed = {}
+        if fig is None:  # the chart goes from the page; its widget stays for the next figure
+            self.children = (self.fit,)
+            if self.widget is not None:  # a zoom of what it showed goes with it
+                self._pushed = _axes(self.widget.layout.to_plotly_json())
             return
         layout = fig.layout.to_plotly_json()
         kept = self.zoomed(layout)
@@ -218,11 +222,12 @@ class LiveFigure(w.VBox):
             self.widget.update_layout({**gone, **{k: v for k, v in layout.items() if k != "template"}},
                                       overwrite=True)
         else:
-            widget = go.FigureWidget(data=fig.data, layout=layout)
-            widget._config = {**widget._config, "responsive": True}  # follow the column's width (plotly.js)
-            self._replace(widget)
+            self.widget = _figure_widget(data=fig.data, layout=layout)
+        self._drawn = fig
         self._pushed = _axes(fig.layout.to_plotly_json())
         self._sync_whole()
+        if self.children != (self.fit, self.widget):
+            self.children = (self.fit, self.widget)
 
     def _sync_whole(self) -> None:
         """Set the widget's synced state to the whole figure it holds, after the updates that made it."""
@@ -230,10 +235,6 @@ class LiveFigure(w.VBox):
         if widget is not None:
             widget._widget_layout = deepcopy(widget._layout_obj._props)
             widget._widget_data = deepcopy(widget._data)
-
-    def _replace(self, widget: go.FigureWidget | None) -> None:
-        self.widget = widget
-        self.children = (self.fit,) if widget is None else (self.fit, widget)
 
     def zoomed(self, new_layout: dict) -> dict[str, tuple]:
         """{axis: range} of the shown widget's axes whose range differs from the one the newest figure
@@ -247,6 +248,12 @@ class LiveFigure(w.VBox):
             if rng is not None and rng != before[0] and _axis_title(new_layout.get(axis, {})) == before[1]:
                 out[axis] = rng
         return out
+
+
+def _figure_widget(**figure) -> go.FigureWidget:
+    widget = go.FigureWidget(**figure)
+    widget._config = {**widget._config, "responsive": True}  # follow the column's width (plotly.js)
+    return widget
 
 
 def _axes(layout: dict) -> dict[str, tuple]:
