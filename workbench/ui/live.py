@@ -73,10 +73,10 @@ def section(title: str, *children: w.Widget) -> w.VBox:
 # The browser half of `LiveFigure`.
 # Width: a FigureWidget's view draws its chart when it renders, and it renders before the page has
 # placed it (plotly.js then takes its default 700 px, whatever the column) and plotly.js follows only
-# window resizes after that. This watches the box of the LiveFigure it sits in and every element in
-# it (ResizeObserver: called once an element is laid out and on every change of its size, not after a
-# delay) and resizes each plotly chart there to its box, through the handler plotly.js itself installs
-# for `responsive: true` (which does nothing for a hidden chart).
+# window resizes after that. This watches the box of the LiveFigure it sits in (ResizeObserver: called
+# once it is laid out and on every change of its size, a chart put in it included, not after a delay)
+# and resizes each plotly chart there to the box, through the handler plotly.js itself installs for
+# `responsive: true` (which does nothing for a hidden chart).
 # A dead chart: anywidget gives a widget's script 2 s to load and initialise (plotly's is 5 MB; under
 # load it took longer) and then drops every message to that widget for good, so its view draws the
 # state the widget was opened with: no data and an empty layout (a chart without title or template,
@@ -91,7 +91,6 @@ function fit(box) {
 export default {
   render({ model, el }) {
     let box = null;
-    const watched = new WeakSet();
     const reported = new WeakSet();
     function check() {  // a chart drawn from a widget that never got the kernel's figure
       for (const gd of box.querySelectorAll(".js-plotly-plot")) {
@@ -101,19 +100,19 @@ export default {
         }
       }
     }
-    const sizes = new ResizeObserver(() => { watch(); if (box) { check(); fit(box); } });
-    const added = new MutationObserver(() => { watch(); check(); });
-    function watch() {
+    const added = new MutationObserver(() => check());
+    // The box, not each chart: a chart's own box may change while it is resized, and watching it could
+    // resize it again and again.
+    const sizes = new ResizeObserver(() => {
       if (!box) {
         box = el.closest(".wb-live-figure");
         if (!box) return;
-        added.observe(box, { childList: true, subtree: true });
         sizes.observe(box);
+        added.observe(box, { childList: true, subtree: true });
       }
-      for (const child of box.querySelectorAll(":scope > *, .js-plotly-plot")) {
-        if (!watched.has(child)) { watched.add(child); sizes.observe(child); }
-      }
-    }
+      check();
+      fit(box);
+    });
     el.style.height = "1px";
     sizes.observe(el);
     return () => { sizes.disconnect(); added.disconnect(); };
