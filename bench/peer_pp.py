@@ -5,7 +5,10 @@ of S keeps blocks [s L/S, (s+1) L/S), the first also the embeddings, the last th
 wrap each in a `PipelineStage`, and step `Schedule1F1B` (one stage per rank) or
 `ScheduleInterleaved1F1B` (`--virtual 2`: stages r and r + pp on rank r) with a mean cross-entropy
 `loss_fn` (the schedule scales the gradients by the number of micro-batches). Same model, batches
-and AdamW as the spec (bench/peer_common.py). Run:
+and AdamW as the spec (bench/peer_common.py). The equal runs are what a user writes; workbench
+balances the stages by parameter count instead, so the two splits can differ (gpt-mini, 4 stages:
+blocks 1/2/1/2 here against 1/2/2/1, i.e. 2 and 4 blocks per rank against 3 and 3): then one
+rank's CPU per step compares different work, and only the whole pipeline's compares the same. Run:
     python -m bench.torchrun --standalone --nproc_per_node 2 bench/peer_pp.py --spec S --schedule 1f1b
 """
 from __future__ import annotations

@@ -52,7 +52,6 @@ class PipelineEngine:
         self.has_last = any(i == parallelized.num_stages - 1 for i in parallelized.stage_indices)
         self.device, self.dtype, self._scale_loss = device, dtype, scale_loss
         self._losses: list[torch.Tensor] = []
-        self._pending_loss = False
         self._scale = 1.0
         self.num_microbatches = num_microbatches
         self.schedule, self.stages = build_schedule(
@@ -64,8 +63,10 @@ class PipelineEngine:
         self._current: tuple[int, int] | None = None
         self._items: list[dict] | None = None
         self._t0 = 0.0
-        for stage in self.stages:
-            self._instrument(stage)
+        # The F/B/W wrappers that measure (timeline, activations in flight), per stage: installed
+        # only for a step that measures, so every other step runs the schedule's own methods.
+        self._measuring = False
+        self._wrappers = [self._instrument(stage) for stage in self.stages]
 
     def step(self, tokens: torch.Tensor, y: torch.Tensor, meter: MemoryMeter, *, scale: float = 1.0,
              record: bool = False) -> tuple[torch.Tensor, list[dict] | None]:
@@ -84,6 +85,7 @@ class PipelineEngine:
         """
         self._meter, self._items, self._t0 = meter, ([] if record else None), time.perf_counter()
         self._losses, self._scale = [], scale
+        self._measure(record or meter.active)
         with self.loss_context(), autocast(self.device.type, self.dtype):
             # Every rank passes inputs and targets: the schedule feeds them to whichever of this
             # rank's stages is first / last (a rank may hold both in looped placement).
@@ -99,35 +101,56 @@ class PipelineEngine:
         """The loss summed over the target tokens `y` of `tokens` through the schedule's forward
         only (no gradients), the same on every pipeline rank."""
         self._losses, self._items, self._scale = [], None, 1.0
+        self._measure(False)
         with self.loss_context(), autocast(self.device.type, self.dtype):
             self.schedule.eval(tokens[:, :-1], target=y)
         return self._summed()
 
     def _summed(self) -> torch.Tensor:
-        loss = torch.stack(self._losses).sum() if self.has_last else torch.zeros((), device=self.device)
+        # The last stage's loss of each micro-batch, in order: the schedule's shape inference (the
+        # first step) calls the loss once before them, on made-up inputs; that call is left out.
+        if self.has_last:
+            loss = torch.stack([_local_value(t) for t in self._losses[-self.num_microbatches:]]).sum()
+        else:
+            loss = torch.zeros((), device=self.device)
         dist.broadcast(loss, group=self.pp_group, group_src=self.last_pp_rank)
         return loss
 
     # -- measurement -----------------------------------------------------------------------
 
     def _loss(self, logits, targets):
-        # Called right after the last stage's forward of a micro-batch: its saved tensors
-        # belong to that micro-batch.
-        with self._saving(self._current):
-            loss = token_loss_sum(logits, targets)  # the same loss as the pp=1 loop's
-        if self._pending_loss:  # not the schedule's shape inference on step 1 (made-up inputs)
-            self._pending_loss = False
-            self._losses.append(_local_value(loss.detach()))
+        if self._measuring:
+            # Called right after the last stage's forward of a micro-batch: its saved tensors
+            # belong to that micro-batch.
+            with self._saving(self._current):
+                loss = token_loss_sum(logits, targets)  # the same loss as the pp=1 loop's
+        else:
+            loss = token_loss_sum(logits, targets)
+        self._losses.append(loss.detach())
         # Scaled before backward, as in gradient accumulation: low-precision gradients
         # accumulate the global mean, not a sum over tokens.
         return self._scale_loss(loss * self._scale)
 
-    def _instrument(self, stage) -> None:
+    def _measure(self, on: bool) -> None:
+        """Install the measuring F/B/W wrappers on every stage (`on`), or take them off: the
+        stage's own methods then run, with no Python layer per micro-batch."""
+        if on == self._measuring:
+            return
+        self._measuring = on
+        for stage, wrappers in zip(self.stages, self._wrappers):
+            for name, fn in wrappers.items():
+                if on:
+                    setattr(stage, name, fn)
+                else:
+                    delattr(stage, name)  # the instance attribute: the class's method shows again
+
+    def _instrument(self, stage) -> dict[str, Callable]:
+        """The measuring wrappers of `stage`'s forward, backward and weight-gradient passes, by name."""
         fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
         s = stage.stage_index
 
         def forward_one_chunk(mb, *args, **kwargs):
-            self._current, self._pending_loss = (s, mb), stage.is_last
+            self._current = (s, mb)
             with self._timed(mb, "F", s), self._saving((s, mb)):
                 return fwd(mb, *args, **kwargs)
 
@@ -145,9 +168,8 @@ class PipelineEngine:
             self._release((s, mb))
             return out
 
-        stage.forward_one_chunk = forward_one_chunk
-        stage.backward_one_chunk = backward_one_chunk
-        stage.backward_weight_one_chunk = backward_weight_one_chunk
+        return {"forward_one_chunk": forward_one_chunk, "backward_one_chunk": backward_one_chunk,
+                "backward_weight_one_chunk": backward_weight_one_chunk}
 
     @contextlib.contextmanager
     def _timed(self, mb: int, kind: str, stage: int):
