@@ -114,6 +114,7 @@ class LocalRayJob:
         self._use_gpu = spec.resources.gpu != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
         self._rank_startup: dict[int, dict] = {}
         self._world = spec.world_size
+        self._job: str | None = None  # the running group's id (config["job"]): its acks and stops name it
         self._layout = spec  # the layout running now: a smaller dp after an elastic shrink
         self._per_rank = self._bundle()  # fixed for the job: restarts ask for the same per rank
         self._thread = threading.Thread(target=self._fit, name=f"workbench-{self.job_id}", daemon=True)
@@ -165,7 +166,9 @@ class LocalRayJob:
             ranks = rank_order(where)
             master = ray.get(relays[ranks.index(0)].serve_store.remote())  # once rank 0 has imported torch
             self._clock.mark("store_s")
-            config = {"spec": spec.to_dict(), "resume": self._resume or attempt > 0, "attempt": attempt, **self._entry}
+            self._job = uuid.uuid4().hex  # a kept relay's late acks and stops for this job reach no later job
+            config = {"spec": spec.to_dict(), "resume": self._resume or attempt > 0, "attempt": attempt,
+                      "job": self._job, **self._entry}
             # WORKBENCH_RUN_ID: the restarted group is the same run, so it takes over the checkpoint lease
             envs = [{**rank_env(where, ranks, i, master), "WORKBENCH_RUN_ID": self._run_id} for i in range(world)]
             runs = {relays[i].run.remote(config, envs[i]): ranks[i] for i in range(world)}
@@ -310,7 +313,7 @@ class LocalRayJob:
             if self._stop and not stop_sent:
                 stop_sent = True
                 for r in relays:
-                    r.stop.remote()
+                    r.stop.remote(self._job)
         # The last events: a relay's `events` returns at once when its rank has ended; a failed
         # rank's relay is still up; a peer still blocked in a collective answers after the long poll.
         for ref, relay in polls.items():
@@ -331,7 +334,7 @@ class LocalRayJob:
             self._accept(event)
         steps = [e["step"] for e in events if e["event"] == "step"]
         if steps:
-            relay.ack.remote(max(steps), self._stop)  # read after delivery: a cancel made by then is in it
+            relay.ack.remote(max(steps), self._stop, self._job)  # read after delivery: a cancel made by then is in it
 
     def _accept(self, event: dict) -> None:
         """Deliver an event; rank 0's `end` is held back until every rank has finished (the other

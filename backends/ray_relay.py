@@ -58,8 +58,10 @@ def _setup_rank_process() -> None:
 
 
 def _preload() -> dict:
-    """Import what every rank needs before its job is known (a standby rank: `RankRelay`), timed:
-    {"import_torch_s", "import_workbench_s"} on this process's clock."""
+    """Import what every rank needs before its job is known (a standby rank: `RankRelay`), timed on
+    this process's clock: `import_torch_s` (torch, torch.distributed), `import_workbench_s` (the
+    runtime and what it imports) and `import_dynamo_s` (torch._dynamo, which building a model on the
+    meta device imports: its parameters' init runs torch's reference kernels; seconds of it)."""
     import time
 
     t0 = time.perf_counter()
@@ -69,7 +71,10 @@ def _preload() -> dict:
     t1 = time.perf_counter()
     import workbench.runtime.loop  # noqa: F401
 
-    return {"import_torch_s": t1 - t0, "import_workbench_s": time.perf_counter() - t1}
+    t2 = time.perf_counter()
+    import torch._dynamo  # noqa: F401
+
+    return {"import_torch_s": t1 - t0, "import_workbench_s": t2 - t1, "import_dynamo_s": time.perf_counter() - t2}
 
 
 _STORE: list = []  # rank 0's TCPStore: served from its own process, as long as that process lives
@@ -130,32 +135,12 @@ def _rank_main(fd: int, standby: bool = False) -> None:
         conn.send(("ready", phases))
     config = _take_config(conn)
     configured = time.perf_counter()
-    lag = int(config.get("stop_within_steps", STOP_WITHIN_STEPS)) - 1  # steps that may go unacknowledged
-    stop, sent, acked = False, 0, 0  # sent / acked: the newest step reported / acknowledged
-
-    def sink(event: dict) -> None:
-        nonlocal sent
-        conn.send(("event", event))
-        if event["event"] == "step":
-            sent = event["step"]
-
-    def should_stop() -> bool:
-        nonlocal stop, acked
-        try:
-            # conn.poll() without a timeout does not wait; recv() waits only while too far behind
-            while not stop and (acked < sent - lag or conn.poll()):
-                message = conn.recv()
-                if message == "stop":
-                    stop = True
-                elif message[0] == "ack":  # ("ack", step, stop requested when that step was delivered)
-                    acked, stop = max(acked, message[1]), message[2]
-        except EOFError:  # the worker is gone: nobody left to report to
-            os._exit(1)
-        return stop
+    channel = _Channel(conn, int(config.get("stop_within_steps", STOP_WITHIN_STEPS)) - 1)
 
     def started(loop_phases: dict) -> None:  # after step 1: this rank's start-up, as durations
-        sink({"event": "startup", "rank": int(os.environ.get("RANK", 0)),
-              "phases": {**phases, **loop_phases, "configured_to_step_1_s": time.perf_counter() - configured}})
+        channel.sink({"event": "startup", "rank": int(os.environ.get("RANK", 0)),
+                      "phases": {**phases, **loop_phases, "configured_to_step_1_s": time.perf_counter() - configured,
+                                 "cpu_s": time.process_time()}})  # this process's CPU seconds, imports included
 
     train = config.get("entry")  # `workbench calibrate`: its microbenchmarks on the ranks a run gets
     try:
@@ -163,12 +148,40 @@ def _rank_main(fd: int, standby: bool = False) -> None:
             from workbench.runtime.loop import train as loop_train
 
             train = functools.partial(loop_train, on_started=started)
-        train(config["spec"], sink, should_stop=should_stop, resume=config["resume"], attempt=config["attempt"])
+        train(config["spec"], channel.sink, should_stop=channel.should_stop, resume=config["resume"],
+              attempt=config["attempt"])
     except BaseException as e:  # noqa: BLE001 - every failure goes to the relay, then the driver
         traceback.print_exc()
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         sys.exit(1)
     conn.send(("done", None))
+
+
+class _Channel:
+    """The rank's side of the pipe: events out; acknowledgements and the stop in (`_rank_main`).
+    `lag`: the steps that may go unacknowledged (k - 1)."""
+
+    def __init__(self, conn, lag: int):
+        self._conn, self._lag = conn, lag
+        self._stop, self._sent, self._acked = False, 0, 0  # sent / acked: the newest step reported / acknowledged
+
+    def sink(self, event: dict) -> None:
+        self._conn.send(("event", event))
+        if event["event"] == "step":
+            self._sent = event["step"]
+
+    def should_stop(self) -> bool:
+        try:
+            # conn.poll() without a timeout does not wait; recv() waits only while too far behind
+            while not self._stop and (self._acked < self._sent - self._lag or self._conn.poll()):
+                message = self._conn.recv()
+                if message == "stop":
+                    self._stop = True
+                elif message[0] == "ack":  # ("ack", step, stop requested when that step was delivered)
+                    self._acked, self._stop = max(self._acked, message[1]), message[2]
+        except EOFError:  # the worker is gone: nobody left to report to
+            os._exit(1)
+        return self._stop
 
 
 def _send_quietly(conn, message) -> None:
@@ -190,9 +203,10 @@ class RankRelay:
 
     def __init__(self):
         self._pending: list[dict] = []
-        self._arrived = threading.Condition()  # guards _pending, _conn, _stop, _ended
+        self._arrived = threading.Condition()  # guards _pending, _conn, _job, _stopped, _ended
         self._conn = None
-        self._stop = False
+        self._job: str | None = None  # the job running now (config["job"]): acks and stops name theirs
+        self._stopped: set = set()  # the jobs asked to stop, also before they started here
         self._ended = False
         self._proc = None
         self._spawned = None  # (pipe, perf_counter at spawn, {phase: seconds} once ready)
@@ -215,7 +229,7 @@ class RankRelay:
     def standby(self) -> None:
         """Ready for the driver's next job: a new rank process (the last one has exited)."""
         with self._arrived:
-            self._pending, self._conn, self._stop, self._ended = [], None, False, False
+            self._pending, self._conn, self._job, self._ended = [], None, None, False
         self._spawn()
 
     def _ready(self) -> dict:
@@ -273,8 +287,8 @@ class RankRelay:
         conn.send({**config, "env": env})  # first, so that it is what the rank reads first even if a stop follows at once
         sent = time.perf_counter()
         with self._arrived:
-            self._conn = conn
-            if self._stop:
+            self._conn, self._job = conn, config.get("job")
+            if self._job in self._stopped:
                 _send_quietly(conn, "stop")
         set_policy("SCHED_IDLE")  # from here this process only relays (control_plane_setup)
         self._put({"event": "worker", "rank": int(env["RANK"]), "pid": os.getpid(), "rank_pid": proc.pid,
@@ -323,18 +337,19 @@ class RankRelay:
             out, self._pending = self._pending, []
         return out
 
-    def ack(self, step: int, stop: bool) -> None:
-        """Tell the rank that its step `step` has been delivered, and whether a stop was asked by then."""
+    def ack(self, step: int, stop: bool, job: str | None = None) -> None:
+        """Tell the rank that its step `step` has been delivered, and whether a stop was asked by
+        then; `job`: the job it belongs to (a late one for an earlier job of a kept relay is dropped)."""
         with self._arrived:
-            if self._conn is not None:
+            if self._conn is not None and job == self._job:
                 _send_quietly(self._conn, ("ack", step, stop))
 
-    def stop(self) -> None:
-        """Pass the stop request to the rank (now, or as soon as it starts)."""
+    def stop(self, job: str | None = None) -> None:
+        """Pass the stop request to the rank of job `job` (now, or as soon as it starts)."""
         with self._arrived:
-            if not self._stop:
-                self._stop = True
-                if self._conn is not None:
+            if job not in self._stopped:
+                self._stopped.add(job)
+                if self._conn is not None and job == self._job:
                     _send_quietly(self._conn, "stop")
 
 
