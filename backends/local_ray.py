@@ -11,7 +11,10 @@ and the driver acknowledges each step it delivered, with the stop request; rank 
 2, steps after the step seen when it was pressed, and the acknowledgement's round trip overlaps the
 next step instead of adding to each: `ray_relay._rank_main`).
 On a failure it tears the group down and starts it again from the last checkpoint
-(`backend.max_failures`).
+(`backend.max_failures`). Each relay starts its rank's process as it starts, before the job is
+known, and a job that ended cleanly leaves its relays, each with its next rank process, to the
+driver's next job of the same shape (backends/ray_warm.py); the job's `startup` event says where
+launch to step 1 went (workbench/startup.py; docs/architecture.md, "Starting a job's ranks").
 
 Plain actors rather than Ray Train: Ray Train adds five helper actors (controller, synchronization,
 placement-group cleaner, dataset manager, autoscaling coordinator), each woken ~100 times a second,

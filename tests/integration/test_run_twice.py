@@ -1,6 +1,8 @@
 """A driver that runs twice (the notebook, #35): the second job of the same shape takes the relays
 the first left (backends/ray_warm.py) with a new rank process each, already past its imports, and
 trains the same model; a job of another shape releases them; a failed job keeps nothing."""
+import time
+
 import pytest
 
 import workbench
@@ -39,6 +41,10 @@ def test_the_second_run_reuses_the_relays_with_new_rank_processes_and_trains_the
     other = workbench.run({**SPEC, "layout": {"dp": 1}, "train": {**SPEC["train"], "global_batch": 2}}, progress=False)
     assert startup(other)["reused"] is False  # another shape: the dp=2 relays were released first
     ray_warm.release_warm()
+    for _ in range(300):  # Ray frees a removed placement group's resources asynchronously
+        if ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]:
+            break
+        time.sleep(0.1)
     assert ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]  # nothing held
 
 
