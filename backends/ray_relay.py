@@ -89,12 +89,25 @@ def _serve_store(conn, host: str) -> None:
     conn.send(("store", _STORE[-1].port))
 
 
+def _check_cuda_untouched() -> None:
+    """A standby rank's imports must not have asked CUDA for its devices: CUDA_VISIBLE_DEVICES, set
+    with the job, is read once, then. Fail loudly rather than run on the wrong GPUs."""
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    if cuda is not None and (cuda.is_initialized() or getattr(cuda, "_cached_device_count", None) is not None):
+        raise RuntimeError("this rank's process looked at its GPUs before its job set CUDA_VISIBLE_DEVICES (an import "
+                           "of the standby rank, backends/ray_relay.py `_preload`, did): it would run on the wrong "
+                           "GPU; a bug of workbench's, please report it with the torch version")
+
+
 def _take_config(conn) -> dict:
     """The rank's job (a dict), after serving the store when asked first; `env` is applied here."""
     while True:
         message = conn.recv()
         if isinstance(message, dict):
-            os.environ.update(message.get("env", {}))
+            env = message.get("env", {})
+            if "CUDA_VISIBLE_DEVICES" in env:
+                _check_cuda_untouched()
+            os.environ.update(env)
             return message
         if message[0] == "store":
             _serve_store(conn, message[1])
