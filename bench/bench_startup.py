@@ -158,9 +158,9 @@ def section(r: dict, doc: str = "", img: str = "") -> str:
     cfg, lt = r["config"], r["launch_to_step_1_s"]
     first = {row[0]: row for row in startup_rows(r["phases"]["first job"])}
     again = {row[0]: row for row in startup_rows(r["phases"]["again"])}
+    again = {name.replace(" (before launch)", " (overlapped)"): row for name, row in again.items()}
     rows = [[name, who, f"{sec:.2f}", f"{again[name][2]:.2f}" if name in again else "-"] for name, (_, who, sec) in
             ((n, row) for n, row in first.items())]
-    rows += [[n, row[1], "-", f"{row[2]:.2f}"] for n, row in again.items() if n not in first]
     ratio = {k: f"**{v['median']:.2f}x** ({v['min']:.2f}..{v['max']:.2f}, 95% interval of the median "
                 f"{r['ratio_ci95'][k][0]:.2f}..{r['ratio_ci95'][k][1]:.2f})" for k, v in r["ratio"].items()}
     owners = "; ".join(f"{arm}: " + ", ".join(f"{k} {v:.1f} s" for k, v in o.items()) for arm, o in r["owners"].items())
@@ -176,7 +176,7 @@ def section(r: dict, doc: str = "", img: str = "") -> str:
         f"workbench / torchrun: first job {ratio['first job / torchrun']}; the driver's second run "
         f"{ratio['again / torchrun']} (goal <= {r['goal']}x).", "",
         "Where the time goes (medians of the `startup` events; rank 0's phases, those marked overlapped ran "
-        "while the driver waited for the relays and the store):", "",
+        "while the driver waited for the relays and the store, or, for the second run, before its launch):", "",
         "```", table(rows, ["phase", "who", "first job s", "again s"]), "```", "",
         f"By owner, launch to step 1: {owners}.", ""])
 

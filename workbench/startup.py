@@ -36,13 +36,15 @@ OVERLAPPED = {"python_start_s", "import_torch_s", "import_workbench_s", "import_
 
 def startup_rows(event: dict, rank: str = "0") -> list[list]:
     """[phase, who, seconds] for the driver's phases, then rank `rank`'s (those marked "(overlapped)"
-    ran while the driver waited for the relays and the store), then launch to step 1."""
+    ran while the driver waited for the relays and the store; "(before launch)": in a rank process
+    kept from the driver's previous job), then launch to step 1."""
     rows = [[f"driver: {what}", who, event["driver"][key]] for key, _, who, what in DRIVER_PHASES
             if key in event["driver"]]
     phases = event["ranks"].get(rank, {})
+    early = " (before launch)" if event.get("reused") else " (overlapped)"
     for key, _, who, what in RANK_PHASES:
         if key in phases:
-            rows.append([f"  rank {rank}: {what}{' (overlapped)' if key in OVERLAPPED else ''}", who, phases[key]])
+            rows.append([f"  rank {rank}: {what}{early if key in OVERLAPPED else ''}", who, phases[key]])
     rows.append(["launch to end of step 1", "", event["launch_to_step_1_s"]])
     return rows
 

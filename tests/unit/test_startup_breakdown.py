@@ -40,3 +40,8 @@ def test_the_loop_reports_each_ranks_start_up_once_after_step_1():
     (phases,) = reports
     assert list(phases) == list(STARTUP_PHASES)
     assert all(v >= 0 for v in phases.values()) and phases["first_step_s"] > 0
+
+
+def test_a_kept_rank_process_imported_before_the_launch():
+    rows = startup_rows({**EVENT, "reused": True})
+    assert ["  rank 0: import torch (before launch)", "torch", 3.0] in rows
