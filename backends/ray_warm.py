@@ -28,13 +28,17 @@ def warm_seconds() -> float:
 
 def keep(key: tuple, group, relays: list, where: list[dict]) -> bool:
     """Keep a finished job's relays (each starts its next rank process) for the next job of shape
-    `key`; False when keeping is off (the caller tears them down)."""
+    `key`; False when keeping is off or a relay could not start its next rank (the caller tears
+    them down; the job that ended is not affected)."""
     import ray
 
     seconds = warm_seconds()
     if seconds <= 0:
         return False
-    ray.get([r.standby.remote() for r in relays])
+    try:
+        ray.get([r.standby.remote() for r in relays], timeout=60)
+    except Exception:  # noqa: BLE001 - a relay that cannot start its next rank: the job tears them down
+        return False
     timer = threading.Timer(seconds, release_warm)
     timer.daemon = True
     with _lock:
