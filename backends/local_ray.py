@@ -11,7 +11,10 @@ and the driver acknowledges each step it delivered, with the stop request; rank 
 2, steps after the step seen when it was pressed, and the acknowledgement's round trip overlaps the
 next step instead of adding to each: `ray_relay._rank_main`).
 On a failure it tears the group down and starts it again from the last checkpoint
-(`backend.max_failures`).
+(`backend.max_failures`). Each relay starts its rank's process as it starts, before the job is
+known, and a job that ended cleanly leaves its relays, each with its next rank process, to the
+driver's next job of the same shape (backends/ray_warm.py); the job's `startup` event says where
+launch to step 1 went (workbench/startup.py; docs/architecture.md, "Starting a job's ranks").
 
 Plain actors rather than Ray Train: Ray Train adds five helper actors (controller, synchronization,
 placement-group cleaner, dataset manager, autoscaling coordinator), each woken ~100 times a second,
@@ -28,6 +31,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from backends import ray_warm
 from backends.base import JobState, JobStatus
 from backends.elastic import describe, groups_that_fit, shrink
 from backends.embedded_ray import ensure_ray
@@ -87,12 +91,15 @@ class LocalRayJob:
     (backends/elastic.py) instead of waiting for capacity."""
 
     def __init__(self, spec, on_event: Callable[[dict], None] | None = None, resume: bool = False,
-                 entry: dict | None = None):
+                 entry: dict | None = None, startup: dict | None = None):
         """`entry`: {"entry": callable} runs that per-rank function (a module-level function, sent to
-        the ranks by reference; `workbench calibrate`'s microbenchmarks) instead of the training loop."""
-        import torch
-
-        ensure_ray()
+        the ranks by reference; `workbench calibrate`'s microbenchmarks) instead of the training loop.
+        `startup`: {"launched": time.monotonic() at launch, "phases": {phase: seconds}} of what the
+        caller did before (local_start.start: checks, Ray), the start of the `startup` event."""
+        ray = ensure_ray()
+        startup = startup or {}
+        self._clock = _Clock(startup.get("launched", time.monotonic()), startup.get("phases", {}))
+        self._clock.mark("job_s")
         self.spec = spec
         self.job_id = f"{spec.name}-{int(time.time())}"
         self.events: list[dict] = []
@@ -106,7 +113,11 @@ class LocalRayJob:
         self._delivered = threading.Condition()  # guards events and _finished; tells followers
         self._finished = False
         self._stop = False
-        self._use_gpu = torch.cuda.is_available() and spec.resources.gpu != "cpu"
+        # the cluster's GPUs, not this process's: no torch import in the driver (seconds of start-up)
+        self._use_gpu = spec.resources.gpu != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
+        self._rank_startup: dict[int, dict] = {}
+        self._world = spec.world_size
+        self._job: str | None = None  # the running group's id (config["job"]): its acks and stops name it
         self._layout = spec  # the layout running now: a smaller dp after an elastic shrink
         self._per_rank = self._bundle()  # fixed for the job: restarts ask for the same per rank
         self._thread = threading.Thread(target=self._fit, name=f"workbench-{self.job_id}", daemon=True)
@@ -141,43 +152,76 @@ class LocalRayJob:
         return {"CPU": min(1.0, ray.cluster_resources().get("CPU", 1) / self.spec.world_size)}
 
     def _run_group(self, attempt: int) -> str | None:
-        """Start one relay per rank, run the ranks to the end and tear the group down; None when
-        the run ended, else the first rank's failure to arrive, "rank N: what happened" (with an
-        `error` event): the cause, where the other ranks' failures are its consequences (a peer's
-        collective broken by the killed rank)."""
+        """Start one relay per rank (or take those a previous job of this driver left: ray_warm.py),
+        run the ranks to the end and tear the group down, or keep it for the next job when every
+        rank ended cleanly; None when the run ended, else the first rank's failure to arrive,
+        "rank N: what happened" (with an `error` event): the cause, where the other ranks' failures
+        are its consequences (a peer's collective broken by the killed rank)."""
         import ray
-        from ray.util.placement_group import remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        placed = self._place(attempt)
-        if placed is None:
+        started = self._start_relays(attempt)
+        if started is None:
             self._state = JobState.STOPPED
             return None
-        group, spec = placed
-        world, tp, bundle = spec.world_size, spec.layout.tp, self._per_rank
-        relays, runs = [], {}
+        group, spec, relays, where = started
+        world, runs, kept = spec.world_size, {}, False
         try:
-            relay = relay_class()
-            relays = [relay.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, i // tp)).remote()
-                      for i in range(world)]
-            where = [{**w, "bundle": i // tp} for i, w in enumerate(ray.get([r.where.remote() for r in relays]))]
             ranks = rank_order(where)
-            master = ray.get(relays[ranks.index(0)].serve_store.remote())
-            config = {"spec": spec.to_dict(), "resume": self._resume or attempt > 0, "attempt": attempt, **self._entry}
+            master = ray.get(relays[ranks.index(0)].serve_store.remote())  # once rank 0 has imported torch
+            self._clock.mark("store_s")
+            self._job = uuid.uuid4().hex  # a kept relay's late acks and stops for this job reach no later job
+            config = {"spec": spec.to_dict(), "resume": self._resume or attempt > 0, "attempt": attempt,
+                      "job": self._job, **self._entry}
             # WORKBENCH_RUN_ID: the restarted group is the same run, so it takes over the checkpoint lease
             envs = [{**rank_env(where, ranks, i, master), "WORKBENCH_RUN_ID": self._run_id} for i in range(world)]
             runs = {relays[i].run.remote(config, envs[i]): ranks[i] for i in range(world)}
+            self._rank_startup, self._world = {}, world
             failure = self._relay(relays, runs)
             if failure is not None:
                 self._accept({"event": "error", "rank": failure[0], "message": failure[1]})
+            else:
+                kept = ray_warm.keep(self._warm_key(spec), group, relays, where)
             return None if failure is None else f"rank {failure[0]}: {failure[1]}"
         finally:
-            for r in relays:
-                ray.kill(r)
-            if runs:  # wait until the relays, and so their ranks (PR_SET_PDEATHSIG), are gone
-                ray.wait(list(runs), num_returns=len(runs), timeout=30)
-            remove_placement_group(group)
+            if not kept:
+                _tear_down(group, relays, runs)
+
+    def _warm_key(self, spec) -> tuple:
+        return spec.world_size, spec.layout.tp, tuple(sorted(self._per_rank.items()))
+
+    def _start_relays(self, attempt: int):
+        """(placement group, spec, relays, where they run) for this attempt: a previous job's kept
+        relays for a first attempt of the same shape, else new ones once the cluster holds them;
+        None when the job was cancelled first. Each relay starts its rank's process at once."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if attempt == 0:
+            kept = ray_warm.take(self._warm_key(self._layout))
+            if kept is not None:
+                self._clock.reused = True
+                self._clock.mark("relays_s")
+                return kept[0], self._layout, kept[1], kept[2]
+        else:
+            ray_warm.release_warm()  # a restart needs the resources another job's kept relays hold
+        placed = self._place(attempt)
+        if placed is None:
+            return None
+        self._clock.mark("placement_s")
+        group, spec = placed
+        bundle, relays = self._per_rank, []
+        try:
+            relay = relay_class()
+            relays = [relay.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, i // spec.layout.tp)).remote()
+                      for i in range(spec.world_size)]
+            where = [{**w, "bundle": i // spec.layout.tp}
+                     for i, w in enumerate(ray.get([r.where.remote() for r in relays]))]
+        except BaseException:
+            _tear_down(group, relays, {})
+            raise
+        self._clock.mark("relays_s")
+        return group, spec, relays, where
 
     def _group_bundle(self, spec) -> dict:
         """The resources of one placement bundle: a tp group's ranks."""
@@ -272,7 +316,7 @@ class LocalRayJob:
             if self._stop and not stop_sent:
                 stop_sent = True
                 for r in relays:
-                    r.stop.remote()
+                    r.stop.remote(self._job)
         # The last events: a relay's `events` returns at once when its rank has ended; a failed
         # rank's relay is still up; a peer still blocked in a collective answers after the long poll.
         for ref, relay in polls.items():
@@ -293,11 +337,19 @@ class LocalRayJob:
             self._accept(event)
         steps = [e["step"] for e in events if e["event"] == "step"]
         if steps:
-            relay.ack.remote(max(steps), self._stop)  # read after delivery: a cancel made by then is in it
+            relay.ack.remote(max(steps), self._stop, self._job)  # read after delivery: a cancel made by then is in it
 
     def _accept(self, event: dict) -> None:
         """Deliver an event; rank 0's `end` is held back until every rank has finished (the other
-        ranks' last events may still be on their way, and `end` is the last event of a run)."""
+        ranks' last events may still be on their way, and `end` is the last event of a run). The
+        ranks' `startup` events become one, with the driver's part, once every rank's is in."""
+        if event["event"] == "startup":
+            self._rank_startup[event["rank"]] = event["phases"]
+            if len(self._rank_startup) == self._world:
+                self._deliver(self._clock.event(self._rank_startup))
+            return
+        if event["event"] == "step" and self._clock.step_1_at is None:
+            self._clock.step_1()
         if event["event"] == "end":
             self._end = event
             self._state = JobState.STOPPED if event["status"] == "preempted" else JobState.COMPLETED
@@ -370,5 +422,43 @@ class LocalRayBackend:
         return {"ray": "embedded (ray.init on this machine)", "num_workers": world,
                 "backend": "gloo" if spec.resources.gpu == "cpu" else "nccl", "spec": spec.to_dict()}
 
-    def submit(self, spec, on_event=None, resume: bool = False) -> LocalRayJob:
-        return LocalRayJob(spec, on_event=on_event, resume=resume)
+    def submit(self, spec, on_event=None, resume: bool = False, startup: dict | None = None) -> LocalRayJob:
+        return LocalRayJob(spec, on_event=on_event, resume=resume, startup=startup)
+
+
+def _tear_down(group, relays: list, runs: dict) -> None:
+    """Kill the relays and, with them, their ranks; free the placement group."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for r in relays:
+        ray.kill(r)
+    if runs:  # wait until the relays, and so their ranks (PR_SET_PDEATHSIG), are gone
+        ray.wait(list(runs), num_returns=len(runs), timeout=30)
+    remove_placement_group(group)
+
+
+class _Clock:
+    """The driver's part of a job's start-up, on this process's monotonic clock only (the ranks
+    report durations on theirs): each phase is the time since the previous mark."""
+
+    def __init__(self, launched: float, phases: dict):
+        self.launched, self.phases, self.reused = launched, dict(phases), False
+        self._last = launched + sum(phases.values())
+        self.step_1_at: float | None = None
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    def step_1(self) -> None:
+        """Rank 0's first step event has reached the driver."""
+        self.mark("ranks_s")
+        self.step_1_at = time.monotonic()
+
+    def event(self, ranks: dict) -> dict:
+        """The `startup` event: the driver's phases, each rank's, and launch to step 1's arrival."""
+        total = None if self.step_1_at is None else self.step_1_at - self.launched
+        return {"event": "startup", "launch_to_step_1_s": total, "reused": self.reused, "driver": dict(self.phases),
+                "ranks": {str(r): ranks[r] for r in sorted(ranks)}}

@@ -26,8 +26,11 @@ def start(spec, on_event: Callable[[dict], None] | None = None, resume: bool = F
     `on_event`; on stderr without it); after the last attempt RayStartError (a WorkerError; the CLI
     exits 69) names what timed out, the load and what to try, among which the Ray-free route.
     """
+    import time
+
     from backends.local_ray import LocalRayBackend, ensure_ray
 
+    launched = time.monotonic()
     spec = load_spec(spec)
     check_runnable(spec)
     if spec.checkpoint.uri:
@@ -36,10 +39,12 @@ def start(spec, on_event: Callable[[dict], None] | None = None, resume: bool = F
         check_lease_free(spec.checkpoint.uri)  # a second writer of the URI: exit 2 before any worker starts
     if resume:
         check_resume_from_checkpoint(spec, or_fresh=resume == RESUME_OR_FRESH)
+    checked = time.monotonic()
     note = None if on_event is None else (lambda kind, message: on_event({"event": kind, "message": message}))
     ensure_ray(note=note, fallback=f"python -m workbench.cloud_entry --spec SPEC (torchrun with {spec.world_size} ranks "
                "running the same per-rank runtime; metrics as JSON lines on stdout, the same exit codes)")
-    return LocalRayBackend().submit(spec, on_event=on_event, resume=resume)
+    startup = {"launched": launched, "phases": {"checks_s": checked - launched, "ray_s": time.monotonic() - checked}}
+    return LocalRayBackend().submit(spec, on_event=on_event, resume=resume, startup=startup)
 
 
 def check_resume_from_checkpoint(spec: JobSpec, or_fresh: bool = False) -> None:

@@ -65,11 +65,13 @@ def start_ray() -> None:
 def run_workbench(spec_path: Path, work: Path, timeout_s: float) -> dict:
     """`workbench.run(spec, metrics_out=F)` (what `workbench run SPEC --metrics-out F` calls) on the
     embedded Ray cluster this process started; step ends from the step events."""
+    from backends.ray_warm import wait_ready
     from workbench.launch import run as workbench_run
 
     metrics = work / "wb_metrics.jsonl"
     start_ray()
     workbench_run(str(spec_path), metrics_out=str(metrics), progress=False)
+    wait_ready()  # the rank processes kept for the next job import torch now: not during the next arm
     steps = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = sorted((e for e in steps if e["event"] == "step"), key=lambda e: e["step"])
     return {"times": [e["time"] for e in steps], "losses": [e["loss"] for e in steps]}

@@ -57,11 +57,13 @@ def main(argv: list[str] | None = None) -> None:
         opt.step()
         opt.zero_grad()
         ends.append(time.time())
+        if step == 1:
+            cpu_at_step_1 = time.process_time()  # this process's CPU seconds, imports included
         losses.append(total)
     if args.out:  # each rank writes its own file: no extra collective just to log the loss
         out = args.out if rank == 0 else f"{args.out}.rank{rank}"
         Path(out).write_text(json.dumps({"step_end_times": ends, "losses": losses, "world": world,
-                                         "threads": torch.get_num_threads(),
+                                         "threads": torch.get_num_threads(), "cpu_at_step_1_s": cpu_at_step_1,
                                          "omp": os.environ.get("OMP_NUM_THREADS")}))
     dist.destroy_process_group()
 

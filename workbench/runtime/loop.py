@@ -144,7 +144,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] = lambda: False,
-          resume: bool = False, gather_state: bool = False, attempt: int = 0) -> dict:
+          resume: bool = False, gather_state: bool = False, attempt: int = 0,
+          on_started: Callable[[dict], None] | None = None) -> dict:
     """Train `spec` on this rank. Returns the final {"status", "step", "loss"}.
 
     Args:
@@ -158,13 +159,17 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
         gather_state: also return the full fp32 trained weights by canonical name under "state"
             (on rank 0; collective, for parity tests).
         attempt: how many times the launcher restarted the workers (recorded in the restart event).
+        on_started: called once on every rank after its first step with its start-up as durations
+            on this process's clock (`STARTUP_PHASES`); the local backend's ranks report them.
     """
+    began = time.perf_counter()
     spec = _loaded(spec)
     joins = not dist.is_initialized()  # the launcher's env:// group is ours to destroy
     # SIGTERM -> stop after this step (main thread only); trackers get rank 0's events.
     try:
         with PreemptionNotice() as notice, tracked(spec, sink) as sink:
-            result = _train(spec, sink, lambda: should_stop() or notice.requested, resume, gather_state, attempt)
+            result = _train(spec, sink, lambda: should_stop() or notice.requested, resume, gather_state, attempt,
+                            _Started(on_started, began))
     finally:
         if joins and dist.is_initialized():
             # Before the interpreter exits, also after an error: a gloo group still alive then can
@@ -185,6 +190,33 @@ def _loaded(spec: JobSpec | dict) -> JobSpec:
     return spec
 
 
+STARTUP_PHASES = {  # what `on_started` gets, in the order a rank spends them
+    "spec_s": "the spec loaded and validated on the rank",
+    "process_group_s": "process group (TCPStore rendezvous) and device mesh",
+    "model_s": "model built and parallelized, optimizer step",
+    "data_s": "data opened",
+    "checkpoint_s": "checkpointer (and the restore of a resumed run)",
+    "first_step_s": "step 1's compute",
+}
+
+
+class _Started:
+    """The rank's start-up phases, timed on this process's clock until step 1 ends (`train`'s `on_started`)."""
+
+    def __init__(self, report: Callable[[dict], None] | None, began: float):
+        self._report, self.phases, self._last = report, {}, began
+
+    def mark(self, phase: str) -> None:
+        """`phase` ended now: it took the time since the previous mark."""
+        now = time.perf_counter()
+        self.phases[phase], self._last = now - self._last, now
+
+    def step_done(self) -> None:
+        if self._report is not None and "first_step_s" not in self.phases:
+            self.mark("first_step_s")
+            self._report(dict(self.phases))
+
+
 @dataclass
 class _Run:
     """What one rank builds before its first step (`_setup`) and uses in every step."""
@@ -202,13 +234,15 @@ class _Run:
     pipeline: Any  # runtime.pipeline.PipelineEngine where pp > 1, else None
 
 
-def _setup(spec: JobSpec, sink: Sink) -> _Run:
+def _setup(spec: JobSpec, sink: Sink, started: _Started) -> _Run:
     """Join the process group, build the mesh and the parallelized model, the optimizer step, the
     data and (pp > 1) the pipeline engine."""
     check_runnable(spec)
+    started.mark("spec_s")
     ctx = init_distributed()
     parallelism, t = Parallelism.from_spec(spec), spec.train
     mesh = build_mesh(ctx.device.type, dp=parallelism.dp, tp=parallelism.tp, pp=parallelism.pp)
+    started.mark("process_group_s")
     torch.manual_seed(t.seed)
     parallelized = parallelize(build_model_meta(spec), mesh, parallelism, device=ctx.device, seed=t.seed)
     step_fn = build_train_step(parallelized, spec, parallelism, ctx.device, mesh)
@@ -225,18 +259,20 @@ def _setup(spec: JobSpec, sink: Sink) -> _Run:
         pipeline = PipelineEngine(parallelized, mesh, schedule=parallelism.pp_schedule, device=ctx.device,
                                   num_microbatches=parallelism.num_micro, dtype=parallelism.dtype,
                                   scale_loss=step_fn.scale_loss)
-    return _Run(spec, parallelism, ctx, mesh, coords(mesh), parallelized, step_fn, build_token_source(spec), meter, dp_group,
-                pipeline)
+    started.mark("model_s")
+    source = build_token_source(spec)
+    started.mark("data_s")
+    return _Run(spec, parallelism, ctx, mesh, coords(mesh), parallelized, step_fn, source, meter, dp_group, pipeline)
 
 
 def _train(spec: JobSpec, sink: Sink, should_stop: Callable[[], bool], resume: bool, gather_state: bool,
-           attempt: int) -> dict:
-    run = _setup(spec, sink)
+           attempt: int, started: _Started) -> dict:
+    run = _setup(spec, sink, started)
     rank = run.ctx.rank
     ckpt = build_checkpointer(spec, run.parallelized.modules, run.step_fn.optimizer, run.ctx.device, sink,
                               extra_state=run.step_fn.stateful())
     try:
-        step, loss_value, status = _loop(run, spec, ckpt, sink, should_stop, resume, attempt)
+        step, loss_value, status = _loop(run, spec, ckpt, sink, should_stop, resume, attempt, started)
         ckpt.close()
     except BaseException:
         with contextlib.suppress(BaseException):  # the original error is the one to report
@@ -252,10 +288,12 @@ def _train(spec: JobSpec, sink: Sink, should_stop: Callable[[], bool], resume: b
     return result
 
 
-def _loop(run: _Run, spec: JobSpec, ckpt, sink: Sink, should_stop: Callable[[], bool], resume, attempt: int) -> tuple:
+def _loop(run: _Run, spec: JobSpec, ckpt, sink: Sink, should_stop: Callable[[], bool], resume, attempt: int,
+          started: _Started) -> tuple:
     """Restore (with `resume`), then train to the last step or a stop. Returns (step, loss, status)."""
     t, rank = spec.train, run.ctx.rank
     first = ckpt.restore(or_fresh=resume == RESUME_OR_FRESH) + 1 if resume else 1
+    started.mark("checkpoint_s")
     if resume and rank == 0:
         restart = {"event": "restart", "attempt": attempt, "from_step": first - 1}
         if ckpt.rejected_steps:  # skipped as incomplete or corrupt (a warning event each says why)
@@ -264,6 +302,7 @@ def _loop(run: _Run, spec: JobSpec, ckpt, sink: Sink, should_stop: Callable[[], 
     step, loss_value, status = first - 1, float("nan"), "completed"
     for step in range(first, t.steps + 1):
         loss_value = _step(run, step, first, sink)
+        started.step_done()
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
             val = evaluate(run)
             if rank == 0:
