@@ -369,7 +369,8 @@ def write_report(results_dir: Path | None = None, doc: Path | None = None, img_d
     parts.append(HF_LOAD)
     # sections whose benchmark renders its own markdown (it dates itself)
     for name, module in (("prediction", "bench.bench_prediction"), ("peers", "bench.bench_peers"),
-                         ("nvme", "bench.bench_nvme"), ("step_overhead", "bench.bench_step_overhead")):
+                         ("nvme", "bench.bench_nvme"), ("step_overhead", "bench.bench_step_overhead"),
+                         ("startup", "bench.bench_startup")):
         r = read_result(name, results_dir)
         if r is not None:
             parts.append(importlib.import_module(module).section(r, doc, img) + (PREDICTION_MISSES if name == "prediction" else ""))
@@ -471,8 +472,8 @@ with dp=2, to see what besides the two training ranks wants the two cores. What 
 What remains per step: one 2-value all-reduce so that every rank agrees on stopping or saving after
 the same step, the loss all-reduce over dp (the logged loss is the global-batch mean), and a memory
 measurement every `MEMORY_EVERY` steps. What remains at start-up: the embedded cluster, one relay
-process per rank, and each relay starts its rank's process (a Python with torch: a few seconds).
-The start-up is the "launch to end of step 1" column of (a)."""
+process per rank; each relay starts its rank's process as it starts, which imports torch before its
+job arrives, and a driver's second job of the same shape reuses them (section s)."""
 
 
 def _measured(text: str, r: dict | None) -> str:

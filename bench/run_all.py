@@ -31,6 +31,7 @@ BENCHMARKS = {
     "peers": "bench.bench_peers",  # (k) ZeRO, offload, TP, SP, PP against plain scripts and DeepSpeed
     "nvme": "bench.bench_nvme",  # (l) ZeRO-Infinity against CPU offload and none; file I/O against dd
     "step_overhead": "bench.bench_step_overhead",  # (m) the stop acknowledgement and the meters per step
+    "startup": "bench.bench_startup",  # (s) launch to the end of step 1 against torchrun, by phase
 }
 
 

@@ -120,6 +120,12 @@ def _record(event: dict, out, bar, name: str) -> None:
         out.flush()
     if event["event"] == "warning":
         print(f"warning: {event['message']}", file=sys.stderr)
+    if event["event"] == "startup" and bar is not None:
+        from workbench.startup import by_owner
+
+        owners = ", ".join(f"{who} {s:.1f} s" for who, s in by_owner(event).items())
+        reused = " (relays and rank processes kept from the previous run)" if event.get("reused") else ""
+        bar.write(f"step 1 ended {event['launch_to_step_1_s']:.1f} s after launch{reused}: {owners}", file=sys.stderr)
     if bar is not None and event["event"] == "step":
         if event["step"] == 1:
             bar.set_description_str(name)
