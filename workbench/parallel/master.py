@@ -65,6 +65,10 @@ class FlatParams:
             torch._foreach_copy_(dst, src)
 
 
+# torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns there); older torch has only the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def chunk_size(range_numel: int) -> int:
     """At least ~8 chunks per range (staging stays small next to the state), at most MAX_CHUNK."""
     return max(MIN_CHUNK, min(MAX_CHUNK, math.ceil(range_numel / 8)))
@@ -168,7 +172,7 @@ class MasterOptimizer:
         # One all-gather into one buffer (rank r's chunk at r * n), then one foreach copy per rank.
         n = c1 - c0
         gathered = torch.empty(n * self.world, dtype=values.dtype, device=self.device)
-        dist.all_gather_into_tensor(gathered, values.contiguous(), group=self.group)
+        _all_gather_single(gathered, values.contiguous(), group=self.group)
         for r in range(self.world):
             base = r * self.range_numel
             self.flat.write(base + c0, base + c1, gathered[r * n:(r + 1) * n])
