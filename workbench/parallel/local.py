@@ -9,8 +9,17 @@ from torch.distributed.tensor import DTensor, Placement, distribute_module, dist
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of `t` as a plain tensor (`t` itself when it is not a DTensor)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    """This rank's shard of `t` as a plain tensor (`t` itself when it is not a DTensor).
+
+    Through autograd (`to_local`) only where the result must carry gradients back to `t`; every
+    other use (gradients, values under no_grad) takes the shard as it is stored: `to_local` is an
+    autograd Function call, ~150 of them per step for zeroing an FSDP2 model's gradients alone.
+    """
+    if not isinstance(t, DTensor):
+        return t
+    if t.requires_grad and torch.is_grad_enabled():
+        return t.to_local()
+    return t._local_tensor
 
 
 def shard_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement]) -> None:
