@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.helpers.events import losses
+from tests.helpers.marks import fast_first
 from tests.helpers.reference import reference_run
 from tests.helpers.specs import tiny_gpt, world
 from workbench.runtime.loop import train
@@ -75,7 +76,7 @@ SHARDED = {"zero3": {"dp": 2, "zero": 3}, "tp2": {"tp": 2}, "pp2": {"pp": 2}}
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("name", list(SHARDED))
+@pytest.mark.parametrize("name", fast_first(SHARDED, ["zero3", "pp2"]))
 def test_sharded_layouts_resume_exactly_and_elastically(name, pool, reference, tmp_path):
     """FSDP2 shards, TP DTensors and pipeline stages: the same layout resumes bit for bit; a
     single process resumes the sharded checkpoint within floating-point tolerance."""
@@ -132,7 +133,7 @@ MASTERS = {  # name: (world, layout, precision, layout to resume under on 2 rank
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", list(MASTERS))
+@pytest.mark.parametrize("name", fast_first(MASTERS, ["pp2-bf16-tied"]))
 def test_pipeline_master_resumes_exactly_and_under_another_layout(name, spawn_pools, tmp_path):
     import shutil
 
@@ -184,7 +185,7 @@ TIED_RESHARD = {  # name: ((precision, layout) that saves, (precision, layout) t
         ("fp16", {"dp": 2, "zero": 2}),
         ("fp16", {"dp": 2, "pp": 2, "zero": 2, "pp_schedule": "interleaved-1f1b"})),
 }
-FAST = ("fp32-pp1-to-pp2", "bf16-master-pp2-to-pp1")
+FAST = ("bf16-master-pp2-to-pp1",)
 TIED_STEPS, TIED_STOP = 4, 2
 
 
@@ -220,8 +221,7 @@ def single_tied():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in FAST else [pytest.mark.slow])
-                                  for n in TIED_RESHARD])
+@pytest.mark.parametrize("name", fast_first(TIED_RESHARD, FAST))
 def test_tied_checkpoint_holds_one_weight_and_resumes_across_pipeline_layouts(name, spawn_pools, single_tied,
                                                                                tmp_path):
     from torch.distributed.checkpoint import FileSystemReader

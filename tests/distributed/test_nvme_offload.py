@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.helpers.events import final_state, loss_by_step, losses, measured
+from tests.helpers.marks import fast_first
 from tests.helpers.reference import reference_run
 from tests.helpers.specs import tiny_gpt
 from workbench import build_model
@@ -72,7 +73,8 @@ def runs(spawn_pools, tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("name", ["zero3-nvme-full", "zero2-nvme", "dp4-zero3-nvme-full", "dp4-zero2-nvme-full"])
+@pytest.mark.parametrize("name", fast_first(["zero3-nvme-full", "zero2-nvme", "dp4-zero3-nvme-full", "dp4-zero2-nvme-full"],
+                                             ["zero3-nvme-full", "zero2-nvme"]))
 def test_nvme_layout_reproduces_single_process(name, runs, request):
     events, reference = runs(name), reference_of(name, request)
     # Every rank ran with its shards in files (its memory event measures them on disk).
@@ -86,8 +88,8 @@ def test_nvme_layout_reproduces_single_process(name, runs, request):
 
 
 @pytest.mark.parametrize("name,plain_name", [("zero3-nvme-bf16", "zero3-bf16"),
-                                             ("dp4-zero3-nvme-bf16", "dp4-zero3-bf16"),
-                                             ("dp4-zero2-nvme-bf16", "dp4-zero3-bf16")])  # zero 2 vs 3: same numbers
+                                             pytest.param("dp4-zero3-nvme-bf16", "dp4-zero3-bf16", marks=pytest.mark.slow),
+                                             pytest.param("dp4-zero2-nvme-bf16", "dp4-zero3-bf16", marks=pytest.mark.slow)])  # zero 2 vs 3: same numbers
 def test_bf16_nvme_matches_bf16_without_offload(name, plain_name, runs, request):
     nvme, plain, reference = runs(name), runs(plain_name), reference_of(name, request)
     # Same FSDP2 mixed precision; the update is torch's functional adamw (nvme) vs torch.optim.AdamW.

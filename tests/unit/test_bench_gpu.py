@@ -35,6 +35,7 @@ SMOKE = ["--device", "cpu", "--preset", "gpt-tiny", "--steps", "4", "--warmup", 
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # the whole suite keeps the script from rotting; the fast loop runs train_1b's smoke
 @pytest.mark.timeout(300)
 def test_run_all_cpu_smoke_measures_every_arm(spawn_pools, tmp_path, monkeypatch):
     """bench/gpu/run_all.py's CPU smoke mode: the single arm, ZeRO-3 and TP on 2 gloo ranks, each
