@@ -24,6 +24,7 @@ from bench.bench_throughput import _env, start_ray
 from bench.common import ROOT, interleave, stats, table, tiny_spec, write_result
 
 GROUPS = ("ranks", "Ray actors", "Ray daemons", "other")
+WAITING_CORES = 0.05  # a training rank keeps a core busy; one waiting for its job sleeps on a pipe
 _DAEMONS = ("raylet", "gcs_server", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray/dashboard", "ray/_private",
             "ray/autoscaler")
 _POLICIES = {getattr(os, f"SCHED_{n}"): n for n in ("OTHER", "BATCH", "IDLE") if hasattr(os, f"SCHED_{n}")}
@@ -97,6 +98,9 @@ class Window:
             if pid in s0:
                 procs.append({"group": grp, "cmd": cmd, "cores": (cpu - s0[pid][2]) / wall,
                               "switches_per_s": (cs - s0[pid][3]) / wall, "policy": policy})
+        for p in procs:  # a rank process that waits for a next job (backends/ray_warm.py) trains nothing
+            if p["group"] == "ranks" and p["cores"] < WAITING_CORES:
+                p["group"] = "other"
         ranks = [p for p in procs if p["group"] == "ranks"]
         ms = 1000 * (self.step_times[self.last] - self.step_times[self.first]) / (self.last - self.first)
         return {"ms_per_step": ms, "ranks": len(ranks), "rank_cores": statistics.mean(p["cores"] for p in ranks),

@@ -140,7 +140,7 @@ def meters(cfg: dict) -> dict:
     ratio = stats([a / b - 1 for a, b in zip(whole["meters on"], whole["meters off"])])
 
     # the parts, on this model after one step (optimizer state exists)
-    run = loop._setup(load_spec(spec), lambda e: None)
+    run = loop._setup(load_spec(spec), lambda e: None, loop._Started(None, 0.0))
     loop._step(run, 1, 1, lambda e: None)
     meter, mods = run.meter, run.parallelized.modules
     meter.active = False  # as on every step after the first

@@ -523,7 +523,7 @@ class _Bench:
                 events.append(event["step_time_s"])
 
         if ranks == self.ctx.world_size:
-            run = loop._setup(spec, sink)
+            run = loop._setup(spec, sink, loop._Started(None, 0.0))  # no start-up report
         else:  # the world is larger than the probe: its ranks build the run without a mesh (one rank)
             from workbench.data import build_token_source
             from workbench.models import build_model_meta
