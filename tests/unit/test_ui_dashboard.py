@@ -191,9 +191,11 @@ def test_a_zoom_survives_live_updates_in_place_and_goes_with_the_axis():
     box.show(figures.run_figure(events + steps(1, first=7), x_axis="tokens"))
     assert box.widget is widget and not widget.layout.xaxis.range  # a double-click back to the whole curve stays
     box.show(None)
-    assert box.children == (box.fit,) and box.widget is widget and box.figure is None  # kept, off the page
-    box.show(figures.run_figure(steps(2)))  # the next run: the same widget, the zoom gone with the last one
-    assert box.children == (box.fit, widget) and list(widget.data[0].x) == [1, 2] and not widget.layout.xaxis.range
+    # gone with its widget: shown again later, a kept widget's page model lost its traces' list
+    # ("Error setting state" in the browser's console, tests/browser/test_ui.py)
+    assert box.children == (box.fit,) and box.widget is None and box.figure is None and widget.comm is None
+    box.show(figures.run_figure(steps(2)))  # the next run: a new widget, the zoom gone with the last one
+    assert box.children == (box.fit, box.widget) and box.widget is not widget and not box.widget.layout.xaxis.range
 
 
 def test_a_redraw_leaves_what_the_browser_set_on_a_window_resize():
@@ -217,27 +219,6 @@ def test_a_redraw_leaves_what_the_browser_set_on_a_window_resize():
     assert any(d and d.get("legend", {}) == {} for d in layouts) and widget.layout.legend.title.text is None
 
 
-def test_the_pages_copy_is_the_whole_newest_figure_after_every_update():
-    """#34: a chart's view draws the widget's synced state first (`_widget_data`, `_widget_layout`); plotly's
-    browser model applies in-place updates to it only once its script has loaded, so updates sent
-    before were lost and the chart drew its first figure, empty, after a run had ended. After each
-    `show` the synced state is the whole figure the widget holds: in place, replaced, and zoomed."""
-    box = LiveFigure()
-    box.show(figures.run_figure([]))
-    widget = box.widget
-    for n in (1, 2, 5):  # in place
-        box.show(figures.run_figure(steps(n)))
-        assert widget._widget_data == widget._data and len(widget._widget_data[0]["x"]) == n
-        assert widget._widget_layout == widget._layout_obj._props
-        assert widget._widget_layout["title"]["text"].startswith(f"Training: step {n}")
-    zoom(widget, "xaxis", 2, 4)
-    events = steps(6) + [{"event": "eval", "step": 4, "loss": 1.0, "perplexity": 2.7}]
-    box.show(figures.run_figure(events))  # the traces replaced, the zoom kept
-    assert box.widget is widget and [t["name"] for t in widget._widget_data][3] == "val_loss"
-    assert widget._widget_layout["xaxis"]["range"] == [2, 4]
-    assert widget._widget_data == widget._data and widget._widget_layout == widget._layout_obj._props
-
-
 def test_a_chart_the_page_reports_dead_is_drawn_again_in_a_new_widget():
     """#34: anywidget drops every message to a widget whose 5 MB script took over 2 s to load (under load),
     and the page drew an empty chart for good; the page's watcher reports a chart drawn without the
@@ -250,7 +231,7 @@ def test_a_chart_the_page_reports_dead_is_drawn_again_in_a_new_widget():
     assert box.widget is first and box.renewed == 0
     box.fit._handle_custom_msg({"stale": True}, [])  # what the page sends (workbench.ui.live._FIT_ESM)
     assert box.widget is not first and first.comm is None and box.renewed == 1  # the dead one closed
-    assert box.children == (box.fit, box.widget) and box.widget._widget_data == box.widget._data
+    assert box.children == (box.fit, box.widget)
     assert list(box.widget.data[0].x) == [1, 2, 3] and box.widget.layout.title.text.startswith("Training: step 3")
     box.show(figures.run_figure(steps(4)))  # and it goes on in place in the new widget
     assert list(box.widget.data[0].x) == [1, 2, 3, 4]

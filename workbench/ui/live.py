@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import html
 import threading
-from copy import deepcopy
 
 import anywidget
 import ipywidgets as w
@@ -137,15 +136,14 @@ class LiveFigure(w.VBox):
     it back as a relayout) is kept unless the axis now measures something else (its title changed);
     otherwise the widget's traces are replaced (deleted, then the new ones added) and its layout set
     with those ranges, so no trace or shape of an earlier figure is left behind. The widget is made
-    with the LiveFigure and kept when nothing is shown (None), for the next figure: it is never
-    swapped for another but when the page reports it dead (below). Safe to call from a background thread.
+    with the first figure and closed when nothing is shown (None): a widget taken off the page and
+    shown again lost its traces' list in the page's model ("Error setting state" on every update,
+    browser test). It is never swapped for another but then and when the page reports it dead
+    (below). Safe to call from a background thread.
 
-    The kernel's copy of the page's state is whole after every `show`: the widget's synced state
-    (`_widget_data`, `_widget_layout`, what a view draws first and what a reloaded page is sent) is set
-    to the whole figure after each update; plotly sets it only when the widget is made, so a reloaded
-    page drew the first figure. A chart whose widget never got the kernel's messages (anywidget gave up
-    on its script under load: the chart drew empty, #34) is reported by the page and drawn again in a
-    new widget, at most `RENEW_AT_MOST` times. The chart fills its box from its first draw and follows
+    A chart whose widget never got the kernel's messages (anywidget gave up on its script under load:
+    the chart drew empty, #34) is reported by the page and drawn again in a new widget, at most
+    `RENEW_AT_MOST` times. The chart fills its box from its first draw and follows
     it (`_FitWidth`).
     """
 
@@ -161,9 +159,7 @@ class LiveFigure(w.VBox):
         self._lock = threading.RLock()  # show (the refresher's thread) and a renewal (the kernel's)
         self.figure: go.Figure | None = None  # the newest figure shown (what the builders made)
         self._drawn: go.Figure | None = None  # the newest figure drawn into the widget
-        # Made now, when the notebook shows the workbench, not during a run: the browser loads plotly's
-        # 5 MB script for each new widget, and under a run's load that took over anywidget's 2 s.
-        self.widget: go.FigureWidget | None = _figure_widget(layout={"template": "plotly_white"})
+        self.widget: go.FigureWidget | None = None  # made with the first figure
         self._pushed: dict = {}  # the axis ranges and titles of the newest figure shown, as we set them
         self._shown: str | None = None
 
@@ -192,10 +188,11 @@ class LiveFigure(w.VBox):
             return  # the same figure again (the refresher redraws each second): nothing to send
         before = self._drawn
         self.figure, self._shown = fig, key
-        if fig is None:  # the chart goes from the page; its widget stays for the next figure
+        if fig is None:  # the chart goes from the page, with its widget
             self.children = (self.fit,)
-            if self.widget is not None:  # a zoom of what it showed goes with it
-                self._pushed = _axes(self.widget.layout.to_plotly_json())
+            if self.widget is not None:
+                self.widget.close()
+            self.widget, self._drawn, self._pushed = None, None, {}
             return
         layout = fig.layout.to_plotly_json()
         kept = self.zoomed(layout)
@@ -224,16 +221,8 @@ class LiveFigure(w.VBox):
             self.widget = _figure_widget(data=fig.data, layout=layout)
         self._drawn = fig
         self._pushed = _axes(fig.layout.to_plotly_json())
-        self._sync_whole()
         if self.children != (self.fit, self.widget):
             self.children = (self.fit, self.widget)
-
-    def _sync_whole(self) -> None:
-        """Set the widget's synced state to the whole figure it holds, after the updates that made it."""
-        widget = self.widget
-        if widget is not None:
-            widget._widget_layout = deepcopy(widget._layout_obj._props)
-            widget._widget_data = deepcopy(widget._data)
 
     def zoomed(self, new_layout: dict) -> dict[str, tuple]:
         """{axis: range} of the shown widget's axes whose range differs from the one the newest figure
