@@ -38,22 +38,14 @@ def mfu_text(mfu: float | None, device: str | None) -> str:
     return "-" if is_cpu(device) or mfu is None else f"{mfu:.0%}"
 
 
-def _base_layout(fig: go.Figure, title: str, height: int, legend_below: bool = False) -> go.Figure:
+def _base_layout(fig: go.Figure, title: str, height: int) -> go.Figure:
     # The title on top of the box and room under it for a legend wrapped to two rows (narrow columns).
     # Transparent backgrounds: the page's own (JupyterLab's light or dark theme; app.py's CSS sets the
     # text and grid colors of the dark one). The mode bar stands upright on the right, over no title.
-    # `legend_below`: a legend on top of the plots covered the panel titles of side-by-side panels, and
-    # the title once it wrapped to several rows (the memory chart's at 800 px) (#34); at the foot of the
-    # figure (`yref="container"`) plotly.js adds the legend's rows to the bottom margin the x axes'
-    # labels and titles take, so it overlaps nothing at any width.
-    legend = (dict(orientation="h", yref="container", y=0.0, yanchor="bottom", xanchor="left", x=0.0)
-              if legend_below else dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
     fig.update_layout(title=dict(text=title, x=0.01, y=0.99, yref="container", yanchor="top", font=dict(size=14)),
                       height=height, font=_FONT, template="plotly_white", margin=dict(l=60, r=36, t=78, b=40),
                       paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)", modebar=dict(orientation="v"),
-                      legend=legend)
-    if legend_below:
-        fig.update_xaxes(automargin=True)  # the axis titles push the bottom margin; the legend adds to it
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
     return fig
 
 
@@ -120,7 +112,7 @@ def memory_figure(estimate: dict | None, measured: dict[int, dict] | None = None
     worst = max(g[1]["total"] for g in groups) / scale
     _memory_axis(fig, estimate["device_memory"], device, top_bytes / scale, unit)
     verdict = _verdict(estimate, groups, fits, kinds, f"{worst:.3g} {unit}")
-    return _base_layout(fig, f"Memory per rank ({verdict})", height, legend_below=True)
+    return _base_layout(fig, f"Memory per rank ({verdict})", height)
 
 
 def _memory_axis(fig: go.Figure, device_bytes: int, device: float, top: float, unit: str) -> None:
@@ -243,7 +235,7 @@ def run_figure(events: list[dict], height: int = 320, *, history: list[dict] = (
 
     Args:
         events: metrics events (the contract in docs/architecture.md); only "step", "eval", "restart" and "checkpoint" are read.
-        height: figure height in pixels, and 22 more per legend row of `history` (a run, a group's title).
+        height: figure height in pixels.
         history: other runs, ``{"label": str, "events": [...]}`` (earlier runs of the session, or runs
             loaded from files with ``"group": "compared runs"``), drawn thin and dotted beneath on all
             three panels, one legend entry each.
@@ -289,10 +281,7 @@ def run_figure(events: list[dict], height: int = 320, *, history: list[dict] = (
     if not steps:
         fig.add_annotation(text="no steps yet: press Run", xref="paper", yref="paper", x=0.5, y=0.45,
                            showarrow=False, font=dict(size=14, color="#888"))
-    # The legend of other runs takes rows of its own under the panels (one per run in a narrow column):
-    # the figure grows by them rather than squeezing the panels.
-    rows = len(history) + len({run.get("group", "earlier runs") for run in history})
-    return _base_layout(fig, _run_title(steps, evals), height + 22 * rows, legend_below=True)
+    return _base_layout(fig, _run_title(steps, evals), height)
 
 
 def _add_run_curves(fig: go.Figure, steps: list[dict], xs: list[float], smooth: float, x_axis: str) -> None:
@@ -403,8 +392,7 @@ def host_figure(events: list[dict], height: int = 260, *, smooth: float = 0.0, x
                                                    "<extra></extra>"), row=1, col=col)
         fig.update_xaxes(title_text=X_AXES[x_axis], row=1, col=col, rangemode="tozero")
         fig.update_yaxes(rangemode="tozero", row=1, col=col)
-    return _base_layout(fig, "Hosts and GPUs per rank" if panels else "Hosts and GPUs per rank: no figures yet", height,
-                        legend_below=True)
+    return _base_layout(fig, "Hosts and GPUs per rank" if panels else "Hosts and GPUs per rank: no figures yet", height)
 
 
 def lr_figure(train, events: list[dict] | None = None, height: int = 180, max_points: int = 400) -> go.Figure:

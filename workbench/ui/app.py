@@ -11,7 +11,6 @@ from pathlib import Path
 import ipywidgets as w
 
 from workbench.errors import ConfigError
-from workbench.report.figures import COLORS
 from workbench.spec import JobSpec, load_spec
 from workbench.ui.dispatch_panel import DispatchPanel
 from workbench.ui.import_config import ImportConfig
@@ -42,22 +41,7 @@ body[data-jp-theme-light="false"] .wb-root .main-svg .zerolinelayer path {
   stroke: var(--jp-border-color2, #555) !important; }
 body[data-jp-theme-light="false"] .wb-root .main-svg .legend .bg {
   fill: var(--jp-layout-color1, #111) !important; }
-/* The figures' one dark "ink" (COLORS["device"]: the device-memory line, the measured-peak ticks and their
-   legend symbol) takes the theme's text color: black on the dark page it was invisible (#34) */
-body[data-jp-theme-light="false"] .wb-root .main-svg [style*="stroke: INK"] {
-  stroke: var(--jp-ui-font-color1, #ddd) !important; }
-body[data-jp-theme-light="false"] .wb-root .main-svg [style*="fill: INK"] {
-  fill: var(--jp-ui-font-color1, #ddd) !important; }
 </style>"""
-
-
-def _css_rgb(hex_color: str) -> str:
-    """'#222222' as the browser writes it in an element's style attribute: 'rgb(34, 34, 34)'."""
-    r, g, b = (int(hex_color.lstrip("#")[i:i + 2], 16) for i in (0, 2, 4))
-    return f"rgb({r}, {g}, {b})"
-
-
-_CSS = _CSS.replace("INK", _css_rgb(COLORS["device"]))
 
 
 def _title(text: str) -> w.HTML:
