@@ -80,13 +80,13 @@ def _assert_tp_groups_inside_nodes(nodes: dict[int, str], tp: int = 2) -> None:
 
 
 def _assert_rendezvous_on_rank0(events) -> None:
-    """Every rank was given one MASTER_ADDR:PORT, and rank 0's relay process (on rank 0's node)
-    is the one listening there: the TCPStore the process group starts from."""
+    """Every rank was given one MASTER_ADDR:PORT, and rank 0's process (started by its relay on rank 0's
+    node) is the one listening there: the TCPStore the process group starts from."""
     import psutil
 
     first = {e["rank"]: e for e in events if e["event"] == "worker" and e["attempt"] == 0}
     (master,) = {w["master"] for w in first.values()}
-    listening = {c.laddr.port for c in psutil.Process(first[0]["pid"]).net_connections("tcp")
+    listening = {c.laddr.port for c in psutil.Process(first[0]["rank_pid"]).net_connections("tcp")
                  if c.status == psutil.CONN_LISTEN}
     assert int(master.rsplit(":", 1)[1]) in listening, (master, listening)
 
