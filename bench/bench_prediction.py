@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from bench.common import RESULTS, machine  # noqa: E402
+from workbench.hwprofile import OVERHEAD_KEYS  # noqa: E402
 
 PROFILE = RESULTS / "prediction_profile.yaml"
 LATEST = Path("/tmp/bench_prediction_latest.txt")
@@ -137,6 +138,12 @@ def discordant(names: list[str], pred: list[float], meas: list[float]) -> list[s
     return out
 
 
+def separated(a: dict, b: dict) -> bool:
+    """Whether two measurements order themselves: their step-time ranges (fastest to slowest step after
+    warm-up) do not overlap. Within the overlap, the run-to-run spread decides the order, not the layout."""
+    return a["max_s"] < b["min_s"] or b["max_s"] < a["min_s"]
+
+
 def table(rows: list[dict], source: str) -> str:
     lines = [f"predicted vs measured step time (CPU, gloo; prediction source: {source})", "",
              "| layout | ranks | predicted s | measured s (median) | ratio pred/meas | within ±25% | load 1-min |",
@@ -154,11 +161,15 @@ def table(rows: list[dict], source: str) -> str:
         names = [r["layout"] for r in scored]
         pred, meas = [r["predicted_s"] for r in scored], [r["measured"]["median_s"] for r in scored]
         bad = discordant(names, pred, meas)
+        by_name = {r["layout"]: r["measured"] for r in scored}
+        resolved = sum(separated(by_name[a], by_name[b]) for i, a in enumerate(names) for b in names[i + 1:])
+        bad_resolved = [p for p in bad if separated(*(by_name[n] for n in p.split(" vs ")))]
         within = sum(abs(r["ratio"] - 1) <= GOAL for r in scored)
         lines += ["", f"within ±25%: {within} of {len(scored)}; Spearman rho {spearman(pred, meas):.3f}; "
                   f"order preserved: {'yes' if not bad else 'no'} ({len(bad)} of {len(names) * (len(names) - 1) // 2} "
                   "pairs out of order" + (": " + ", ".join(bad[:12]) + (" ..." if len(bad) > 12 else "") if bad else "")
-                  + ")"]
+                  + f"); among the {resolved} pairs whose measured step-time ranges do not overlap: "
+                  f"{len(bad_resolved)} out of order" + (f" ({', '.join(bad_resolved)})" if bad_resolved else "")]
     return "\n".join(lines)
 
 
@@ -201,7 +212,7 @@ def _write(rows: list, source: str, profile, args, partial: bool) -> str:
     result = {"profile": {"path": str(args.profile or PROFILE), "label": profile.label(),
                           "gemm_fp32_flops": profile.gemm_flops("fp32"), "memory_bw": profile.memory_bw,
                           "op_overhead_s": profile.op_overhead_s,
-            "overheads": {f: {"per_step_s": a, "per_block_s": b, "per_block_param_s": c} for f, a, b, c in profile.overheads}},
+            "overheads": {f: dict(zip(OVERHEAD_KEYS, costs)) for f, *costs in profile.overheads}},
               "source": source, "warmup": args.warmup, "partial": partial, "rows": rows,
               "spearman": spearman(pred, meas) if len(scored) >= 2 else None,
               "discordant": discordant([r["layout"] for r in scored], pred, meas),

@@ -33,10 +33,12 @@ _PLANS = {
 }
 # The near-empty model the strategy probes train (a gpt of no preset): 64 wide, 8 heads (tp up to 8
 # divides it), 32 tokens, a 128-token vocabulary, 2 sequences per micro-batch, 2 micro-batches per
-# step; at PROBE_LAYERS blocks each, so the per-block cost is the slope and the per-step cost the rest.
+# step; at PROBE_LAYERS blocks each, so the per-block cost is the slope and the per-step cost the rest;
+# and the deepest once more at 1 micro-batch, which tells a block's cost per micro-batch (hooks) from
+# its cost once a step (gradient reduction after the last micro-batch).
 PROBE_MODEL = {"family": "gpt", "hidden": 64, "heads": 8, "vocab": 128, "seq_len": 32, "tie_embeddings": False}
 PROBE_LAYERS = (2, 6)
-PROBE_MICRO_BATCH, PROBE_MICROS = 2, 2
+PROBE_MICRO_BATCH, PROBE_MICROS = 2, (2, 1)
 # The largest model a probe trains at the spec's own width: on CPU seconds per step at most; on a
 # GPU 2e9 parameters (6 blocks of a 13B model's width) fit one device with Adam in mixed precision.
 PROBE_MAX_PARAMS = {"cpu": 50_000_000, "gpu": 2_000_000_000}
@@ -91,8 +93,11 @@ def probe_specs(spec: JobSpec) -> list[list]:
     for family, layout in layouts:
         ranks = layout["dp"] * layout.get("tp", 1) * layout.get("pp", 1)
         for model, is_own in models:
-            for layers in PROBE_LAYERS:
-                out.append([family, probe_spec(spec, {**model, "layers": layers}, layout, ranks, is_own)])
+            depths = [(n, PROBE_MICROS[0]) for n in PROBE_LAYERS]
+            if family != "pp":  # a pipeline needs a micro-batch per stage
+                depths.append((max(PROBE_LAYERS), PROBE_MICROS[1]))
+            for layers, micros in depths:
+                out.append([family, probe_spec(spec, {**model, "layers": layers}, layout, ranks, is_own, micros)])
     return out
 
 
@@ -114,13 +119,14 @@ def probe_model(spec: JobSpec) -> dict | None:
     return model
 
 
-def probe_spec(spec: JobSpec, model: dict, layout: dict, ranks: int, own: bool) -> dict:
-    """The spec of one probe of `model` (its own resources: `ranks` of the spec's device on one node):
-    PROBE_MODEL at PROBE_MICRO_BATCH in fp32, the spec's own model (`own`) at its micro-batch and dtype."""
+def probe_spec(spec: JobSpec, model: dict, layout: dict, ranks: int, own: bool, micros: int) -> dict:
+    """The spec of one probe of `model` at `micros` micro-batches a step (its own resources: `ranks` of
+    the spec's device on one node): PROBE_MODEL at PROBE_MICRO_BATCH in fp32, the spec's own model
+    (`own`) at its micro-batch and dtype."""
     micro = spec.train.micro_batch if own else PROBE_MICRO_BATCH
     return {"name": f"probe-{model['layers']}", "model": model,
             "data": {"source": "synthetic", "seed": 0},
-            "train": {"steps": 100, "global_batch": micro * PROBE_MICROS * layout["dp"], "micro_batch": micro,
+            "train": {"steps": 100, "global_batch": micro * micros * layout["dp"], "micro_batch": micro,
                       "optimizer": spec.train.optimizer, "lr": 1e-4, "seed": 0},
             "layout": layout, "precision": {"dtype": spec.precision.dtype if own else "fp32"},
             "resources": {"gpu": spec.resources.gpu, "gpus_per_node": ranks, "nodes": 1},
@@ -129,13 +135,15 @@ def probe_spec(spec: JobSpec, model: dict, layout: dict, ranks: int, own: bool) 
 
 def derive_overheads(profile: HardwareProfile, measured: list) -> HardwareProfile:
     """The profile with `overheads` and `probes`: each probe's measured step against what the step-time
-    model predicts for it from this profile's other figures, and per family and probe model the
-    straight line through the (blocks, extra seconds) of its two depths: the slope is the cost per
-    block and micro-batch (per-module hooks, wrapper dispatch), the rest the cost per step (the
-    loop's own collectives, events, the optimizer's bookkeeping). Where a family was probed on two
-    models, the slopes' difference over their blocks' parameters is the cost per parameter (FSDP2's
-    and the fp32 master's per-parameter work), and the near-empty model's line the rest. A negative
-    figure (noise) is taken as 0."""
+    model predicts for it from this profile's other figures. Per family and probe model, the straight
+    line through the (blocks, extra seconds) of its two depths at 2 micro-batches gives the cost per
+    step (its intercept, the loop's own collectives, events, the optimizer's bookkeeping) and a slope
+    per block; the deepest probe at 1 micro-batch splits that slope into a cost per block and
+    micro-batch (per-module hooks, wrapper dispatch) and one per block once a step (ZeRO's gradient
+    reduction and copies after the last micro-batch). Where a family was probed on two models, the
+    difference of each over their blocks' parameters is its cost per parameter (FSDP2's and the fp32
+    master's per-parameter work), and the near-empty model's figure the rest. A negative figure
+    (noise) is taken as 0."""
     import dataclasses
 
     from workbench.planner import plan
@@ -152,17 +160,34 @@ def derive_overheads(profile: HardwareProfile, measured: list) -> HardwareProfil
         micros = Parallelism.from_spec(spec).num_micro
         layers = spec.model.layers or 1
         probes.append((family, lay.dp, lay.tp, lay.pp, layers, micros, seconds, got.step_time_s))
-        # blocks on the busiest rank x micro-batches: the unit the per-block cost is charged in
-        block_params = block_numel(spec.model.shape(), lay.tp)
+        block_params = block_numel(spec.model.shape(), lay.tp)  # of a block on the busiest rank
         points.setdefault(family, {}).setdefault(block_params, []).append(
-            (layers / lay.pp * micros, seconds - got.step_time_s))
+            (micros, layers / lay.pp, seconds - got.step_time_s))
     overheads = []
     for family, by_size in points.items():
-        lines = sorted((size, _line(pts)) for size, pts in by_size.items())
-        (small, (per_step, slope)), (large, (_, large_slope)) = lines[0], lines[-1]
-        per_param = max(0.0, (large_slope - slope) / (large - small)) if large > small else 0.0
-        overheads.append((family, per_step, max(0.0, slope - per_param * small), per_param))
+        fits = sorted((size, _split(pts)) for size, pts in by_size.items())
+        (small, (per_step, *small_costs)), (large, (_, *large_costs)) = fits[0], fits[-1]
+        costs = []
+        for at_small, at_large in zip(small_costs, large_costs):
+            per_param = max(0.0, (at_large - at_small) / (large - small)) if large > small else 0.0
+            costs += [max(0.0, at_small - per_param * small), per_param]
+        overheads.append((family, per_step, *costs))
     return dataclasses.replace(profile, overheads=tuple(overheads), probes=tuple(probes))
+
+
+def _split(pts: list) -> tuple[float, float, float]:
+    """(per step, per block and micro-batch, per block once a step) from (micro-batches, blocks, extra
+    seconds) points: the line through the depths at the most micro-batches, its slope split by the
+    deepest point at the fewest (without one, the slope is all per micro-batch); all >= 0."""
+    most, fewest = max(p[0] for p in pts), min(p[0] for p in pts)
+    per_step, slope = _line([(b, y) for m, b, y in pts if m == most])
+    per_block, per_block_step = slope / most, 0.0
+    if fewest < most:
+        blocks, y = max((b, y) for m, b, y in pts if m == fewest)
+        slope_fewest = max(0.0, (y - per_step) / blocks)
+        per_block = min(slope / most, max(0.0, (slope - slope_fewest) / (most - fewest)))
+        per_block_step = slope - per_block * most
+    return per_step, per_block, per_block_step
 
 
 def _line(pts: list) -> tuple[float, float]:
@@ -299,12 +324,13 @@ def summary(profile: HardwareProfile, model_shapes: list | None = None) -> str:
     if profile.overheads:
         lines += ["runtime step beyond the modelled work (a near-empty model and the spec's through the runtime's "
                   "own step)",
-                  "  family    per step   per block and micro-batch   + per M block params   probes: blocks x "
-                  "micro-batches -> measured / modelled s"]
-        for fam, per_step, per_block, per_param in profile.overheads:
+                  "  family    per step   per block: and micro-batch (+ per M params)   once a step (+ per M params)"
+                  "   probes: blocks x micro-batches -> measured / modelled s"]
+        for fam, per_step, per_block, per_param, *once in profile.overheads:
+            per_block_step, step_param = (*once, 0.0, 0.0)[:2]
             shown = ", ".join(f"{p[4] // p[3]}x{p[5]} -> {p[6]:.4f}/{p[7]:.4f}" for p in profile.probes if p[0] == fam)
-            lines.append(f"  {fam:<8} {per_step * 1e3:7.1f} ms  {per_block * 1e3:18.2f} ms  "
-                         f"{per_param * 1e9:16.2f} ms        {shown}")
+            lines.append(f"  {fam:<8} {per_step * 1e3:7.1f} ms  {per_block * 1e3:21.2f} ms ({per_param * 1e9:+8.2f} ms)"
+                         f"   {per_block_step * 1e3:15.2f} ms ({step_param * 1e9:+8.2f} ms)   {shown}")
         if profile.cpu_cores:
             lines.append(f"  ({profile.nodes * profile.ranks_per_node} ranks on {profile.cpu_cores} logical CPUs)")
         lines.append("")

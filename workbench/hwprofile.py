@@ -35,6 +35,10 @@ BACKENDS = ("local", "ray")
 # the runtime's own step on a near-empty model (workbench/calibrate.py, strategy_probes), in the order
 # a layout is matched to one (workbench/steptime.py, overhead_family).
 FAMILIES = ("pp", "tp", "zero3", "zero2", "zero1", "ddp", "single")
+# What each family's step costs beyond the modelled work: per step; per block and micro-batch (hooks,
+# wrapper dispatch) and per parameter of that block; per block once a step (gradient reduction and
+# copies after the last micro-batch) and per parameter of that block. The first two are required.
+OVERHEAD_KEYS = ("per_step_s", "per_block_s", "per_block_param_s", "per_block_step_s", "per_block_step_param_s")
 # A dtype that was not measured is priced as the nearest one that was (fp16 and bf16 run on the
 # same units on every device we know; fp32 is the slow path).
 _DTYPE_FALLBACK = {"fp16": ("bf16", "fp32"), "bf16": ("fp16", "fp32"), "fp32": ("bf16", "fp16")}
@@ -139,9 +143,9 @@ class HardwareProfile:
     # Optional (profiles of calibrate before #28 item 3 lack them; the model then leaves them out):
     # bytes/s of elementwise work per dtype other than fp32 (a CPU without bf16 units moves half the bytes)
     memory_bw_dtype: tuple = ()  # ((dtype, bytes/s), ...)
-    # per strategy family, what the runtime's step costs beyond the modelled work: (family,
-    # seconds per step, seconds per block and micro-batch, seconds per block, micro-batch and
-    # parameter of the block), from `probes`
+    # per strategy family, what the runtime's step costs beyond the modelled work, from `probes`:
+    # (family, *the OVERHEAD_KEYS figures: seconds per step; per block and micro-batch, and per
+    # parameter of that block; per block once a step, and per parameter of that block)
     overheads: tuple = ()
     # the runtime steps it was read off: (family, dp, tp, pp, layers, micro-batches, measured s, modelled s)
     probes: tuple = ()
@@ -215,13 +219,14 @@ class HardwareProfile:
         """Bytes/s of elementwise work in `dtype` (memory_bw for fp32 and unmeasured dtypes)."""
         return dict(self.memory_bw_dtype).get(dtype, self.memory_bw)
 
-    def overhead(self, family: str, block_params: float = 0.0) -> tuple[float, float] | None:
-        """(seconds per step, seconds per block and micro-batch) the runtime's `family` step costs
-        beyond the modelled work for blocks of `block_params` parameters on the rank, or None when
-        this profile did not measure it."""
-        for fam, per_step, per_block, per_param in self.overheads:
+    def overhead(self, family: str, block_params: float = 0.0) -> tuple[float, float, float] | None:
+        """(seconds per step, per block and micro-batch, per block once a step) the runtime's `family`
+        step costs beyond the modelled work for blocks of `block_params` parameters on the rank, or
+        None when this profile did not measure it."""
+        for fam, *costs in self.overheads:
             if fam == family:
-                return per_step, per_block + per_param * block_params
+                per_step, per_block, per_param, per_block_step, per_step_param = (*costs, 0.0, 0.0, 0.0)[:5]
+                return per_step, per_block + per_param * block_params, per_block_step + per_step_param * block_params
         return None
 
     # -- collectives --------------------------------------------------------------------------
@@ -303,8 +308,8 @@ class HardwareProfile:
                 "op_overhead_s": self.op_overhead_s,
                 "gemm": [list(p) for p in self.gemm], "collectives": [list(p) for p in self.collectives],
                 "memory_bw_dtype": {d: bw for d, bw in self.memory_bw_dtype},
-                "overheads": {f: {"per_step_s": a, "per_block_s": b, **({"per_block_param_s": c} if c else {})}
-                              for f, a, b, c in self.overheads},
+                "overheads": {f: {k: v for i, (k, v) in enumerate(zip(OVERHEAD_KEYS, costs)) if v or i < 2}
+                              for f, *costs in self.overheads},
                 "probes": [list(p) for p in self.probes], "cpu_cores": self.cpu_cores,
                 "gemm_grad": [list(p) for p in self.gemm_grad]}
 
@@ -462,12 +467,11 @@ def _overheads(raw, where: str) -> tuple:
     for fam, costs in raw.items():
         name = f"overheads {clip(str(fam), 40)}"
         _choice(fam, name, where, FAMILIES)
-        if not isinstance(costs, dict) or not {"per_step_s", "per_block_s"} <= set(costs) <= {
-                "per_step_s", "per_block_s", "per_block_param_s"}:
-            raise _fail(where, name, "{per_step_s: seconds, per_block_s: seconds, per_block_param_s: seconds "
-                        f"(optional)}}, not {clip(repr(costs), 80)}")
+        if not isinstance(costs, dict) or not set(OVERHEAD_KEYS[:2]) <= set(costs) <= set(OVERHEAD_KEYS):
+            raise _fail(where, name, "{per_step_s: seconds, per_block_s: seconds, and optionally "
+                        f"{', '.join(OVERHEAD_KEYS[2:])}}}, not {clip(repr(costs), 80)}")
         overheads.append((fam, *(_pos(costs.get(k, 0.0), f"{name} {k}", where, allow_zero=True)
-                                 for k in ("per_step_s", "per_block_s", "per_block_param_s"))))
+                                 for k in OVERHEAD_KEYS)))
     return tuple(overheads)
 
 

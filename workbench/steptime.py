@@ -186,14 +186,15 @@ class Hardware:
             return nbytes / self.profile.elementwise_bw(dtype)
         return nbytes / (self.dev.hbm_bw * HBM_EFFICIENCY)
 
-    def overhead(self, lay, block_params: float) -> tuple[float, float]:
-        """(seconds per step, seconds per block and micro-batch) that the runtime's step for this
-        layout's strategy family costs beyond the modelled work, for blocks of `block_params`
-        parameters on the rank: measured by `workbench calibrate` (the runtime's own step on a
-        near-empty model and on the spec's model); (0, 0) from the catalog or an older profile."""
+    def overhead(self, lay, block_params: float) -> tuple[float, float, float]:
+        """(seconds per step, per block and micro-batch, per block once a step) that the runtime's
+        step for this layout's strategy family costs beyond the modelled work, for blocks of
+        `block_params` parameters on the rank: measured by `workbench calibrate` (the runtime's own
+        step on a near-empty model and on the spec's model, at 1 and 2 micro-batches); zeros from
+        the catalog or an older profile."""
         if self.profile is None:
-            return 0.0, 0.0
-        return self.profile.overhead(overhead_family(lay), block_params) or (0.0, 0.0)
+            return 0.0, 0.0, 0.0
+        return self.profile.overhead(overhead_family(lay), block_params) or (0.0, 0.0, 0.0)
 
     @property
     def launch_s(self) -> float:
@@ -572,8 +573,8 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
     exposed_dp, dp_comm = _dp_comm(hw, lay, params_per_rank, w, fwd_all, bwd_all, engine)
     optimizer = _optimizer_time(lay, hw, shard_per_rank, params_per_rank, w, _tensors(shape, tp, lay.pp, lay.chunks))
     # The runtime's own step cost beyond this work, as a calibrated profile measured it (hw.overhead).
-    per_step, per_block = hw.overhead(lay, block_numel(shape, tp))
-    runtime_s = per_step + m * blocks * per_block
+    per_step, per_block, per_block_step = hw.overhead(lay, block_numel(shape, tp))
+    runtime_s = per_step + blocks * (m * per_block + per_block_step)
     total = pipelined + tied_s + exposed_dp + optimizer + runtime_s
     tokens_per_s = global_batch * s / total
     mfu = None if hw.cpu else tokens_per_s * model_fpt / (lay.world_size * dev.compute_flops[lay.dtype])

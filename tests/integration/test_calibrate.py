@@ -59,7 +59,8 @@ def test_calibrate_quick_on_two_local_ranks(tmp_path):
     assert {p[0] for p in profile.probes} == {"single", "ddp", "zero1", "zero2", "zero3", "tp", "pp"}
     assert {p[0] for p in profile.overheads} == {p[0] for p in profile.probes}
     assert all(p[6] > 0 and p[7] > 0 for p in profile.probes) and profile.cpu_cores >= 1
-    assert all(0 <= a < 5 and 0 <= b < 1 and 0 <= c < 1e-6 for _, a, b, c in profile.overheads)  # physical, not runaway
+    assert all(0 <= a < 5 and 0 <= b < 1 and 0 <= bp < 1e-6 and 0 <= c < 1 and 0 <= cp < 1e-6  # physical, not runaway
+               for _, a, b, bp, c, cp in profile.overheads)
     assert "runtime step beyond the modelled work" in proc.stdout
     # the backward GEMMs in autograd's layout (fp32: --quick with an fp32 spec measures no other dtype)
     assert {(p[0], p[1]) for p in profile.gemm_grad} == {("dgrad", "fp32"), ("wgrad", "fp32")}

@@ -222,15 +222,18 @@ def test_where_profiles_are_found(tmp_path, monkeypatch):
 
 
 def test_runtime_overheads_round_trip_and_older_profiles_still_load(tmp_path):
-    p = _profile(memory_bw_dtype=(("bf16", 2.5e9),), overheads=(("ddp", 0.01, 0.002, 0.0), ("zero3", 0.03, 0.0, 1e-9)),
+    p = _profile(memory_bw_dtype=(("bf16", 2.5e9),), overheads=(("ddp", 0.01, 0.002, 0.0, 0.0, 0.0),
+                                                                    ("zero3", 0.03, 0.0, 1e-9, 0.004, 2e-9)),
                  probes=(("ddp", 2, 1, 1, 2, 2, 0.05, 0.03), ("ddp", 2, 1, 1, 6, 2, 0.07, 0.034)), cpu_cores=2,
                  gemm_grad=tuple(("dgrad", d, m, n, k, t) for d, m, n, k, t in _gemm_points("bf16", RATE / 20))
                  + tuple(("wgrad", d, m, n, k, t) for d, m, n, k, t in _gemm_points("bf16", RATE / 4)))
     path = tmp_path / "cpu.yaml"
     save_profile(p, path)
     back = load_profile(path)
-    assert back == p and back.overhead("ddp") == (0.01, 0.002) and back.overhead("tp") is None
-    assert back.overhead("zero3", 2e6) == pytest.approx((0.03, 0.002))  # 1 ns per block parameter
+    assert back == p and back.overhead("ddp") == (0.01, 0.002, 0.0) and back.overhead("tp") is None
+    # 1 ns per block parameter and micro-batch, 2 ns per block parameter once a step
+    assert back.overhead("zero3", 2e6) == pytest.approx((0.03, 0.002, 0.008))
+    assert set(yaml.safe_load(path.read_text())["overheads"]["ddp"]) == {"per_step_s", "per_block_s"}  # zeros left out
     assert back.elementwise_bw("bf16") == 2.5e9 and back.elementwise_bw("fp32") == back.elementwise_bw("fp16") == 5e9
     # backward GEMMs fitted apart from the forward's: here dgrad at a fifth of bf16's forward rate
     assert back.grad_gemm_s("dgrad", 256, 256, 256, "bf16") == pytest.approx(
@@ -245,16 +248,18 @@ def test_runtime_overheads_round_trip_and_older_profiles_still_load(tmp_path):
                       ({"ddp": {"per_step_s": -1, "per_block_s": 0.0}}, "per_step_s"),
                       ({"ddp": 0.1}, "per_block_s"),
                       ({"ddp": {"per_step_s": 0.1, "per_block_s": 0.0, "per_block_param_s": -1e-9}}, "per_block_param_s"),
-                      ({"ddp": {"per_step_s": 0.1, "per_block_s": 0.0, "per_param": 0.0}}, "per_block_param_s")):
+                      ({"ddp": {"per_step_s": 0.1, "per_block_s": 0.0, "per_block_step_s": -1.0}}, "per_block_step_s"),
+                      ({"ddp": {"per_step_s": 0.1, "per_block_s": 0.0, "per_param": 0.0}}, "per_block_step_param_s")):
         path.write_text(yaml.safe_dump({**old, "overheads": bad}))
         with pytest.raises(ConfigError, match=says):
             load_profile(path)
 
 
 def test_calibrate_reads_per_step_per_block_and_per_parameter_costs_off_the_probes():
-    """derive_overheads: measured = modelled + a + (b + c x block params) x blocks x micro-batches on the
-    near-empty probe model and on the spec's own gives back (a, b, c) per family; a family measured
-    faster than modelled costs nothing extra."""
+    """derive_overheads: measured = modelled + a + blocks x ((b + bp x block params) x micro-batches +
+    c + cp x block params) on the near-empty probe model and on the spec's own, at 2 micro-batches and
+    (the deepest) at 1, gives back (a, b, bp, c, cp) per family; a family measured faster than
+    modelled costs nothing extra."""
     from workbench.calibrate import PROBE_MODEL, derive_overheads, probe_specs
     from workbench.memory.params import block_numel
     from workbench.planner import plan
@@ -268,21 +273,25 @@ def test_calibrate_reads_per_step_per_block_and_per_parameter_costs_off_the_prob
     assert widths == {PROBE_MODEL["hidden"], 256}  # the near-empty model and gpt-mini's own width
     assert all(raw["precision"]["dtype"] == "fp32" for _, raw in probes)
     base = _profile()
-    cost = {"ddp": (0.012, 0.0015, 0.0), "zero3": (0.02, 0.004, 2e-9), "tp": (0.0, 0.006, 1e-9)}
-    measured = []
+    cost = {"ddp": (0.012, 0.0015, 0.0, 0.0, 0.0), "zero3": (0.02, 0.004, 2e-9, 0.003, 5e-9),
+            "zero2": (0.001, 0.0, 0.0, 0.006, 1e-9), "tp": (0.0, 0.006, 1e-9, 0.0, 0.0)}
+    measured, micro_counts = [], set()
     for family, raw in probes:
         s = load_spec(raw)
         modelled = plan(s, profile=base).given.step_time_s
-        a, b, c = cost.get(family, (-0.001, 0.0, 0.0))  # the others: measured a little faster than modelled
+        a, b, bp, c, cp = cost.get(family, (-0.001, 0.0, 0.0, 0.0, 0.0))  # the others: a little faster than modelled
         micros = s.train.global_batch // (s.layout.dp * s.train.micro_batch)
-        per_block = b + c * block_numel(s.model.shape(), s.layout.tp)
-        measured.append((family, raw, modelled + a + per_block * s.model.layers / s.layout.pp * micros))
+        micro_counts.add(micros)
+        params = block_numel(s.model.shape(), s.layout.tp)
+        measured.append((family, raw, modelled + a + s.model.layers / s.layout.pp * ((b + bp * params) * micros
+                                                                                   + c + cp * params)))
+    assert micro_counts == {1, 2}
     got = derive_overheads(base, measured)
-    for family, abc in cost.items():
-        assert dict((f, rest) for f, *rest in got.overheads)[family] == pytest.approx(list(abc), abs=1e-9)
+    for family, costs in cost.items():
+        assert dict((f, rest) for f, *rest in got.overheads)[family] == pytest.approx(list(costs), abs=1e-9)
     mini = block_numel(spec.model.shape(), 1)
-    assert got.overhead("zero3", mini) == pytest.approx((0.02, 0.004 + 2e-9 * mini))
-    assert got.overhead("zero1") == (0.0, 0.0) and got.overhead("single") == (0.0, 0.0)
+    assert got.overhead("zero3", mini) == pytest.approx((0.02, 0.004 + 2e-9 * mini, 0.003 + 5e-9 * mini))
+    assert got.overhead("zero1") == (0.0, 0.0, 0.0) and got.overhead("single") == (0.0, 0.0, 0.0)
     assert len(got.probes) == len(probes) and got.probes[0][0] == "single"
     # a model larger than a probe may train, or one given by its size, is probed near-empty only
     big = load_spec({**spec.to_dict(), "model": {"preset": "llama-7b"}}, layout=False)

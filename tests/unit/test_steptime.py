@@ -213,7 +213,7 @@ MINI = {"model": {"preset": "gpt-mini"}, "train": {"global_batch": 16, "micro_ba
 @pytest.mark.parametrize("layout, family, blocks", [
     ({"dp": 2}, "ddp", 6), ({"dp": 2, "zero": 3}, "zero3", 6), ({"dp": 1, "tp": 2}, "tp", 6),
     ({"dp": 1, "pp": 2, "pp_schedule": "1f1b"}, "pp", 3), ({"dp": 1}, "single", 6)])
-def test_measured_runtime_overhead_is_charged_per_step_and_per_block_of_its_family(layout, family, blocks):
+def test_measured_runtime_overhead_is_charged_per_step_per_block_and_per_micro_batch_of_its_family(layout, family, blocks):
     from workbench.memory.params import block_numel
     from workbench.planner import plan
     from workbench.spec import load_spec
@@ -223,11 +223,11 @@ def test_measured_runtime_overhead_is_charged_per_step_and_per_block_of_its_fami
         spec["resources"] = {"gpu": "cpu", "gpus_per_node": 1}
     without = plan(spec, profile=_cpu_profile()).given
     others = tuple((f, 1.0, 1.0, 1.0) for f in ("pp", "tp", "zero3", "zero2", "zero1", "ddp", "single") if f != family)
-    with_ = plan(spec, profile=_cpu_profile(overheads=((family, 0.02, 0.003, 1e-9),) + others)).given
+    with_ = plan(spec, profile=_cpu_profile(overheads=((family, 0.02, 0.003, 1e-9, 0.005, 2e-9),) + others)).given
     micros = 16 // (4 * layout["dp"])
     block = block_numel(load_spec(spec).model.shape(), layout.get("tp", 1))  # a block's parameters on the rank
-    assert with_.step_time_s - without.step_time_s == pytest.approx(0.02 + micros * blocks * (0.003 + 1e-9 * block),
-                                                                    rel=1e-9)
+    assert with_.step_time_s - without.step_time_s == pytest.approx(
+        0.02 + blocks * (micros * (0.003 + 1e-9 * block) + 0.005 + 2e-9 * block), rel=1e-9)
     # the other families' figures are not charged to this layout
     assert plan(spec, profile=_cpu_profile(overheads=others)).given.step_time_s == without.step_time_s
 
