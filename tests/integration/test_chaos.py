@@ -142,6 +142,7 @@ def test_resume_with_an_incompatible_spec_names_the_difference(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # fast twins: tests/unit/test_preemption_signals.py, the exact resumes of test_checkpoint_dist.py
 @pytest.mark.timeout(420)
 def test_sigterm_to_one_rank_process_checkpoints_and_resumes_exactly(pool2, tmp_path):
     """The per-rank path (torchrun, a cloud's launcher): SIGTERM to one rank's process at a

@@ -58,6 +58,7 @@ def _project(tmp_path) -> Path:
     return root
 
 
+@pytest.mark.slow  # fast twin: tests/unit/test_backends_bundle.py::test_the_job_runs_from_the_bundle_alone
 def test_bundle_travels_and_job_is_followed_to_completion(client_env, tmp_path):
     address, token = client_env
     probe = ("import json, os, workbench; from workbench.spec import load_spec; s = load_spec('workbench_job.json'); "
@@ -77,6 +78,7 @@ def test_bundle_travels_and_job_is_followed_to_completion(client_env, tmp_path):
     assert token not in json.dumps(backend.dry_run(_spec(address)))
 
 
+@pytest.mark.slow
 def test_failed_entrypoint_reports_failed(client_env, tmp_path):
     address, _ = client_env
     handle = RayClusterBackend(root=_project(tmp_path)).submit_entrypoint(_spec(address), "python -c 'raise SystemExit(3)'")

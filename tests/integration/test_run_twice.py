@@ -8,7 +8,7 @@ import pytest
 import workbench
 from backends import ray_warm
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]  # fast twin: tests/unit/test_rank_standby.py
 SPEC = {"name": "twice", "model": {"preset": "gpt-tiny"}, "layout": {"dp": 2},
         "train": {"steps": 3, "global_batch": 4, "micro_batch": 2}}
 
