@@ -6,7 +6,7 @@ import torch
 
 from bench.common import tiny_spec
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # the benchmarks' harnesses: the whole suite keeps them from rotting
 
 
 @pytest.fixture

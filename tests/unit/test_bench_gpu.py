@@ -92,6 +92,7 @@ def test_one_device_reports_that_zero3_and_tp_need_two(monkeypatch):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_failed_arm_is_recorded_and_the_next_one_still_runs(spawn_pools, monkeypatch):
     """The single arm gets a pool whose rank has exited (a real failure of SpawnPool.run); zero3

@@ -4,6 +4,8 @@ import torch
 
 from bench.common import write_result
 
+pytestmark = pytest.mark.slow  # the benchmarks' harnesses: the whole suite keeps them from rotting
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):

@@ -10,6 +10,7 @@ SMOKE = ["zero3", "tp-sp", "pp-1f1b"]
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # a benchmark's harness: the whole suite keeps it from rotting
 @pytest.mark.timeout(180)
 def test_peer_scripts_train_the_same_model_as_workbench(spawn_pools, monkeypatch):
     monkeypatch.setattr(bench_peers, "config", lambda quick, preset=None: {
