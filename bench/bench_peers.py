@@ -69,15 +69,18 @@ def _arm_job(fn_job: dict, emit) -> None:
     if fn_job["module"] == "workbench":
         from workbench.runtime.loop import train
 
-        times, cpu, losses = [], [], []
+        times, losses, cpu = [], [], []
 
         def sink(event):
-            if event["event"] == "step":
+            if event["event"] == "step":  # rank 0's only
                 times.append(time.perf_counter())
-                cpu.append(time.process_time())
                 losses.append(event["loss"])
 
-        train(fn_job["spec"], sink)
+        def at_step_end() -> bool:  # polled once after each step on every rank
+            cpu.append(time.process_time())
+            return False
+
+        train(fn_job["spec"], sink, should_stop=at_step_end)
         emit({"event": "peer", "rank": dist.get_rank(), "times": times, "cpu": cpu, "losses": losses,
               "workbench": True})
         return
@@ -96,7 +99,7 @@ def _summarize(events: list[dict], workbench: bool) -> dict:
         with_loss = [e for e in recs if e["losses"] and e.get("last_stage", True)]
         by_dp = {e.get("dp_rank", 0): e["losses"] for e in with_loss}
         losses = [sum(v) / len(v) for v in zip(*by_dp.values())]
-    return {"times": times, "cpu": recs[0]["cpu"], "losses": losses}
+    return {"times": times, "cpu": [e["cpu"] for e in recs], "losses": losses}
 
 
 def _jobs(name: str, cfg: dict) -> dict[str, dict]:
@@ -168,9 +171,11 @@ def _pair_result(runs: dict[str, list[dict]], tokens: int, skip: int, failures: 
         return {"failed": failures}
     tps = {arm: [steady_tokens_per_s(x["times"], tokens, skip) for x in rs[:n]] for arm, rs in runs.items()}
     ratios = paired_ratios(tps["workbench"], tps["peer"])
-    # The second view, robust to other processes' load: rank 0's CPU seconds per steady step
-    # (peer / workbench: > 1 when workbench spends less CPU per step).
-    cpu = {arm: [(x["cpu"][-1] - x["cpu"][skip]) / (len(x["cpu"]) - 1 - skip) for x in rs[:n]] for arm, rs in runs.items()}
+    # The second view, robust to other processes' load: CPU seconds per steady step summed over the
+    # ranks (a pipeline's stages may split the blocks differently; peer / workbench: > 1 when
+    # workbench spends less CPU per step).
+    cpu = {arm: [sum((c[-1] - c[skip]) / (len(c) - 1 - skip) for c in x["cpu"]) for x in rs[:n]]
+           for arm, rs in runs.items()}
     cpu_ratios = paired_ratios(cpu["peer"], cpu["workbench"])
     a, b = runs["workbench"][0]["losses"], runs["peer"][0]["losses"]
     rel = max((abs(x - y) / abs(y) for x, y in zip(a, b)), default=float("nan"))
@@ -210,8 +215,7 @@ def section(r, doc, img) -> str:
            "`bench/peer_tp.py` (`parallelize_module` with `ColwiseParallel` / `RowwiseParallel` / "
            "`SequenceParallel`), `bench/peer_pp.py` (`torch.distributed.pipelining` with `Schedule1F1B` / "
            "`ScheduleInterleaved1F1B`). Tokens/s between rank 0's step ends after the warm-up steps; ratio "
-           "workbench / peer per round, then the median, its spread and 95% bootstrap interval; CPU/step is rank "
-           "0's process CPU seconds per steady step, peer / workbench (> 1: workbench spends less), the view that "
+           "workbench / peer per round, then the median, its spread and 95% bootstrap interval; CPU/step is the ranks' process CPU seconds per steady step, summed over the ranks, peer / workbench (> 1: workbench spends less), the view that "
            "other processes' load disturbs least. `sp/tp` is "
            "workbench with sequence parallel against workbench without, same tp=2 (goal: SP within "
            f"{SP_GOAL}x of plain TP's step time, i.e. a ratio >= {1 / SP_GOAL:.2f})."]

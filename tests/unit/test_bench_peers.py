@@ -21,7 +21,7 @@ def test_peer_scripts_train_the_same_model_as_workbench(spawn_pools, monkeypatch
         assert not p["failed"], (name, p["failed"])
         assert len(p["losses"]["workbench"]) == len(p["losses"]["peer"]) == 3
         assert p["loss_rel_diff"] < 1e-5, name  # same weights, batches and AdamW: summation order only
-        assert p["ratio"]["median"] > 0
+        assert p["ratio"]["median"] > 0 and p["cpu_ratio"]["median"] > 0  # CPU summed over both ranks
     text = bench_peers.section(r, None, None)
     assert all(f"`{name}`" in text for name in SMOKE)
 
