@@ -166,7 +166,7 @@ def section(r: dict, doc: str = "", img: str = "") -> str:
     owners = "; ".join(f"{arm}: " + ", ".join(f"{k} {v:.1f} s" for k, v in o.items()) for arm, o in r["owners"].items())
     return "\n".join([
         title, "",
-        f"Measured {r['machine']['date_utc']} on a {r['machine']['cpus']}-core machine under load (load average "
+        f"Measured {r['machine']['date_utc']} on a {r['machine']['cpus']}-core machine (load average "
         f"{r['load_average'][0]:.1f} -> {r['load_average'][1]:.1f}); {cfg['model']} dp={cfg['dp']}, "
         f"{cfg['reps']} alternated rounds after an unmeasured one, the embedded Ray cluster already up. "
         "Medians (min..max).", "",
