@@ -215,7 +215,9 @@ def section(r, doc, img) -> str:
            "`bench/peer_tp.py` (`parallelize_module` with `ColwiseParallel` / `RowwiseParallel` / "
            "`SequenceParallel`), `bench/peer_pp.py` (`torch.distributed.pipelining` with `Schedule1F1B` / "
            "`ScheduleInterleaved1F1B`). Tokens/s between rank 0's step ends after the warm-up steps; ratio "
-           "workbench / peer per round, then the median, its spread and 95% bootstrap interval; CPU/step is the ranks' process CPU seconds per steady step, summed over the ranks, peer / workbench (> 1: workbench spends less), the view that "
+           "workbench / peer per round, then the median, its spread and 95% bootstrap interval; CPU/step is the "
+           "ranks' process CPU seconds per steady step, summed over the ranks, peer / workbench (> 1: workbench "
+           "spends less), the view that "
            "other processes' load disturbs least. `sp/tp` is "
            "workbench with sequence parallel against workbench without, same tp=2 (goal: SP within "
            f"{SP_GOAL}x of plain TP's step time, i.e. a ratio >= {1 / SP_GOAL:.2f})."]

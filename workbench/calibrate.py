@@ -326,8 +326,7 @@ def summary(profile: HardwareProfile, model_shapes: list | None = None) -> str:
                   "own step)",
                   "  family    per step   per block: and micro-batch (+ per M params)   once a step (+ per M params)"
                   "   probes: blocks x micro-batches -> measured / modelled s"]
-        for fam, per_step, per_block, per_param, *once in profile.overheads:
-            per_block_step, step_param = (*once, 0.0, 0.0)[:2]
+        for fam, per_step, per_block, per_param, per_block_step, step_param in profile.overheads:
             shown = ", ".join(f"{p[4] // p[3]}x{p[5]} -> {p[6]:.4f}/{p[7]:.4f}" for p in profile.probes if p[0] == fam)
             lines.append(f"  {fam:<8} {per_step * 1e3:7.1f} ms  {per_block * 1e3:21.2f} ms ({per_param * 1e9:+8.2f} ms)"
                          f"   {per_block_step * 1e3:15.2f} ms ({step_param * 1e9:+8.2f} ms)   {shown}")

@@ -155,6 +155,11 @@ class HardwareProfile:
     gemm_grad: tuple = ()
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
+    def __post_init__(self):
+        # every overheads row as (family, *OVERHEAD_KEYS' figures): the optional ones 0 when left out
+        rows = tuple((fam, *costs, *(0.0,) * (len(OVERHEAD_KEYS) - len(costs))) for fam, *costs in self.overheads)
+        object.__setattr__(self, "overheads", rows)
+
     # -- GEMMs --------------------------------------------------------------------------------
     def gemm_fit(self, dtype: str) -> GemmFit:
         """The fit for `dtype`, or for the nearest measured dtype when it was not measured."""
@@ -223,9 +228,8 @@ class HardwareProfile:
         """(seconds per step, per block and micro-batch, per block once a step) the runtime's `family`
         step costs beyond the modelled work for blocks of `block_params` parameters on the rank, or
         None when this profile did not measure it."""
-        for fam, *costs in self.overheads:
+        for fam, per_step, per_block, per_param, per_block_step, per_step_param in self.overheads:
             if fam == family:
-                per_step, per_block, per_param, per_block_step, per_step_param = (*costs, 0.0, 0.0, 0.0)[:5]
                 return per_step, per_block + per_param * block_params, per_block_step + per_step_param * block_params
         return None
 
