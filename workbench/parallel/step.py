@@ -25,19 +25,29 @@ BETAS, EPS, SGD_MOMENTUM = (0.9, 0.999), 1e-8, 0.9
 
 def foreach_groups(params) -> list[dict]:
     """`params` as optimizer param groups that torch's foreach kernels can take whole: plain
-    tensors in one group, DTensors in one group per device mesh. A foreach op refuses a list that
-    mixes the two ("got mixed torch.Tensor and DTensor"), which tensor parallelism's plain norm
-    weights beside its sharded matrices would be. Same hyper-parameters in every group.
+    tensors in one group, DTensors in one group per device mesh (a foreach op refuses a list that
+    mixes the two, "got mixed torch.Tensor and DTensor", as tensor parallelism's plain norm weights
+    beside its sharded matrices would be). Same hyper-parameters in every group.
 
-    foreach=True on every device: torch picks it by itself only on GPUs, and on CPU its
-    per-tensor loop cost FSDP2's sharded AdamW ~70 ms a step on gpt-tiny (bench_peers, #35).
+    DTensor groups step with foreach=True on every device: torch picks it by itself only on GPUs,
+    and its per-tensor loop dispatches each op of each tensor through DTensor (gpt-tiny's AdamW
+    as one-rank shards: 26-38 ms a step against 3.3 ms foreach; gpt-mini 51-61 against 20-24).
+    Plain groups keep torch's choice (`_foreach_for`): on CPU its per-tensor loop is the faster
+    for large tensors (gpt-mini: 15 ms against 22-28 ms, foreach's whole-list temporaries).
     """
     from torch.distributed.tensor import DTensor
 
     groups: dict[object, list] = {}
     for p in params:
         groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
-    return [{"params": g, "foreach": True} for g in groups.values()]
+    return [{"params": g, "foreach": _foreach_for(g)} for g in groups.values()]
+
+
+def _foreach_for(group_params: list) -> bool | None:
+    """foreach for a group of foreach_groups: True for DTensors, None (torch's default) for plain tensors."""
+    from torch.distributed.tensor import DTensor
+
+    return True if isinstance(group_params[0], DTensor) else None
 
 
 def build_optimizer(params, name: str, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -142,7 +152,7 @@ class TrainStep:
         self.lr = lr
         if self.master is None:
             for group in self.optimizer.param_groups:
-                group["lr"], group["foreach"] = lr, True
+                group["lr"], group["foreach"] = lr, _foreach_for(group["params"])
         else:
             self._update, _ = functional_update(self._optimizer_name, lr, self._weight_decay)
 
