@@ -417,11 +417,16 @@ file for that read only. Reproduce: `python bench/bench_hf_load.py` (about 10 mi
 
 PREDICTION_MISSES = """
 
-How this table was taken (2026-12-02, a quiet host: load 2.5-6 is the run itself, two ranks, the
-driver and Ray's daemons on two cores): every layout measured in one run, then the profile taken
-again after the probes learned the spec's own model (below), and dp2, zero1 and tiny-dp2 measured
-once more (zero1 had measured 0.43 s in the first run and 0.29 s in each later one; 0.29-0.30 s is
-also what the runs before and after showed). The others are the first run's measurements.
+How this table was taken (2026-12-03 14:20, after the optimizer moved to foreach kernels for
+DTensor parameters, #35; load 4-7 is the run itself, two ranks, the driver and Ray's daemons on two
+cores, and the host measured fp32 GEMMs at 64-77 GFLOP/s across today's runs against 92 the day
+before): one run, calibration included. The two misses are the 1-rank runs (0.74, 0.75), measured
+at 0.67-0.73 s against 0.52 s at 10:14 with the same code path; the same bench at 10:14 missed only
+tiny-dp2. On this host the ±25% band is about as wide as the run-to-run spread of a layout, so a
+single run decides one or two rows either way. Among the pairs whose measured ranges do not overlap,
+1 of 77 is out of order (dp2 vs pp2-gpipe); at 10:14, 1 of 96.
+
+History of the model on this bench:
 
 - **Overheads that grow with the model.** The per-strategy probes on a near-empty model (64 wide)
   catch fixed costs only: with them every gpt-mini layout came out 0.70-0.86 (11 of 16 within
