@@ -24,7 +24,6 @@ from bench.bench_throughput import _env, start_ray
 from bench.common import ROOT, interleave, stats, table, tiny_spec, write_result
 
 GROUPS = ("ranks", "Ray actors", "Ray daemons", "other")
-WAITING_CORES = 0.05  # a training rank keeps a core busy; one waiting for its job sleeps on a pipe
 _DAEMONS = ("raylet", "gcs_server", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray/dashboard", "ray/_private",
             "ray/autoscaler")
 _POLICIES = {getattr(os, f"SCHED_{n}"): n for n in ("OTHER", "BATCH", "IDLE") if hasattr(os, f"SCHED_{n}")}
@@ -84,8 +83,11 @@ class Window:
         self.first, self.last = first, last
         self.snaps: dict[int, tuple[float, dict]] = {}
         self.step_times: dict[int, float] = {}
+        self.rank_pids: set[int] = set()  # the job's rank processes, from the relays' worker events
 
     def see(self, event: dict) -> None:
+        if event.get("event") == "worker" and "rank_pid" in event:
+            self.rank_pids.add(event["rank_pid"])
         if event.get("event") == "step" and event["step"] in (self.first, self.last):
             self.snaps[event["step"]] = (time.monotonic(), snapshot())
             self.step_times[event["step"]] = event["time"]
@@ -96,10 +98,12 @@ class Window:
         procs = []
         for pid, (grp, cmd, cpu, cs, policy) in s1.items():
             if pid in s0:
-                procs.append({"group": grp, "cmd": cmd, "cores": (cpu - s0[pid][2]) / wall,
+                procs.append({"pid": pid, "group": grp, "cmd": cmd, "cores": (cpu - s0[pid][2]) / wall,
                               "switches_per_s": (cs - s0[pid][3]) / wall, "policy": policy})
-        for p in procs:  # a rank process that waits for a next job (backends/ray_warm.py) trains nothing
-            if p["group"] == "ranks" and p["cores"] < WAITING_CORES:
+        for p in procs:  # this job's ranks only: the relays name theirs (worker events); without relays (torchrun)
+            # a rank is a cloud_entry process. A rank process Ray keeps for a next job (backends/ray_warm.py) is other.
+            mine = p["pid"] in self.rank_pids if self.rank_pids else "_rank_main" not in p["cmd"]
+            if p["group"] == "ranks" and not mine:
                 p["group"] = "other"
         ranks = [p for p in procs if p["group"] == "ranks"]
         ms = 1000 * (self.step_times[self.last] - self.step_times[self.first]) / (self.last - self.first)
