@@ -1,5 +1,6 @@
 """The notebook's "Import config" button, in a real kernel: a DeepSpeed config becomes the edited spec,
-its unmapped keys are listed, and an ill-formed file shows its ConfigError and changes nothing.
+once Apply is pressed under the settings it would replace; its unmapped keys are listed, and an
+ill-formed file shows its ConfigError and changes nothing.
 
 The same cells run in this process in the fast loop (a kernel start and its imports: 4-9 s); the
 kernel run is the whole suite's, beside the notebooks' kernels (test_notebooks.py)."""
@@ -22,6 +23,8 @@ CELLS = [
     "    wb.import_config.upload.value = ({'name': name, 'type': '', 'size': len(content),\n"
     "        'content': memoryview(content), 'last_modified': datetime.datetime.now()},)",
     f"pick('ds_zero3_offload_bf16.json', pathlib.Path({str(FIXTURE)!r}).read_bytes())",
+    "assert wb.spec.layout.zero == 0 and 'It would replace' in wb.message.value  # asks first\n"
+    "wb.import_config.apply_button.click()",
     "s = wb.spec\n"
     "assert (s.name, s.layout.dp, s.layout.zero, s.layout.offload, s.precision.dtype) == "
     "('ds-zero3-offload-bf16', 8, 3, 'cpu', 'bf16'), s\n"

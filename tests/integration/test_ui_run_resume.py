@@ -73,6 +73,7 @@ def test_run_stop_and_resume_from_the_panel(tmp_path):
     assert panel.progress.value == STEPS and panel.progress_text.value == f"completed at step {STEPS} / {STEPS}"
     measured = [t for t in panel.mem_box.figure.data if t.name == "params"]  # the memory chart's measured bars
     assert measured and all(v > 0 for v in measured[0].y if v is not None), measured
+    check_another_panel_continues_it_on_purpose(wb, uri)
 
 
 def check_the_pairing_stays_with_the_running_spec(wb, ran) -> None:
@@ -123,3 +124,32 @@ def check_the_metrics_are_kept_beside_the_checkpoints(wb, uri, events: list[dict
     run = load_run(uri)
     assert run["run_id"] == wb.run_panel.run_id and run["label"] == "panel-resume (dp2 tp1 pp1 mb=2)"
     assert steps_of(run["events"]) == steps_of(events)
+
+
+def check_another_panel_continues_it_on_purpose(wb, uri) -> None:
+    """#34: a panel that did not write the newest checkpoint (another session's, say) is asked, and
+    "Continue that run" continues it for real: under that run's id, its kept curve carried on, two
+    more steps; the first run's events are untouched."""
+    from workbench.runtime.checkpoint import manifest_run_id
+    from workbench.runtime.checkpoint_store import Store
+    from workbench.ui.runs import read_events
+
+    owner, done = wb.run_panel.run_id, wb.state.snapshot()
+    kept = uri / f"metrics-{owner}.jsonl"
+    wait_for(lambda: kept.is_file() and steps_of(read_events(kept))[-1:] == [STEPS], "the kept metrics", limit_s=30)
+    other = Workbench({**wb.state.raw, "train": {**wb.state.raw["train"], "steps": STEPS + 2}}, refresh_s=0.1)
+    st, panel = other.state, other.run_panel
+    st.start_events(st.run_label())  # a run of its own that stopped before writing a checkpoint
+    st.add_event({"event": "end", "status": "preempted", "step": 0})
+    panel.render()
+    assert panel.resume_button.layout.display == "none" and panel.continue_button.layout.display == ""
+    assert panel._offered == (STEPS, owner) and f"written by another run ({owner})" in panel.note.value
+    panel.continue_button.click()
+    wait_for(lambda: st.run_state != "running", "the end of the continued run")
+    events = st.snapshot()
+    assert events[-1] == {"event": "end", "status": "completed", "step": STEPS + 2}, panel.note.value
+    assert {"event": "restart", "attempt": 0, "from_step": STEPS} in events
+    assert steps_of(events) == list(range(1, STEPS + 3))  # the kept curve, then its two new steps
+    assert panel.run_id == owner and manifest_run_id(Store(str(uri)).read_manifest(STEPS + 2)) == owner
+    assert st.history[-1]["label"] == "run 1" and st._label == f"run 2 (continues {owner} from step {STEPS})"
+    assert wb.state.snapshot() == done

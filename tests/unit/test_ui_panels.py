@@ -225,8 +225,10 @@ def test_step_time_per_rank_names_the_slowest_rank():
 
 def check_another_runs_checkpoint_is_never_resumed(panel, store, step: int) -> None:
     """#34: the newest checkpoint under the URI is another run's (or has no id: written before runs
-    had one): no Resume, the note names it and the way to continue it on purpose; Resume pressed
-    anyway (the folder changed after the button was drawn) starts nothing and deletes nothing."""
+    had one): no Resume, the note names it and asks ("Continue that run", or the CLI); Resume pressed
+    anyway (the folder changed after the button was drawn) starts nothing and deletes nothing, and
+    neither does "Continue that run" when the folder changed after it was drawn. (Continuing another
+    run for real, through Ray: tests/integration/test_ui_run_resume.py.)"""
     manifest = store.read_manifest(step)
     for owner in ("older-run-b", None):
         changed = {k: v for k, v in manifest.items() if k != "run_id"}
@@ -235,16 +237,23 @@ def check_another_runs_checkpoint_is_never_resumed(panel, store, step: int) -> N
         store.write_manifest(store.step_dir(step), changed)
         panel.render()
         assert panel.resumable_step() is None and panel.resume_button.layout.display == "none"
+        assert panel.continue_button.layout.display == "" and panel._offered == (step, owner)
         note = panel.note.value
         assert f"(step {step}) was written by " in note and "notebook-run-a" in note and "--resume" in note
-        assert (owner or "before checkpoints named their run") in note
+        assert (owner or "before checkpoints named their run") in note and "press Continue that run" in note
         runs = len(panel.state.history)
         panel.run(resume=True)
         assert panel.state.run_state == "preempted" and len(panel.state.history) == runs  # nothing started
         assert "Resume is not offered" in panel.note.value and store.committed_steps()[0] == step
+        store.write_manifest(store.step_dir(step), {**changed, "run_id": "newer-run-c"})  # after the drawing
+        panel.continue_button.click()
+        assert panel.state.run_state == "preempted" and len(panel.state.history) == runs  # nothing started
+        assert "the checkpoint folder changed since the button was drawn" in panel.note.value
+        assert f"step {step} of newer-run-c" in panel.note.value and panel.continue_button.layout.display == "none"
+        assert panel.run_id == "notebook-run-a" and store.committed_steps()[0] == step
     store.write_manifest(store.step_dir(step), manifest)
     panel.render()
-    assert panel.resumable_step() == step
+    assert panel.resumable_step() == step and panel.continue_button.layout.display == "none"
 
 
 def test_run_labels_are_unique_and_a_resume_keeps_its_runs_number():
@@ -307,18 +316,32 @@ def test_dispatch_request_goes_stale_spot_stays_valid_and_addresses_are_checked(
     assert d.field_errors.value == "" and wb.spec.backend.ray.address == "http://ray-head.internal:8265"
 
 
-def test_import_says_what_it_replaced():
+def test_import_shows_what_it_would_replace_and_asks_first():
+    """#34: an import that changes typed settings lists them (old -> new) and changes nothing until
+    Apply; Keep drops it; one that changes nothing but the name applies at once."""
     from workbench.ui.import_config import replaced
 
     wb = Workbench()
+    ic = wb.import_config
     wb.dispatch_panel.backend.value = "sagemaker"
     wb.dispatch_panel.forms["sagemaker"]["role"].value = "arn:aws:iam::1:role/T"
+    typed = wb.state.raw
     config = json.dumps({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
                          "zero_optimization": {"stage": 3}}).encode()
-    wb.import_config._uploaded([{"name": "ds.json", "content": config}])
+    ic._uploaded([{"name": "ds.json", "content": config}])
     text = wb.message.value
+    assert "It would replace" in text and "Nothing is changed until Apply import" in text
     assert "layout.zero: 0 -&gt; 3" in text and "backend.sagemaker.role: arn:aws:iam::1:role/T -&gt; (unset)" in text
     assert "filled in by the Hugging Face Trainer at launch" in text
+    assert wb.state.raw == typed and ic.confirm.layout.display == ""  # asked, nothing changed yet
+    ic.keep_button.click()
+    assert wb.state.raw == typed and ic.confirm.layout.display == "none" and "unchanged" in wb.message.value
+    ic._uploaded([{"name": "ds.json", "content": config}])
+    ic.apply_button.click()
+    assert wb.spec.layout.zero == 3 and wb.spec.backend.sagemaker.role is None and wb.name.value == "ds"
+    assert "It replaced" in wb.message.value and ic.confirm.layout.display == "none" and ic.pending is None
+    ic._uploaded([{"name": "ds.json", "content": config}])  # the same file again: nothing to replace, no question
+    assert ic.pending is None and ic.confirm.layout.display == "none" and "wb-note-warning" not in wb.message.value
     assert replaced({"a": {"b": 1}, "name": "x"}, {"a": {"b": 2}, "name": "y"}) == ["a.b: 1 -> 2"]
 
 

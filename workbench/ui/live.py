@@ -50,7 +50,7 @@ def note_html(text: str | None, kind: str = "info") -> str:
     # Translucent tints over the page and the theme's own text color: readable in JupyterLab's light and
     # dark themes alike (an opaque pastel under the dark theme's light text read at 1.1:1, #34).
     colors = {"error": ("rgba(214,39,40,0.13)", "#D62728"), "info": ("rgba(76,120,168,0.13)", "#4C78A8"),
-              "ok": ("rgba(84,162,75,0.13)", "#54A24B")}
+              "ok": ("rgba(84,162,75,0.13)", "#54A24B"), "warning": ("rgba(242,142,43,0.15)", "#F28E2B")}
     bg, border = colors[kind]
     body = html.escape(text).replace("\n", "<br>")
     return (f"<div class='wb-note wb-note-{kind}' style='background:{bg};color:var(--jp-content-font-color1, inherit);border-left:4px solid {border};"

@@ -47,6 +47,7 @@ class RunPanel:
         self._first_own: dict | None = None  # this run's first own step event (ETA)
         self._step_shown_at = 0.0
         self._checkpoints: tuple | None = None  # (uri, committed steps) -> newest complete (step, run id): resume_check
+        self._offered: tuple | None = None  # the other run's (step, run id) "Continue that run" was drawn for
         # This run's identity, recorded in each checkpoint it writes: Resume continues only checkpoints
         # with this id (never another run's under the same URI). A fresh Run gets a new one; Resume keeps it.
         self.run_id: str | None = None
@@ -71,6 +72,8 @@ class RunPanel:
                                     tooltip="Stop after the current step", layout=w.Layout(**_BUTTON))
         self.resume_button = w.Button(description="Resume", icon="step-forward", tooltip=(
             "Continue from the newest checkpoint"), layout=w.Layout(display="none", **_BUTTON))
+        self.continue_button = w.Button(description="Continue that run", icon="share", layout=w.Layout(
+            display="none", **_BUTTON), tooltip="Continue the run whose checkpoint is the newest under the URI")
         self.report_button = w.Button(description="Export report", icon="download", disabled=True,
                                       tooltip="Write this run as one offline HTML file", layout=w.Layout(**_BUTTON))
         self.progress = w.IntProgress(value=0, min=0, max=1, bar_style="info",
@@ -90,6 +93,7 @@ class RunPanel:
         self.x_axis.add_class("wb-run-x-axis")
         self.run_button.on_click(lambda _: self.run())
         self.resume_button.on_click(lambda _: self.run(resume=True))
+        self.continue_button.on_click(lambda _: self.continue_other())
         self.stop_button.on_click(lambda _: self.stop())
         self.report_button.on_click(lambda _: self.export_report())
         for toggle in (self.smooth, self.log_loss, self.overlay, self.x_axis):
@@ -119,7 +123,8 @@ class RunPanel:
     def _build_widget(self) -> w.VBox:
         wrap = dict(flex_flow="row wrap", align_items="center", grid_gap="6px 8px")
         return w.VBox([
-            w.HBox([self.run_button, self.stop_button, self.resume_button, self.progress, self.progress_text],
+            w.HBox([self.run_button, self.stop_button, self.resume_button, self.continue_button, self.progress,
+                    self.progress_text],
                    layout=w.Layout(**wrap)),
             self.note, self.predicted, self.run_box,
             w.HBox([self.x_axis, self.smooth, self.log_loss, self.overlay, self.report_button], layout=w.Layout(**wrap)),
@@ -130,38 +135,75 @@ class RunPanel:
     def run(self, resume: bool = False) -> None:
         """Start the spec on local Ray; errors in the spec are shown inline, never raised."""
         st = self.state
-        if st.spec is None:
-            self.note.value = note_html("Fix the layout first: " + (st.error or ""), "error")
+        if not self._startable():
             return
-        try:
-            from workbench.launch import start
-            from workbench.validate import check_runnable
-
-            check_runnable(st.spec)
-        except ConfigError as e:
-            self.note.value = note_html(str(e), "error")
-            return
-        est = st.estimate
-        if est is not None and not est["fits"]:
-            self.note.value = note_html(
-                f"Predicted not to fit: the largest rank needs {max(r['total'] for r in est['per_rank']) / 2**30:.1f} GiB "
-                f"of {est['device_memory'] / 2**30:.1f} GiB. Change the layout (see Memory) before running.", "error")
-            return
-        self._error, self.handle, self._stop_requested, self._report = None, None, False, ""
-        self._t0 = time.monotonic()
-        self._phase = ("1/3 starting Ray…" if not _ray_started() else
-                       f"2/3 starting {st.spec.world_size} rank(s)…")
-        self.note.value = note_html(f"Starting {st.spec.world_size} worker(s) on local Ray…", "info")
-        self.progress.max, self.progress.value = st.spec.train.steps, 0
         if resume:
             step, why = self.resume_check()
             if step is None:  # the folder changed since the button was drawn: nothing is started
                 self.note.value = note_html(why or "Nothing to resume: no checkpoint of this run.", "error")
                 return
+            self._launch(st.run_label(resume=True), _continued(st.snapshot(), step), resume=True)
         else:
             self.run_id = f"notebook-{uuid.uuid4().hex[:12]}"
-        label = st.run_label(resume)
-        carried = _continued(st.snapshot(), self.resumable_step()) if resume else []
+            self._launch(st.run_label(), [], resume=False)
+
+    def continue_other(self) -> None:
+        """Continue, on purpose, the run whose checkpoint is the newest under checkpoint.uri although
+        this panel did not write it (the "Continue that run" button, drawn with the note that names
+        it): this panel takes that run's id, and its curve when its metrics were kept beside the
+        checkpoints. Only the checkpoint the button was drawn for: when the folder changed since,
+        nothing is started. Nothing is deleted either way."""
+        offered, found = self._offered, self._foreign()
+        if offered is None or found != offered:
+            now = f"the newest is now step {found[0]} of {found[1] or 'an unnamed run'}" if found else \
+                "no other run's checkpoint is there now"
+            self.note.value = note_html(f"Nothing was started: the checkpoint folder changed since the button was "
+                                        f"drawn ({now}). Read the note again and choose.", "error")
+            self._offered = None
+            self.continue_button.layout.display = "none"
+            return
+        if not self._startable():
+            return
+        step, owner = found
+        uri = self.state.spec.checkpoint.uri
+        self.run_id = owner or f"notebook-{uuid.uuid4().hex[:12]}"  # (an unnamed run's next checkpoints: this id)
+        carried = _continued(_kept_events(uri, owner), step) if owner else []
+        label = f"{self.state.run_label()} (continues {owner or 'an unnamed run'} from step {step})"
+        self._launch(label, carried, resume=True)
+
+    def _startable(self) -> bool:
+        """The spec can run and is predicted to fit; otherwise the note says why."""
+        st = self.state
+        if st.spec is None:
+            self.note.value = note_html("Fix the layout first: " + (st.error or ""), "error")
+            return False
+        try:
+            from workbench.validate import check_runnable
+
+            check_runnable(st.spec)
+        except ConfigError as e:
+            self.note.value = note_html(str(e), "error")
+            return False
+        est = st.estimate
+        if est is not None and not est["fits"]:
+            self.note.value = note_html(
+                f"Predicted not to fit: the largest rank needs {max(r['total'] for r in est['per_rank']) / 2**30:.1f} GiB "
+                f"of {est['device_memory'] / 2**30:.1f} GiB. Change the layout (see Memory) before running.", "error")
+            return False
+        return True
+
+    def _launch(self, label: str, carried: list[dict], resume: bool) -> None:
+        """Start the job on a thread as run `self.run_id`, the chart continuing `carried`."""
+        from workbench.launch import start
+
+        st = self.state
+        self._error, self.handle, self._stop_requested, self._report = None, None, False, ""
+        self._offered = None
+        self._t0 = time.monotonic()
+        self._phase = ("1/3 starting Ray…" if not _ray_started() else
+                       f"2/3 starting {st.spec.world_size} rank(s)…")
+        self.note.value = note_html(f"Starting {st.spec.world_size} worker(s) on local Ray…", "info")
+        self.progress.max, self.progress.value = st.spec.train.steps, 0
         self._carried = sum(1 for e in carried if e.get("event") == "step")
         self._carried_events = len(carried)
         self.run_spec, self._run_estimate, self.prediction = st.spec, st.estimate, None
@@ -263,6 +305,9 @@ class RunPanel:
         can_resume = (not running and st.run_state in ("preempted", "stopped", "failed")
                       and self.resumable_step() is not None)
         self.resume_button.layout.display = "" if can_resume else "none"
+        cut_short = not running and st.run_state in ("preempted", "stopped", "failed")
+        self._offered = self._foreign() if cut_short and not can_resume else None
+        self.continue_button.layout.display = "" if self._offered else "none"
         self.progress.max = max(self.progress.max, 1)
         self.progress.value = min(steps[-1]["step"], self.progress.max) if steps else 0
         self.progress.bar_style = {"completed": "success", "failed": "danger"}.get(st.run_state, "info")
@@ -394,9 +439,27 @@ class RunPanel:
         checkpoint or an unreachable store. Verified once per set of committed steps and newest manifest:
         re-renders after each edit list the store and read one manifest, they do not re-read the
         checkpoint. Nothing is ever deleted here."""
+        found = self._newest()
+        if found is None:
+            return None, None
+        step, owner = found
+        if owner is not None and owner == self.run_id:
+            return step, None
+        whose = (f"another run ({owner})" if owner else "a run from before checkpoints named their run")
+        return None, (f"Resume is not offered: the newest checkpoint under {self.state.spec.checkpoint.uri} (step "
+                      f"{step}) was written by {whose}, not by this run ({self.run_id or 'none yet'}), and a resume "
+                      "loads the newest one. Nothing was loaded or deleted. To continue that run on purpose, press "
+                      "Continue that run (this panel takes its id), or: workbench run SPEC --set "
+                      f"checkpoint.uri={self.state.spec.checkpoint.uri} --resume. To make this run resumable, give it "
+                      "a checkpoint URI of its own under Dispatch.")
+
+    def _newest(self) -> tuple[int, str | None] | None:
+        """(step, run id) of the newest complete checkpoint under the spec's checkpoint.uri; None with
+        no URI, no complete checkpoint or an unreachable store (cached per committed steps, see
+        `resume_check`)."""
         spec = self.state.spec
         if spec is None or not spec.checkpoint.uri:
-            return None, None
+            return None
         from workbench.launch import checkpoint_version, newest_checkpoint_owner
 
         try:
@@ -404,19 +467,13 @@ class RunPanel:
             if self._checkpoints is None or self._checkpoints[0] != key:
                 self._checkpoints = (key, newest_checkpoint_owner(spec.checkpoint.uri))
         except (OSError, ValueError, ImportError):  # unreachable or unknown store: nothing to resume from here
-            return None, None
-        found = self._checkpoints[1]
-        if found is None:
-            return None, None
-        step, owner = found
-        if owner is not None and owner == self.run_id:
-            return step, None
-        whose = (f"another run ({owner})" if owner else "a run from before checkpoints named their run")
-        return None, (f"Resume is not offered: the newest checkpoint under {spec.checkpoint.uri} (step {step}) was "
-                      f"written by {whose}, not by this run ({self.run_id or 'none yet'}), and a resume loads the "
-                      "newest one. Nothing was loaded or deleted. To continue that run on purpose: "
-                      f"workbench run SPEC --set checkpoint.uri={spec.checkpoint.uri} --resume. To make this "
-                      "run resumable, give it a checkpoint URI of its own under Dispatch.")
+            return None
+        return self._checkpoints[1]
+
+    def _foreign(self) -> tuple[int, str | None] | None:
+        """The newest checkpoint's (step, run id) when another run wrote it; None otherwise."""
+        found = self._newest()
+        return found if found is not None and (found[1] is None or found[1] != self.run_id) else None
 
     def _memory_figure(self, measured: dict):
         """The run's measured memory beside the estimate of the spec that runs (never the form's later edit)."""
@@ -587,6 +644,20 @@ def _continued(events: list[dict], from_step: int | None) -> list[dict]:
     if from_step is None or not any(e.get("event") == "step" and e["step"] == from_step for e in events):
         return []
     return [e for e in events if e.get("event") in ("step", "eval", "restart") and e.get("step", 0) <= from_step]
+
+
+def _kept_events(uri: str, run_id: str) -> list[dict]:
+    """The events a run kept beside its checkpoints (`_keep_metrics`); none when it kept none or the
+    folder is not on this machine."""
+    from workbench.ui.runs import metrics_name, read_events
+
+    path = Path(uri).expanduser() / metrics_name(run_id)
+    if "://" in uri or not path.is_file():
+        return []
+    try:
+        return read_events(path)
+    except ConfigError:
+        return []
 
 
 def _device_bytes(gpu: str) -> int | None:
