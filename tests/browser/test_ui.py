@@ -535,6 +535,28 @@ def test_a_model_folder_sets_the_model(lab, shots, tmp_path):
     assert root.locator(".wb-model-preset select").input_value() == "gpt-tiny"
 
 
+def test_import_config_asks_before_replacing(lab, shots):
+    """#34: a DeepSpeed config picked in the browser lists what it would replace and changes nothing
+    until Apply import; Keep my spec drops it and the form is as it was."""
+    root = lab.locator(".wb-root").first
+    zero = root.locator(".wb-layout-zero button.mod-active").inner_text().strip()
+    fixture = ROOT / "tests" / "fixtures" / "interop" / "ds_zero3_offload_bf16.json"
+    with lab.expect_file_chooser() as chooser:  # (the widget's <input type=file> is not in the page)
+        root.locator(".wb-import-config").click()
+    chooser.value.set_files(str(fixture))
+    note = root.locator(".wb-note-warning", has_text="nothing is changed until Apply import")
+    note.wait_for()
+    assert "layout.zero: 0 -> 3" in note.inner_text() and button(root, "Apply import").is_visible()
+    settle(lab)
+    assert root.locator(".wb-layout-zero button.mod-active").inner_text().strip() == zero == "0"
+    shot(lab, shots, "10-import-asks")
+    button(root, "Keep my spec").click()
+    root.locator(".wb-note-info", has_text="the spec being edited is unchanged").wait_for()
+    settle(lab)
+    assert not button(root, "Apply import").is_visible()
+    assert root.locator(".wb-layout-zero button.mod-active").inner_text().strip() == "0"
+
+
 # The live Training chart's drawn width (its svg) and its column's, in px.
 RUN_CHART_WIDTH = """() => { const svg = document.querySelector('.wb-root .wb-run-chart .main-svg');
   const col = document.querySelector('.wb-root .wb-right');

@@ -330,7 +330,7 @@ def test_import_shows_what_it_would_replace_and_asks_first():
                          "zero_optimization": {"stage": 3}}).encode()
     ic._uploaded([{"name": "ds.json", "content": config}])
     text = wb.message.value
-    assert "It would replace" in text and "Nothing is changed until Apply import" in text
+    assert "ds.json (deepspeed) is read; nothing is changed until Apply import. It would replace" in text
     assert "layout.zero: 0 -&gt; 3" in text and "backend.sagemaker.role: arn:aws:iam::1:role/T -&gt; (unset)" in text
     assert "filled in by the Hugging Face Trainer at launch" in text
     assert wb.state.raw == typed and ic.confirm.layout.display == ""  # asked, nothing changed yet

@@ -71,7 +71,7 @@ class ImportConfig:
         self.state.set_raw(spec.to_dict())
         if self.on_loaded:
             self.on_loaded(spec)
-        self.message.value = note_html(text.replace("It would replace", "It replaced", 1), kind)
+        self.message.value = note_html(text, kind)
 
     def keep(self) -> None:
         """Drop the waiting import; the spec being edited stays as it is."""
@@ -93,24 +93,27 @@ class ImportConfig:
             return
         finally:
             self.upload.value = ()  # so that picking the same file again imports it again
-        text = f"Imported {name} ({engine}) as {spec.name}."
-        if self.replaced:
-            text += f" It would replace {len(self.replaced)} setting(s) of the spec being edited:\n" + "\n".join(
-                self.replaced[:_MAX_SHOWN]) + (f"\n… and {len(self.replaced) - _MAX_SHOWN} more"
-                                               if len(self.replaced) > _MAX_SHOWN else "")
-            text += "\n"
+        listed = "\n".join(self.replaced[:_MAX_SHOWN]) + (
+            f"\n… and {len(self.replaced) - _MAX_SHOWN} more" if len(self.replaced) > _MAX_SHOWN else "")
+        rest = ""
         if any("'auto'" in line for line in warnings):
-            text += (" 'auto' values are filled in by the Hugging Face Trainer at launch; the spec's own values "
+            rest += (" 'auto' values are filled in by the Hugging Face Trainer at launch; the spec's own values "
                      "(shown in the form) stand in for them.")
         if warnings:
-            text += f" {len(warnings)} key(s) not mapped:\n" + "\n".join(warnings)
-        self.pending = (spec, text, "info" if warnings else "ok")
+            rest += f" {len(warnings)} key(s) not mapped:\n" + "\n".join(warnings)
+
+        def changes(verb: str) -> str:
+            return f" {verb} {len(self.replaced)} setting(s) of the spec being edited:\n{listed}\n" if self.replaced \
+                else ""
+
+        self.pending = (spec, f"Imported {name} ({engine}) as {spec.name}." + changes("It replaced") + rest,
+                        "info" if warnings else "ok")
         if not self.replaced:  # nothing of the spec being edited changes: nothing to ask
             self.apply()
             return
         self.confirm.layout.display = ""
-        self.message.value = note_html(text + "\nNothing is changed until Apply import.", "warning")
-
+        self.message.value = note_html(f"{name} ({engine}) is read; nothing is changed until Apply import." +
+                                       changes("It would replace") + rest, "warning")
 
 _MAX_SHOWN = 20
 
