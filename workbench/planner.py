@@ -8,10 +8,11 @@ memory model (workbench.memory) and the step-time model (workbench.steptime).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
-from workbench.memory import Layout, estimate_stage
-from workbench.memory.estimate import _stage_params, device_used
+from workbench.memory import Layout
+from workbench.memory.estimate import _stage_params, device_used, estimate_stage_modes
 from workbench.prices import PRICES_DATE, load_prices
 from workbench.steptime import Hardware, step_time
 from workbench.validate import check_layout_rules, zero_bubble_refused
@@ -174,13 +175,21 @@ def _layouts(spec, shape, world: int, gpn: int, nvme: bool = False):
 
 
 def _peak(shape, lay: Layout) -> tuple[int, int]:
-    """(allocated peak, host/disk bytes) over the stages that can be largest.
+    """(allocated peak, host/disk bytes) over the stages that can be largest (`_peaks`)."""
+    return next(_peaks(shape, [lay]))
+
+
+def _peaks(shape, modes: list[Layout]) -> Iterator[tuple[int, int]]:
+    """`_peak` of each layout of one option group in turn (they differ only in activation
+    checkpointing; the search stops at the first that fits).
 
     Stage 0 holds the most micro-batches in flight (and the extra blocks of an uneven split);
     the last stage holds the head and the logits. Middle stages are never above both.
     """
-    stages = [estimate_stage(shape, lay, k) for k in {0, lay.pp - 1}]
-    return max(s.total for s in stages), max(s.host for s in stages)
+    stages = [estimate_stage_modes(shape, modes, k) for k in {0, modes[0].pp - 1}]
+    for _ in modes:
+        priced = [next(stage) for stage in stages]
+        yield max(s.total for s in priced), max(s.host for s in priced)
 
 
 def plan(spec, prices=None, top: int | None = None, profile=None) -> PlanResult:
@@ -249,9 +258,8 @@ def _search(spec, shape, dev, hw: Hardware, dev_prices: dict):
                 break
             if not _runtime_accepts(shape, options[0], spec.train.global_batch):
                 continue
-            for lay in options:
+            for lay, (peak, host) in zip(options, _peaks(shape, options)):
                 searched += 1
-                peak, host = _peak(shape, lay)
                 if _fits(dev, lay, peak, host):
                     fitting.append(_candidate(shape, lay, hw, spec, peak, True, dev_prices))
                     break

@@ -15,27 +15,18 @@ from workbench.parallelism import is_multi_stage
 def _interleaved_order(pp: int, m: int, v: int, rank: int) -> list[tuple[str, int, int]]:
     # Megatron / torch Interleaved1F1B: micro-batches go in rounds of pp through chunk 0, then
     # chunk 1, ...; backward visits chunks in reverse. Warm-up fills the deeper pipeline.
-    def order(reverse: bool):
-        out = []
-        for g in range(0, m, pp):
-            group = range(g, min(g + pp, m))
-            for c in (reversed(range(v)) if reverse else range(v)):
-                out += [(c, j) for j in group]
-        return out
+    def order(reverse: bool) -> list[tuple[int, int]]:
+        chunks = range(v - 1, -1, -1) if reverse else range(v)
+        return [(c, j) for g in range(0, m, pp) for c in chunks for j in range(g, min(g + pp, m))]
 
     fwd, bwd = order(False), order(True)
     total = m * v
     warmup = min(total, (pp - rank - 1) * 2 + (v - 1) * pp)
+    steady = total - warmup  # one F then one B each
     ops = [("F", j, c) for c, j in fwd[:warmup]]
-    fi, bi = warmup, 0
-    while fi < total:
-        c, j = fwd[fi]
-        ops.append(("F", j, c))
-        fi += 1
-        c, j = bwd[bi]
-        ops.append(("B", j, c))
-        bi += 1
-    ops += [("B", j, c) for c, j in bwd[bi:]]
+    for (fc, fj), (bc, bj) in zip(fwd[warmup:], bwd[:steady]):
+        ops += (("F", fj, fc), ("B", bj, bc))
+    ops += [("B", j, c) for c, j in bwd[steady:]]
     return ops
 
 
@@ -63,14 +54,16 @@ def max_in_flight(schedule: str, pp: int, m: int, rank: int, v: int = 1) -> tupl
     """
     v = v if is_multi_stage(schedule) else 1
     held = [0] * v
-    best, best_total = tuple(held), 0
+    best, best_total, total = tuple(held), 0, 0
     for kind, _, c in rank_order(schedule, pp, m, rank, v):
         if kind == "F":
             held[c] += 1
-            if sum(held) > best_total:
-                best, best_total = tuple(held), sum(held)
+            total += 1
+            if total > best_total:
+                best, best_total = tuple(held), total
         elif kind == "B":
             held[c] -= 1
+            total -= 1
     return best
 
 

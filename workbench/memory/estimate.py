@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -133,9 +134,9 @@ def _chunk_numel(range_numel: float) -> int:
     return min(4 * 2**20, max(4096, -(-int(range_numel) // 8)))
 
 
-def _buffers(shape, lay: Layout, pp_index: int, p: int, w: int) -> tuple[float, list[str]]:
-    """Transient bytes: logits, recomputation, ZeRO gathers, master-step and staging chunks."""
-    notes = []
+def _held_buffers(shape, lay: Layout, pp_index: int, w: int) -> float:
+    """Transient bytes held whatever the checkpointing mode: the logits and the pipeline's in-flight
+    stage outputs. A stage's buffers are these, then `_recomputed_buffers`, then `_state_buffers`."""
     tokens = lay.micro_batch * shape.seq_len
     out = 0.0
     if pp_index == lay.pp - 1:
@@ -147,32 +148,53 @@ def _buffers(shape, lay: Layout, pp_index: int, p: int, w: int) -> tuple[float, 
         # a tensor autograd saves, so not counted as activations by the runtime's meter).
         held = sum(max_in_flight(lay.pp_schedule, lay.pp, lay.num_micro, pp_index, lay.chunks))
         out += held * tokens * act.boundary_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel)
+    return out
+
+
+def _recomputed_buffers(shape, lay: Layout) -> tuple[float, list[str]]:
+    """What backward's recomputation brings back briefly: the only buffers the checkpointing mode sets."""
+    tokens = lay.micro_batch * shape.seq_len
     if lay.activation_checkpointing == "selective":
         # Backward re-runs one attention core at a time: its output and log-sum-exp come back briefly.
         c = act.DTYPE_BYTES[lay.dtype]
-        out += tokens * (shape.hidden * c / lay.tp + act.attention_core_bytes_per_token(shape, lay.tp))
-        notes.append("selective checkpointing: one recomputed attention core's output during backward (buffers)")
-    elif lay.activation_checkpointing != "none":
+        return (tokens * (shape.hidden * c / lay.tp + act.attention_core_bytes_per_token(shape, lay.tp)),
+                ["selective checkpointing: one recomputed attention core's output during backward (buffers)"])
+    if lay.activation_checkpointing != "none":
         # Backward re-runs one checkpointed block at a time: its activations come back briefly.
-        out += tokens * act.block_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel, lay.device)
-        notes.append("checkpointing: one recomputed block's activations during backward (buffers)")
+        return (tokens * act.block_bytes_per_token(shape, lay.dtype, lay.tp, lay.sequence_parallel, lay.device),
+                ["checkpointing: one recomputed block's activations during backward (buffers)"])
+    return 0.0, []
+
+
+def _state_buffers(shape, lay: Layout, p: int, w: int) -> tuple[list[float], list[str]]:
+    """Transient bytes of the sharded states, added after the recomputed ones (in this order, so the
+    sum is the same float whichever way it is assembled): master-step and staging chunks, ZeRO gathers."""
+    terms: list[float] = []
+    notes: list[str] = []
     rng = -(-p // lay.dp) if lay.master_sharded else p
     chunk = _chunk_numel(rng)
     if lay.needs_master and (lay.mixed or lay.shards_optimizer_state):
-        out += chunk * 4  # the master step converts one chunk of gradients to fp32
+        terms.append(chunk * 4)  # the master step converts one chunk of gradients to fp32
     if lay.master_sharded:
-        out += lay.dp * chunk * w  # all-gather of one chunk per rank
+        terms.append(lay.dp * chunk * w)  # all-gather of one chunk per rank
     if lay.offload == "nvme" and not lay.fsdp:
-        out += 3 * chunk * 4  # staging: master, moment 1, moment 2 of one chunk
+        terms.append(3 * chunk * 4)  # staging: master, moment 1, moment 2 of one chunk
     if lay.fsdp and not lay.reshard_after_forward:
-        out += p * w + 4 * prm.largest_block_numel(shape, lay.tp)
+        terms.append(p * w + 4 * prm.largest_block_numel(shape, lay.tp))
         notes.append("zero=2 (FSDP2, no reshard after forward): the unsharded weights from forward to the end "
                      "of backward, and one block's fp32 unsharded gradient")
     if lay.reshard_after_forward:
         block = prm.largest_block_numel(shape, lay.tp)
-        out += 2 * block * w + 4 * block
+        terms.append(2 * block * w + 4 * block)
         notes.append("zero=3: two gathered blocks (running + prefetched) and one block's fp32 unsharded gradient")
-    return out, notes
+    return terms, notes
+
+
+def _sum_buffers(held: float, recomputed: float, terms: list[float]) -> float:
+    out = held + recomputed
+    for t in terms:
+        out += t
+    return out
 
 
 def _runtime_details(shape, lay: Layout, pp_index: int, states, notes: list[str]):
@@ -190,19 +212,35 @@ def _runtime_details(shape, lay: Layout, pp_index: int, states, notes: list[str]
 
 def estimate_stage(shape, lay: Layout, pp_index: int, convention: str = "workbench") -> StageMemory:
     """Memory of any rank on pipeline stage `pp_index`. A number as `shape` is a size-only model."""
+    return next(estimate_stage_modes(shape, (lay,), pp_index, convention))
+
+
+def estimate_stage_modes(shape, lays, pp_index: int, convention: str = "workbench") -> Iterator[StageMemory]:
+    """`estimate_stage` of each of `lays` in turn, layouts that differ in nothing but activation
+    checkpointing (the planner's modes of one option group, tried until one fits): the model states,
+    their offload and the buffers the mode does not touch are priced once, from the first."""
+    lay = lays[0]
     w = act.DTYPE_BYTES[lay.dtype]
     if isinstance(shape, (int, float)):  # {params: N}: model states only, spread evenly
         p = float(shape) / (lay.tp * lay.pp)
         shard = p / lay.dp
-        a, buf, notes = 0.0, 0.0, ["model given by its size (or a factory): model states only, no activations or buffers"]
+        size_only = ["model given by its size (or a factory): model states only, no activations or buffers"]
     else:
         p, shard = _stage_params(shape, lay.tp, lay.pp, pp_index, lay.chunks, lay.dp)
-        a = _activations(shape, lay, pp_index)
-        buf, notes = _buffers(shape, lay, pp_index, p, w)
+        held = _held_buffers(shape, lay, pp_index, w)
+        terms, state_notes = _state_buffers(shape, lay, p, w)
     states = model_states(p, shard, lay, lay.optimizer, convention)
+    detail_notes: list[str] = []
     if not isinstance(shape, (int, float)):
-        states = _runtime_details(shape, lay, pp_index, states, notes)
+        states = _runtime_details(shape, lay, pp_index, states, detail_notes)
     rng = -(-p // lay.dp) if lay.shards_optimizer_state else p
     states, host, disk = offload(states, lay, rng, lay.optimizer)
-    return StageMemory(int(states.params), int(states.grads), int(states.master), int(states.optimizer),
-                       int(a), int(buf), int(host + disk), (states.note, *notes), int(host), int(disk))
+    for mode in lays:
+        if isinstance(shape, (int, float)):
+            a, buf, notes = 0.0, 0.0, size_only
+        else:
+            a = _activations(shape, mode, pp_index)
+            recomputed, notes = _recomputed_buffers(shape, mode)
+            buf, notes = _sum_buffers(held, recomputed, terms), notes + state_notes + detail_notes
+        yield StageMemory(int(states.params), int(states.grads), int(states.master), int(states.optimizer),
+                          int(a), int(buf), int(host + disk), (states.note, *notes), int(host), int(disk))
