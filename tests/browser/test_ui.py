@@ -52,7 +52,9 @@ OVERFLOW = """() => { const out = [];
     if (r.width && (r.right > col.right + 2 || r.left < col.left - 2))
       out.push([what, Math.round(r.left), Math.round(r.right), 'column', Math.round(col.left), Math.round(col.right)]); };
   for (const g of root.querySelectorAll('.wb-right .js-plotly-plot')) {
-    const name = 'plot ' + String(g.layout && g.layout.title && g.layout.title.text || '').slice(0, 24);
+    const box = g.closest('[class*="wb-"]:not(.wb-right)');  // which chart: wb-run-chart, wb-host-chart, ...
+    const name = 'plot ' + String(g.layout && g.layout.title && g.layout.title.text || '').slice(0, 24) + ' in ' +
+      (box ? Array.from(box.classList).filter(c => c.startsWith('wb-')).join('.') : '?');
     outside(g, name);
     g.querySelectorAll('.main-svg, .legend, .gtitle, .g-xtitle, .g-ytitle, .xtick, .annotation').forEach(
       s => outside(s, name + ': ' + (s.getAttribute('class') || '')));
@@ -591,6 +593,13 @@ def test_the_live_chart_follows_its_column_after_a_redraw(lab):
     assert got and got[0] <= got[1] + 2, f"Training chart {got[0]} px wide in a column of {got[1]} px"
 
 
+def overflow(lab, width: int) -> list:
+    stuck = lab.evaluate(OVERFLOW)
+    if width == 800:  # a ~370 px column: the planner's 9 columns scroll inside their own box there
+        stuck = [s for s in stuck if not str(s[0]).startswith(("wider inside", "cell "))]
+    return stuck
+
+
 def test_layout_fits_1000_to_1920_px(lab, shots):
     root = lab.locator(".wb-root").first
     button(root, "Find layouts that fit").click()
@@ -608,11 +617,10 @@ def test_layout_fits_1000_to_1920_px(lab, shots):
     for width in (1920, 1400, 1000, 800):
         lab.set_viewport_size({"width": width, "height": 1000})
         time.sleep(1.5)  # reflow, and plotly's resize: under load 40 it took longer (plots still 1920 px wide)
-        deadline = time.monotonic() + 30
-        while (stuck := lab.evaluate(OVERFLOW)) and time.monotonic() < deadline:
+        t0 = time.monotonic()
+        while (stuck := overflow(lab, width)) and time.monotonic() < t0 + 30:
+            print(f"{width} px, {time.monotonic() - t0:.1f} s after the reflow's 1.5 s: {stuck}")
             time.sleep(1.0)
-        if width == 800:  # a ~370 px column: the planner's 9 columns scroll inside their own box there
-            stuck = [s for s in stuck if not str(s[0]).startswith(("wider inside", "cell "))]
         shot(lab, shots, f"width-{width}")
         assert not stuck, (width, stuck)
     lab.set_viewport_size({"width": 1400, "height": 1000})
