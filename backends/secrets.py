@@ -8,6 +8,9 @@ MAX_LINE_CHARS are cut into overlapping pieces, bytes that are not UTF-8 are rea
 that a key inside a binary file is still seen. detect-secrets costs ~0.4 ms a line, so each block
 is first searched with the plugins' own regular expressions and only lines where one matches go
 through detect-secrets' line pipeline (its filters included, e.g. `# pragma: allowlist secret`).
+The slowest expressions (the keyword list's, Cloudant's, IBM's, SoftLayer's: alternations with no
+literal start) run only on the lines holding a word they cannot match without ("key", "pass", ...):
+1.7 -> 0.52 s a MiB of binary data and 1.3 -> 0.55 s a MiB of text on this 2-core host.
 """
 from __future__ import annotations
 
@@ -75,10 +78,23 @@ def _settings_config() -> dict:
     return {"plugins_used": plugins}
 
 
-def _candidate_patterns(plugins) -> list[tuple[re.Pattern | None, list[re.Pattern]]] | None:
+# A pattern that needs one of these groups at its top level only matches a line holding one of the
+# literals (lower-cased): it runs on those lines alone. Keyed by the group's exact text, so a
+# detect-secrets release that words them otherwise is searched everywhere, as before.
+_REQUIRED_GROUPS = {
+    "(?:key|pwd|pw|password|pass|token)": ("key", "pw", "pass", "token"),  # Cloudant
+    "(?:key|pwd|password|pass|token)": ("key", "pw", "pass", "token"),  # IBM Cloud IAM, SoftLayer
+    "(?:secret[-_]?(?:access)?[-_]?key)": ("key",),  # IBM COS HMAC
+}
+_DENYLIST_LITERALS = ("key", "pass", "pwd", "secret", "contrase")  # every entry of keyword.DENYLIST holds one
+
+Gate = tuple[str, ...] | re.Pattern | None  # literals a line must hold, a block-wide regex, or nothing
+
+
+def _candidate_patterns(plugins) -> list[tuple[Gate, list[re.Pattern]]] | None:
     """Every regular expression the plugins search lines with, recompiled per line (MULTILINE), as
-    (gate, patterns): the patterns run only on lines where the gate matches (the keyword detector's
-    ~10 variants all need one of its keywords); None when a plugin has no such list (then every line
+    (gate, patterns): the patterns run only where the gate lets them (the lines holding one of its
+    literals, or the blocks its regex matches); None when a plugin has no such list (then every line
     is a candidate)."""
     from detect_secrets.plugins import keyword
     from detect_secrets.plugins.high_entropy_strings import HighEntropyStringsPlugin
@@ -98,10 +114,32 @@ def _candidate_patterns(plugins) -> list[tuple[re.Pattern | None, list[re.Patter
             plain += list(plugin.denylist)
         else:
             return None
-    groups: list[tuple[re.Pattern | None, list[re.Pattern]]] = [(None, per_line(plain))]
+    by_gate: dict[Gate, list] = {}
+    for p in plain:
+        by_gate.setdefault(_required_literals(p.pattern), []).append(p)
     if keywords:
-        groups.append((re.compile("|".join(keyword.DENYLIST), re.IGNORECASE), per_line(keywords)))
-    return groups
+        simple = all(re.fullmatch(r"[a-zñ]+", e.replace("_?", "")) and any(lit in e.replace("_?", "")
+                                                                         for lit in _DENYLIST_LITERALS)
+                     for e in keyword.DENYLIST)  # plain words (an optional "_" at most): each match holds its literal
+        gate = _DENYLIST_LITERALS if simple else re.compile("|".join(keyword.DENYLIST), re.IGNORECASE)
+        by_gate.setdefault(gate, []).extend(keywords)
+    return [(gate, per_line(patterns)) for gate, patterns in by_gate.items()]
+
+
+def _required_literals(pattern: str) -> tuple[str, ...] | None:
+    """The literals of a `_REQUIRED_GROUPS` group the pattern needs (at its top level, not optional)."""
+    for group, literals in _REQUIRED_GROUPS.items():
+        at = pattern.find(group)
+        if at < 0 or pattern[at + len(group):at + len(group) + 1] in ("?", "*", "{"):
+            continue
+        before = re.sub(r"\\.", "", pattern[:at])  # (escaped parentheses are not groups)
+        if before.count("(") != before.count(")"):
+            continue  # inside a group
+        while (closed := re.sub(r"\([^()]*\)", "", before)) != before:  # the groups before it, innermost first
+            before = closed
+        if "|" not in before:  # no top-level alternative without it
+            return literals
+    return None
 
 
 class Scanner:
@@ -165,20 +203,51 @@ class Scanner:
         return None
 
     def _candidates(self, lines: list[tuple[int, str]]) -> list[tuple[int, str]]:
-        """The lines of a block where one of the plugins' expressions matches, searched block-wide."""
+        """The lines of a block where one of the plugins' expressions matches: each group of them
+        searched over the lines its gate lets through, as one text."""
         if self.patterns is None:
             return lines
         text = "\n".join(t for _, t in lines)
         starts = list(itertools.accumulate((len(t) + 1 for _, t in lines[:-1]), initial=0))
+        low = text.lower()
+        if len(low) != len(text):  # (a character whose lower case is longer: positions would not line up)
+            low = ""
         hit: set[int] = set()
         for gate, patterns in self.patterns:
-            if gate is not None and not gate.search(text):
+            if isinstance(gate, tuple) and low:
+                rows = sorted(_lines_holding(low, gate, starts))
+                if not rows:
+                    continue
+                sub = "\n".join(lines[i][1] for i in rows)
+                sub_starts = list(itertools.accumulate((len(lines[i][1]) + 1 for i in rows[:-1]), initial=0))
+                found = _matched_lines(sub, sub_starts, patterns)
+                hit.update(rows[i] for i in found)
                 continue
-            for p in patterns:
-                for m in p.finditer(text):
-                    first, last = bisect.bisect_right(starts, m.start()) - 1, bisect.bisect_right(starts, m.end()) - 1
-                    hit.update(range(first, last + 1))
+            if isinstance(gate, re.Pattern) and not gate.search(text):
+                continue
+            hit |= _matched_lines(text, starts, patterns)
         return [lines[i] for i in sorted(hit)]
+
+
+def _lines_holding(low: str, literals: tuple[str, ...], starts: list[int]) -> set[int]:
+    """Indices of the lines (starting at `starts`) of a lower-cased text that hold one of `literals`."""
+    rows: set[int] = set()
+    for lit in literals:
+        at = low.find(lit)
+        while at >= 0:
+            row = bisect.bisect_right(starts, at) - 1
+            rows.add(row)
+            at = low.find(lit, starts[row + 1] if row + 1 < len(starts) else len(low))  # the next line on
+    return rows
+
+
+def _matched_lines(text: str, starts: list[int], patterns: list[re.Pattern]) -> set[int]:
+    hit: set[int] = set()
+    for p in patterns:
+        for m in p.finditer(text):
+            first, last = bisect.bisect_right(starts, m.start()) - 1, bisect.bisect_right(starts, m.end()) - 1
+            hit.update(range(first, last + 1))
+    return hit
 
 
 MAX_EXPANDED_BYTES = 1 << 30  # what the archives of one file may expand to (a bomb is refused, not scanned)

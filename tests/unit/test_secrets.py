@@ -173,3 +173,40 @@ def test_workbench_itself_ships_clean():
     """Every bundle ships our packages: the scanner must find nothing in them."""
     b = B.build_bundle(load_spec({}), B.Path(__file__).parent)
     assert any(n.startswith("workbench/") for n in b.files)
+
+
+def test_the_line_gates_find_what_every_pattern_on_every_line_finds():
+    """The plugins' slow expressions run only on lines holding one of their required words
+    (backends/secrets.py `_REQUIRED_GROUPS`, the keyword list): on lines of each gated vendor's and
+    keyword's secret, in both cases, among Latin-1 bytes and a line whose lower case is longer ('İ'),
+    each line's findings (every plugin's) are those of a scanner that runs every expression on every
+    line. (A line filter that drops lines fails here: the IBM key's line is found by its gate alone.)"""
+    hexes, lower = "0123456789abcdef", "abcdefghijklmnopqrstuvwxyz"
+    lines = [f"cloudant_password = '{k(64, hexes)}'", f"ibm_cloud_iam_api_key: {k(44)}",
+             f"ibm_cos_hmac_secret_access_key = {k(48, hexes)}", f"softlayer_api_key = {k(64, lower + '0123456789')}",
+             f'db_password = "{k(14)}"', f'aws_secret_key = "{k(40, ALNUM + "+/")}"', f"api_key: '{k(32)}'",
+             f'secret = "{k(20)}"', 'contraseña = "' + k(16) + '"']
+    lines += [line.upper() for line in lines] + [f"İ {line}" for line in lines[:3]]
+    noise = bytes(range(256)).decode("latin-1").replace("\n", " ")
+    with Scanner() as gated:
+        everywhere = Scanner()
+        everywhere.patterns = [(None, [p for _, patterns in gated.patterns for p in patterns])]
+        found = 0
+        for line in lines:
+            for text in (line, f"{noise}\n{line}\n{noise}"):
+                data = text.encode("latin-1" if "İ" not in text else "utf-8", errors="strict")
+                want = every_finding(everywhere, data)
+                assert every_finding(gated, data) == want, (text, want)
+                found += len(want)
+        assert found >= 2 * len(lines), found  # each line holds secrets to both: the comparison is not vacuous
+        assert sum(isinstance(gate, tuple) for gate, _ in gated.patterns) >= 3
+
+
+def every_finding(scanner, data: bytes) -> set[tuple[int, str]]:
+    """(line, kind) of every secret every plugin reports (`scan_bytes` stops at the first)."""
+    from detect_secrets.core.scan import _process_line_based_plugins
+
+    from backends.secrets import _blocks
+
+    return {(n, secret.type) for lines in _blocks(io.BytesIO(data)) for n, text in scanner._candidates(lines)
+            for secret in _process_line_based_plugins([(n, text)], filename="x.py")}
