@@ -1,5 +1,6 @@
 """The notebook panels without a browser: every view is drawn from the state, edits never leave a
 stale chart or plan, dispatch settings stay per backend, nothing is clamped, Resume needs a checkpoint."""
+import html
 import json
 import random
 from pathlib import Path
@@ -194,6 +195,7 @@ def test_resume_is_offered_for_a_complete_checkpoint_and_its_curve_continues(tmp
     st.update({"checkpoint.uri": str(uri)})
     assert panel.resume_button.layout.display == ""
     check_another_runs_checkpoint_is_never_resumed(panel, Store(str(uri)), 2)
+    check_a_fresh_run_asks_before_writing_over_checkpoints(panel, Store(str(uri)), 2)
 
     # What Resume starts with: the stopped run's events up to the checkpoint, then the loop's own.
     carried = run_panel._continued(st.snapshot(), panel.resumable_step())
@@ -254,6 +256,27 @@ def check_another_runs_checkpoint_is_never_resumed(panel, store, step: int) -> N
     store.write_manifest(store.step_dir(step), manifest)
     panel.render()
     assert panel.resumable_step() == step and panel.continue_button.layout.display == "none"
+
+
+def check_a_fresh_run_asks_before_writing_over_checkpoints(panel, store, step: int) -> None:
+    """#34: Run (a fresh run, a new id) with checkpoints under the URI would write over them (its steps,
+    then its retention): nothing starts, the note says whose the newest is, and "Continue that run" is
+    offered; with the URI emptied the question goes."""
+    st, manifest, uri = panel.state, store.read_manifest(step), panel.state.spec.checkpoint.uri
+    for owner, whose in (("notebook-run-a", "this panel's last run"), ("older-run-b", "run older-run-b")):
+        store.write_manifest(store.step_dir(step), {**manifest, "run_id": owner})
+        runs, run_id = len(st.history), panel.run_id
+        panel.run()
+        assert len(st.history) == runs and panel.run_id == run_id and st.run_state == "preempted"  # nothing started
+        assert f"holds checkpoints, the newest of step {step} by {whose}" in html.unescape(panel.note.value)
+        assert "would write over them" in panel.note.value and "Nothing was loaded or deleted" in panel.note.value
+        panel.render()  # the question stays through redraws while the folder is as it was
+        assert panel.continue_button.layout.display == "" and panel._offered == (step, owner)
+        assert "would write over them" in panel.note.value and store.committed_steps()[0] == step
+    store.write_manifest(store.step_dir(step), manifest)
+    st.update({"checkpoint.uri": uri + "-elsewhere"})
+    assert panel.continue_button.layout.display == "none" and "would write over them" not in panel.note.value
+    st.update({"checkpoint.uri": uri})
 
 
 def test_run_labels_are_unique_and_a_resume_keeps_its_runs_number():

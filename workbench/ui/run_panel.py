@@ -48,6 +48,8 @@ class RunPanel:
         self._step_shown_at = 0.0
         self._checkpoints: tuple | None = None  # (uri, committed steps) -> newest complete (step, run id): resume_check
         self._offered: tuple | None = None  # the other run's (step, run id) "Continue that run" was drawn for
+        self._asked: tuple | None = None  # the checkpoint a refused fresh Run asked about (`_ask`), while newest
+        self._asked_note = ""
         # This run's identity, recorded in each checkpoint it writes: Resume continues only checkpoints
         # with this id (never another run's under the same URI). A fresh Run gets a new one; Resume keeps it.
         self.run_id: str | None = None
@@ -143,17 +145,35 @@ class RunPanel:
                 self.note.value = note_html(why or "Nothing to resume: no checkpoint of this run.", "error")
                 return
             self._launch(st.run_label(resume=True), _continued(st.snapshot(), step), resume=True)
+        elif (found := self._newest()) is not None:  # a fresh run would write over them: ask
+            self._ask(found)
         else:
             self.run_id = f"notebook-{uuid.uuid4().hex[:12]}"
             self._launch(st.run_label(), [], resume=False)
 
+    def _ask(self, found: tuple[int, str | None]) -> None:
+        """Run was pressed with checkpoints under checkpoint.uri: nothing starts; the note says whose
+        they are and what a fresh run would do to them, and "Continue that run" is offered."""
+        step, owner = found
+        uri = self.state.spec.checkpoint.uri
+        whose = ("this panel's last run" if owner is not None and owner == self.run_id else
+                 f"run {owner}" if owner else "a run from before checkpoints named their run")
+        self._asked, self._offered = found, found
+        self._asked_note = note_html(
+            f"Nothing was started: {uri} holds checkpoints, the newest of step {step} by {whose}. A fresh run "
+            f"there would write over them (its own steps, then its retention of the newest "
+            f"{self.state.spec.checkpoint.keep}). Continue that run, or give this run a checkpoint URI of its own "
+            "under Dispatch. Nothing was loaded or deleted.", "error")
+        self.note.value = self._asked_note
+        self.continue_button.layout.display = ""
+
     def continue_other(self) -> None:
-        """Continue, on purpose, the run whose checkpoint is the newest under checkpoint.uri although
-        this panel did not write it (the "Continue that run" button, drawn with the note that names
-        it): this panel takes that run's id, and its curve when its metrics were kept beside the
-        checkpoints. Only the checkpoint the button was drawn for: when the folder changed since,
-        nothing is started. Nothing is deleted either way."""
-        offered, found = self._offered, self._foreign()
+        """Continue, on purpose, the run whose checkpoint is the newest under checkpoint.uri (the
+        "Continue that run" button, drawn with the note that names it): another run's, whose id this
+        panel takes, with its curve when its metrics were kept beside the checkpoints; this panel's own
+        (after Run asked, `_ask`) is a Resume. Only the checkpoint the button was drawn for: when the
+        folder changed since, nothing is started. Nothing is deleted either way."""
+        offered, found = self._offered, self._newest()
         if offered is None or found != offered:
             now = f"the newest is now step {found[0]} of {found[1] or 'an unnamed run'}" if found else \
                 "no other run's checkpoint is there now"
@@ -162,9 +182,12 @@ class RunPanel:
             self._offered = None
             self.continue_button.layout.display = "none"
             return
+        step, owner = found
+        if owner is not None and owner == self.run_id:  # this panel's own last run (Run asked): a resume
+            self.run(resume=True)
+            return
         if not self._startable():
             return
-        step, owner = found
         uri = self.state.spec.checkpoint.uri
         self.run_id = owner or f"notebook-{uuid.uuid4().hex[:12]}"  # (an unnamed run's next checkpoints: this id)
         carried = _continued(_kept_events(uri, owner), step) if owner else []
@@ -198,7 +221,7 @@ class RunPanel:
 
         st = self.state
         self._error, self.handle, self._stop_requested, self._report = None, None, False, ""
-        self._offered = None
+        self._offered, self._asked = None, None
         self._t0 = time.monotonic()
         self._phase = ("1/3 starting Ray…" if not _ray_started() else
                        f"2/3 starting {st.spec.world_size} rank(s)…")
@@ -306,7 +329,9 @@ class RunPanel:
                       and self.resumable_step() is not None)
         self.resume_button.layout.display = "" if can_resume else "none"
         cut_short = not running and st.run_state in ("preempted", "stopped", "failed")
-        self._offered = self._foreign() if cut_short and not can_resume else None
+        if self._asked is not None and (running or self._newest() != self._asked):
+            self._asked = None  # (the folder or the URI changed since Run asked)
+        self._offered = self._asked or (self._foreign() if cut_short and not can_resume else None)
         self.continue_button.layout.display = "" if self._offered else "none"
         self.progress.max = max(self.progress.max, 1)
         self.progress.value = min(steps[-1]["step"], self.progress.max) if steps else 0
@@ -402,6 +427,8 @@ class RunPanel:
 
     def _note(self, events: list[dict], steps: list[dict], running: bool, can_resume: bool) -> str:
         state = self.state.run_state
+        if self._asked is not None:
+            return self._asked_note
         if self._error is not None:
             return note_html(f"Run failed: {self._error}", "error")
         if running:
