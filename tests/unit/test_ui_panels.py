@@ -273,6 +273,12 @@ def check_a_fresh_run_asks_before_writing_over_checkpoints(panel, store, step: i
         panel.render()  # the question stays through redraws while the folder is as it was
         assert panel.continue_button.layout.display == "" and panel._offered == (step, owner)
         assert "would write over them" in panel.note.value and store.committed_steps()[0] == step
+    steps = st.spec.train.steps
+    st.update({"train.steps": step})  # that run is done at this length: nothing to continue
+    panel.continue_button.click()
+    assert len(st.history) == runs and f"checkpoint is at step {step} and this spec trains {step} steps" in \
+        panel.note.value
+    st.update({"train.steps": steps})
     store.write_manifest(store.step_dir(step), manifest)
     st.update({"checkpoint.uri": uri + "-elsewhere"})
     assert panel.continue_button.layout.display == "none" and "would write over them" not in panel.note.value

@@ -183,6 +183,11 @@ class RunPanel:
             self.continue_button.layout.display = "none"
             return
         step, owner = found
+        if self.state.spec is not None and step >= self.state.spec.train.steps:
+            self.note.value = note_html(f"Nothing was started: that run's checkpoint is at step {step} and this spec "
+                                        f"trains {self.state.spec.train.steps} steps. Raise the steps to continue it.",
+                                        "error")
+            return
         if owner is not None and owner == self.run_id:  # this panel's own last run (Run asked): a resume
             self.run(resume=True)
             return
