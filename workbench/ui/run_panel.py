@@ -330,13 +330,14 @@ class RunPanel:
         self.run_button.disabled = running or st.spec is None
         self.stop_button.disabled = not running or self._stop_requested
         self.report_button.disabled = running or not steps
-        can_resume = (not running and st.run_state in ("preempted", "stopped", "failed")
-                      and self.resumable_step() is not None)
-        self.resume_button.layout.display = "" if can_resume else "none"
+        newest = self._newest()  # (one listing of the store per redraw)
+        resumable, foreign = self._verdict(newest)
         cut_short = not running and st.run_state in ("preempted", "stopped", "failed")
-        if self._asked is not None and (running or self._newest() != self._asked):
+        can_resume = cut_short and resumable is not None
+        self.resume_button.layout.display = "" if can_resume else "none"
+        if self._asked is not None and (running or newest != self._asked):
             self._asked = None  # (the folder or the URI changed since Run asked)
-        self._offered = self._asked or (self._foreign() if cut_short and not can_resume else None)
+        self._offered = self._asked or (newest if cut_short and foreign else None)
         self.continue_button.layout.display = "" if self._offered else "none"
         self.progress.max = max(self.progress.max, 1)
         self.progress.value = min(steps[-1]["step"], self.progress.max) if steps else 0
@@ -346,7 +347,7 @@ class RunPanel:
         self.progress_text.value = html.escape(self._progress_line(steps[-1] if steps else None, self._first_own,
                                                                    running))
         ended = not running and st.run_state != "idle"  # (the idle and running notes keep what they show)
-        self.note.value = self._note(events, steps, running, can_resume) + (self._report if ended else "")
+        self.note.value = self._note(events, steps, running, can_resume, foreign) + (self._report if ended else "")
         self._render_charts(events)
         self.rank_times.value = _rank_times_html(figures.latest_rank_times(events))
         self.predicted.value = prediction_html(self.prediction, steps[self._carried:], self.run_spec) \
@@ -430,7 +431,8 @@ class RunPanel:
         finally:
             self._render_lock.release()
 
-    def _note(self, events: list[dict], steps: list[dict], running: bool, can_resume: bool) -> str:
+    def _note(self, events: list[dict], steps: list[dict], running: bool, can_resume: bool,
+              foreign: str | None) -> str:
         state = self.state.run_state
         if self._asked is not None:
             return self._asked_note
@@ -448,10 +450,8 @@ class RunPanel:
             return self.note.value
         step = steps[-1]["step"] if steps else 0
         extra = ""
-        if state in ("preempted", "stopped", "failed") and not can_resume:
-            foreign = self.resume_check()[1]
-            if foreign:
-                return note_html(f"Run {state} after {step} step(s). {foreign}", _DONE_KIND.get(state, "info"))
+        if state in ("preempted", "stopped", "failed") and foreign:
+            return note_html(f"Run {state} after {step} step(s). {foreign}", _DONE_KIND.get(state, "info"))
         if state in ("preempted", "stopped"):
             extra = (" Resume continues from its newest checkpoint." if can_resume else
                      " It cannot be resumed: no checkpoint was written (set a checkpoint URI and interval under "
@@ -471,7 +471,10 @@ class RunPanel:
         checkpoint or an unreachable store. Verified once per set of committed steps and newest manifest:
         re-renders after each edit list the store and read one manifest, they do not re-read the
         checkpoint. Nothing is ever deleted here."""
-        found = self._newest()
+        return self._verdict(self._newest())
+
+    def _verdict(self, found: tuple[int, str | None] | None) -> tuple[int | None, str | None]:
+        """`resume_check` of the newest checkpoint's (step, run id)."""
         if found is None:
             return None, None
         step, owner = found
@@ -501,11 +504,6 @@ class RunPanel:
         except (OSError, ValueError, ImportError):  # unreachable or unknown store: nothing to resume from here
             return None
         return self._checkpoints[1]
-
-    def _foreign(self) -> tuple[int, str | None] | None:
-        """The newest checkpoint's (step, run id) when another run wrote it; None otherwise."""
-        found = self._newest()
-        return found if found is not None and (found[1] is None or found[1] != self.run_id) else None
 
     def _memory_figure(self, measured: dict):
         """The run's measured memory beside the estimate of the spec that runs (never the form's later edit)."""
