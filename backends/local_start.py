@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from workbench.errors import ConfigError
 from workbench.runtime.checkpoint_store import RESUME_OR_FRESH
 from workbench.spec import JobSpec, load_spec
 from workbench.validate import check_runnable
@@ -39,12 +40,28 @@ def start(spec, on_event: Callable[[dict], None] | None = None, resume: bool = F
         check_lease_free(spec.checkpoint.uri)  # a second writer of the URI: exit 2 before any worker starts
     if resume:
         check_resume_from_checkpoint(spec, or_fresh=resume == RESUME_OR_FRESH)
+    else:
+        check_fresh_checkpoint_uri(spec)
     checked = time.monotonic()
     note = None if on_event is None else (lambda kind, message: on_event({"event": kind, "message": message}))
     ensure_ray(note=note, fallback=f"python -m workbench.cloud_entry --spec SPEC (torchrun with {spec.world_size} ranks "
                "running the same per-rank runtime; metrics as JSON lines on stdout, the same exit codes)")
     startup = {"launched": launched, "phases": {"checks_s": checked - launched, "ray_s": time.monotonic() - checked}}
     return LocalRayBackend().submit(spec, on_event=on_event, resume=resume, startup=startup)
+
+
+def check_fresh_checkpoint_uri(spec: JobSpec) -> None:
+    """Before any worker starts: ConfigError if a fresh run would write over another run's
+    checkpoints under checkpoint.uri (the ranks check again, checkpoint.Checkpointer.check_fresh)."""
+    if not spec.checkpoint.uri:
+        return
+    import os
+
+    from workbench.runtime.checkpoint_store import Store, fresh_run_conflict
+
+    conflict = fresh_run_conflict(Store(spec.checkpoint.uri), os.environ.get("WORKBENCH_RUN_ID"), spec.checkpoint.keep)
+    if conflict:
+        raise ConfigError(conflict)
 
 
 def check_resume_from_checkpoint(spec: JobSpec, or_fresh: bool = False) -> None:

@@ -10,7 +10,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from backends.local_start import check_resume_from_checkpoint, start  # noqa: F401 - re-exported: the API
+from backends.local_start import check_fresh_checkpoint_uri, check_resume_from_checkpoint, start  # noqa: F401 - the API
 from workbench.errors import WorkerError
 from workbench.runtime.preemption import EXIT_PREEMPTED, forward_signal
 from workbench.spec import JobSpec, load_spec
@@ -39,8 +39,7 @@ def checkpoint_version(uri: str) -> tuple:
     """What changes when a checkpoint under `uri` is committed or re-written: the committed steps,
     and the newest one's write time and run id. Cheap: the store is listed and one manifest read,
     no file verified. Raises OSError / ValueError / ImportError for an unreachable or unknown store."""
-    from workbench.runtime.checkpoint import manifest_run_id
-    from workbench.runtime.checkpoint_store import Store, manifest_or_problem
+    from workbench.runtime.checkpoint_store import Store, manifest_or_problem, manifest_run_id
 
     store = Store(uri)
     steps = tuple(store.committed_steps())
@@ -53,8 +52,7 @@ def newest_checkpoint_owner(uri: str) -> tuple[int, str | None] | None:
     """(step, run id) of the newest complete checkpoint under `uri` (every file verified, size and
     CRC-32, as a resume does before any worker starts), or None. The run id is None for a
     checkpoint written before runs had one. Nothing is loaded or deleted."""
-    from workbench.runtime.checkpoint import manifest_run_id
-    from workbench.runtime.checkpoint_store import Store
+    from workbench.runtime.checkpoint_store import Store, manifest_run_id
 
     manifest, _ = Store(uri).newest_complete()
     return None if manifest is None else (int(manifest["step"]), manifest_run_id(manifest))

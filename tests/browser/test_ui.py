@@ -335,8 +335,7 @@ def test_stop_and_resume_from_a_checkpoint(lab, tmp_path):
     assert resumed["y"][:ended] == stopped["y"]
     assert f"from_step={ended}" in root.locator(".wb-run-log").text_content()  # (folded: not inner_text)
     assert not button(root, "Resume").is_visible()  # completed: nothing left to resume
-    from workbench.runtime.checkpoint import manifest_run_id
-    from workbench.runtime.checkpoint_store import Store
+    from workbench.runtime.checkpoint_store import Store, manifest_run_id
 
     store = Store(str(tmp_path / "ckpt"))  # #34: the stopped run and its resume wrote them as one run
     owners = {manifest_run_id(store.read_manifest(s)) for s in store.committed_steps()}

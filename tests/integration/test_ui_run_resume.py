@@ -103,8 +103,7 @@ def check_the_pairing_stays_with_the_running_spec(wb, ran) -> None:
 def check_the_checkpoint_is_this_runs(wb, uri, step: int) -> None:
     """#34: the ranks under Ray recorded the panel's run id in the checkpoint; a fresh panel on the same
     URI (another run) is not offered that checkpoint and says whose it is."""
-    from workbench.runtime.checkpoint import manifest_run_id
-    from workbench.runtime.checkpoint_store import Store
+    from workbench.runtime.checkpoint_store import Store, manifest_run_id
 
     panel = wb.run_panel
     assert panel.run_id and manifest_run_id(Store(str(uri)).read_manifest(step)) == panel.run_id
@@ -130,8 +129,7 @@ def check_another_panel_continues_it_on_purpose(wb, uri) -> None:
     """#34: a panel that did not write the newest checkpoint (another session's, say) is asked, and
     "Continue that run" continues it for real: under that run's id, its kept curve carried on, two
     more steps; the first run's events are untouched."""
-    from workbench.runtime.checkpoint import manifest_run_id
-    from workbench.runtime.checkpoint_store import Store
+    from workbench.runtime.checkpoint_store import Store, manifest_run_id
     from workbench.ui.runs import read_events
 
     owner, done = wb.run_panel.run_id, wb.state.snapshot()

@@ -159,7 +159,7 @@ def test_each_manifest_names_the_run_that_wrote_it_and_resume_loads_any(tmp_path
     """#34: the run id (WORKBENCH_RUN_ID, as the local backend sets it per job) is in every manifest, so
     the notebook tells its own checkpoints from another run's; `restore` (the CLI's explicit --resume)
     still loads another run's, and one written before runs had an id."""
-    from workbench.runtime.checkpoint import manifest_run_id
+    from workbench.runtime.checkpoint_store import manifest_run_id
 
     monkeypatch.setenv("WORKBENCH_RUN_ID", "run-a")
     ck, model, _ = _linear_checkpointer(tmp_path, lambda: 0.0)
@@ -181,3 +181,44 @@ def test_each_manifest_names_the_run_that_wrote_it_and_resume_loads_any(tmp_path
     ck.save(3)
     ck.close()
     assert manifest_run_id(store.read_manifest(3)) == "run-b"
+
+
+def test_a_fresh_run_refuses_a_uri_holding_another_runs_checkpoints(tmp_path, monkeypatch, capsys):
+    """A fresh run (no resume) into a URI holding another run's checkpoints would write over the steps
+    both reach, drop the others through retention, and make a later --resume load whichever run wrote
+    the newest: the driver (before any worker) and the ranks refuse it, and nothing under the URI
+    changes. The same run started again (its own id) is not refused; a checkpoint from before runs
+    had an id is another run's."""
+    import yaml
+
+    from workbench.cli import main as cli_main
+    from workbench.launch import check_fresh_checkpoint_uri
+
+    monkeypatch.setenv("WORKBENCH_RUN_ID", "run-a")
+    train(tiny(tmp_path, every_steps=2), [].append, should_stop=stop_after(4))
+    store = Store(str(tmp_path))
+    manifests = lambda: {s: store.fs.cat(f"{store.step_dir(s)}/{MANIFEST}") for s in store.committed_steps()}  # noqa: E731
+    files = lambda: sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.name != "lease.json")  # noqa: E731
+    before, listed = manifests(), files()
+    assert sorted(before) == [2, 4]
+
+    monkeypatch.setenv("WORKBENCH_RUN_ID", "run-b")
+    with pytest.raises(ConfigError) as err:  # every rank's check (here the one rank's)
+        train(tiny(tmp_path, every_steps=2), [].append)
+    assert "holds another run's checkpoints (steps 2, 4; the newest, step 4, by run run-a)" in str(err.value)
+    assert "`workbench run --resume`" in str(err.value) and "checkpoint.keep: 3" in str(err.value)
+    monkeypatch.delenv("WORKBENCH_RUN_ID")  # the CLI: a new run, refused before Ray or any worker starts
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(tiny(tmp_path, every_steps=2)))
+    assert cli_main(["run", str(spec_file), "--no-progress"]) == 2
+    assert "holds another run's checkpoints" in capsys.readouterr().err
+    spec_file.unlink()
+    assert manifests() == before and files() == listed  # nothing written, nothing deleted
+
+    monkeypatch.setenv("WORKBENCH_RUN_ID", "run-a")
+    check_fresh_checkpoint_uri(load_spec(tiny(tmp_path)))  # its own checkpoints: the same run again
+    manifest = store.read_manifest(4)
+    del manifest["run_id"]  # written before runs had an id
+    store.write_manifest(store.step_dir(4), manifest)
+    with pytest.raises(ConfigError, match=r"step 4, by a run from before checkpoints named their run"):
+        check_fresh_checkpoint_uri(load_spec(tiny(tmp_path)))

@@ -6,9 +6,9 @@ another world size or layout (resharding). What is saved: model, optimizer, extr
 objects (the fp16 loss scaler), RNG states per rank; the step, the spec and the run's identity
 (`run_id`: the job's WORKBENCH_RUN_ID or cloud job name, checkpoint_lease.run_id) go in the manifest,
 so that a caller can tell its own run's checkpoints from another run's under the same URI
-(`manifest_run_id`; the notebook's Resume continues only its own). `restore` itself loads the newest
-complete checkpoint whoever wrote it: the CLI's explicit --resume, and checkpoints written before
-runs had an id.
+(`manifest_run_id`; the notebook's Resume continues only its own, and a fresh run refuses a URI
+holding another run's, `check_fresh`). `restore` itself loads the newest complete checkpoint whoever
+wrote it: the CLI's explicit --resume, and checkpoints written before runs had an id.
 Data needs no state: batch k is a pure function of (data.seed, k). See docs/checkpoints.md.
 """
 from __future__ import annotations
@@ -44,10 +44,12 @@ from workbench.runtime.checkpoint_state import (
     union_module,
 )
 from workbench.runtime.checkpoint_store import (
+    RUN_ID_KEY,
     Store,
     all_rejected,
     describe_error,
     disk_full,
+    fresh_run_conflict,
     manifest_or_problem,
     manifest_spec,
     new_manifest,
@@ -60,16 +62,6 @@ warnings.filterwarnings("ignore", message="Detected an existing checkpoint in .*
 
 
 OPTIONAL_PARTS = ("scaler",)  # state that may start fresh when a checkpoint lacks it
-RUN_ID_KEY = "run_id"  # the manifest key of the run that wrote a checkpoint
-
-
-def manifest_run_id(manifest: dict | None) -> str | None:
-    """The id of the run that wrote a checkpoint (its manifest's `run_id`), or None for a
-    checkpoint written before runs had an id (or a manifest whose id is not a non-empty string)."""
-    value = (manifest or {}).get(RUN_ID_KEY)
-    return value if isinstance(value, str) and value else None
-
-
 def _run_id() -> str:
     from workbench.runtime.checkpoint_lease import run_id
 
@@ -302,6 +294,21 @@ class Checkpointer:
         return self._broadcast(result) if not everyone else result
 
     # -- restore ------------------------------------------------------------------------
+    def check_fresh(self) -> None:
+        """Before a fresh run's first step: every rank raises the same ConfigError when the URI
+        holds another run's checkpoints (checkpoint_store.fresh_run_conflict); nothing is written."""
+        if not self.enabled:
+            return
+        conflict = None
+        if self.rank == 0:  # (rank 0's view: the one a resume reads the manifests in)
+            try:
+                conflict = fresh_run_conflict(self.store, self.run_id, self.keep)
+            except Exception as e:  # noqa: BLE001 - the store failed: every rank raises it below
+                conflict = f"could not list the checkpoints under {self.uri}: {describe_error(e)}"
+        conflict = self._broadcast(conflict)
+        if conflict:
+            raise ConfigError(conflict)
+
     def _loaded_spec(self):
         """The run's JobSpec: the one it loaded, else `spec` loaded once here."""
         if self._loaded is None:

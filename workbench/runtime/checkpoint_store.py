@@ -22,6 +22,7 @@ FORMAT = 1  # unchanged by per-rank commits: the manifest lists files as before
 _STEP_RE = re.compile(r"^step-(\d{9})(\.partial)?$")  # .partial: staging folders of format-1 writers
 _CHUNK = 4 << 20
 RESUME_OR_FRESH = "or-fresh"  # resume=...: start at step 1 when every checkpoint is rejected
+RUN_ID_KEY = "run_id"  # the manifest key of the run that wrote a checkpoint
 
 
 class CorruptCheckpoint(Exception):
@@ -224,6 +225,39 @@ def manifest_or_problem(store: Store, step: int) -> tuple[dict | None, str | Non
         return store.read_manifest(step), None
     except CorruptCheckpoint as e:
         return None, str(e)
+
+
+def manifest_run_id(manifest: dict | None) -> str | None:
+    """The id of the run that wrote a checkpoint (its manifest's `run_id`), or None for a
+    checkpoint written before runs had an id (or a manifest whose id is not a non-empty string)."""
+    value = (manifest or {}).get(RUN_ID_KEY)
+    return value if isinstance(value, str) and value else None
+
+
+def fresh_run_conflict(store: Store, run_id: str | None, keep: int) -> str | None:
+    """Why a fresh run (no resume) must not write under `store`, or None: the store holds committed
+    checkpoints of another run (a manifest naming another run id, or none). Its first saves would
+    write over the steps both runs share, its retention of the newest `keep` would delete the other's,
+    and a later resume would load whichever run wrote the newest step. `run_id`: this run's, whose own
+    checkpoints (the same job started again) are not another's; None when it has none yet."""
+    foreign = []
+    for step in store.committed_steps():
+        manifest, _ = manifest_or_problem(store, step)
+        if manifest is None:  # an unreadable manifest: no checkpoint a run could load
+            continue
+        owner = manifest_run_id(manifest)
+        if owner is None or owner != run_id:
+            foreign.append((step, owner))
+    if not foreign:
+        return None
+    step, owner = foreign[0]
+    whose = f"run {owner}" if owner else "a run from before checkpoints named their run"
+    listed = ", ".join(str(s) for s, _ in sorted(foreign))
+    return (f"{store.uri} holds another run's checkpoints (steps {listed}; the newest, step {step}, by {whose}). A "
+            f"fresh run there would write over the steps both runs reach, its retention (checkpoint.keep: {keep}) "
+            "would delete the others, and a later --resume would load whichever run wrote the newest step. Nothing "
+            "was written or deleted. Continue that run with `workbench run --resume`, or give this run a "
+            "checkpoint.uri of its own (to start over in this one, delete its step-* folders first).")
 
 
 def all_rejected(uri: str, rejected: list[tuple[int, str]]):

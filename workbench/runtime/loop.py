@@ -292,7 +292,11 @@ def _loop(run: _Run, spec: JobSpec, ckpt, sink: Sink, should_stop: Callable[[], 
           started: _Started) -> tuple:
     """Restore (with `resume`), then train to the last step or a stop. Returns (step, loss, status)."""
     t, rank = spec.train, run.ctx.rank
-    first = ckpt.restore(or_fresh=resume == RESUME_OR_FRESH) + 1 if resume else 1
+    if resume:
+        first = ckpt.restore(or_fresh=resume == RESUME_OR_FRESH) + 1
+    else:
+        ckpt.check_fresh()  # another run's checkpoints under the URI: refused, not written over
+        first = 1
     started.mark("checkpoint_s")
     if resume and rank == 0:
         restart = {"event": "restart", "attempt": attempt, "from_step": first - 1}
