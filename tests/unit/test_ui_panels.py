@@ -55,6 +55,58 @@ def test_random_edit_sequences_always_show_the_final_form():
         assert not any(e.value for e in wb.layout_panel.errors.values())
 
 
+@pytest.mark.slow  # ~11 s: each Show request bundles and scans the code folder
+def test_random_edit_sequences_leave_no_derived_view_stale():
+    """#34: after each random batch of edits, every view derived from the form shows what its inputs
+    give now, or is gone: the dry-run request (Show request now draws the same, job-name stamps aside;
+    else it was cleared with a note), the planner's table (a plan now finds the same rows; else it was
+    removed) and the run's measured-beside-predicted (the running spec's, whatever the form says)."""
+    import re
+
+    from tests.helpers.reference import reference_run
+    from tests.helpers.specs import tiny_gpt
+    from workbench.ui import run_panel
+
+    stamp = re.compile(r"-\d{8}-\d{6}")  # the job name's time stamp, new on every dry run
+    ran = tiny_gpt(name="walk", steps=3, layout={"dp": 1}, resources={"gpu": "cpu", "gpus_per_node": 1})
+    events = reference_run(ran).events
+    wb = Workbench(ran)
+    st, panel, d, fields = wb.state, wb.run_panel, wb.dispatch_panel, wb.layout_panel.fields
+    panel.run_spec, panel._run_estimate = st.spec, st.estimate  # what Run records, then its events
+    st.start_events("run 1")
+    panel.prediction = run_panel.predict_run(st.spec)
+    for e in events:
+        st.add_event(e)
+    d.backend.value = "ray"
+    valid = st.raw
+    rng = random.Random(1)
+    for _ in range(12):
+        if st.spec is None:  # an invalid form derives nothing: back to the run's job
+            st.set_raw(valid)
+        if rng.random() < 0.4:
+            d.show_request()
+        if rng.random() < 0.5:
+            wb.memory_panel._plan()
+        request, planned = d.request.value, st.plan
+        for key, values in rng.sample(EDITS, k=rng.randint(1, 3)):
+            fields[key].value = rng.choice(values)
+        if d.request.value:
+            d.show_request()
+            assert stamp.sub("", d.request.value) == stamp.sub("", request)
+        elif request:
+            assert "press Show request again" in d.note.value or st.spec is None
+        if st.plan is not None:  # kept: the edits changed only what the planner chooses (the layout)
+            assert st.plan is planned
+            if st.spec is not None:
+                wb.memory_panel._plan()
+                assert st.plan["candidates"] == planned["candidates"]
+        else:
+            assert not wb.memory_panel.plan_box.children
+        panel.render()
+        assert "dp1 tp1 pp1 mb=4 on cpu" in panel.predicted.value
+        assert list(panel.mem_box.figure.data[0].x[0]) == ["rank 0", "rank 0"]  # the run's one rank
+
+
 def test_the_chart_matches_the_cli_after_an_invalid_edit(tmp_path):
     wb = Workbench()
     f = wb.layout_panel.fields
@@ -89,6 +141,13 @@ def test_a_plan_goes_when_the_job_changes_and_stays_when_one_is_used():
     assert wb.state.plan is None and not wb.memory_panel.plan_box.children
     wb.layout_panel.fields["layout.tp"].value = 3
     assert wb.memory_panel.plan_button.disabled
+    # without resources.gpus_per_node the GPUs follow the layout: a plan for 1 GPU does not answer dp=4
+    wb = Workbench({"model": {"preset": "gpt-tiny"}, "train": {"global_batch": 16, "micro_batch": 4},
+                    "resources": {"gpu": "cpu"}})
+    wb.memory_panel._plan()
+    assert wb.state.plan is not None and wb.state.plan["world_size"] == 1
+    wb.layout_panel.fields["layout.dp"].value = 4
+    assert wb.state.plan is None and not wb.memory_panel.plan_box.children
 
 
 def test_dispatch_settings_are_a_form_per_backend_and_never_invalidate_the_job():

@@ -72,8 +72,8 @@ class WorkbenchState:
         except Exception as e:  # noqa: BLE001 - a bug behind the spec (e.g. reading a model folder): shown, never raised
             self.spec, self.error = None, f"the spec could not be read: {type(e).__name__}: {e}"
         self._estimate()
-        if self.plan is not None and _plan_key(raw) != self._plan_key:
-            self.plan = None  # it answered another job
+        if self.plan is not None and self.spec is not None and _plan_key(raw, self.spec) != self._plan_key:
+            self.plan = None  # it answered another job (kept while the form is invalid: its rows can fix it)
         self.notify("spec")
 
     def update(self, overrides: dict[str, Any]) -> None:
@@ -109,7 +109,7 @@ class WorkbenchState:
                 self.plan = plan(self.spec).to_dict(top=top)  # with its "source": a calibrated profile or the catalog
             except ConfigError as e:
                 self.plan = {"note": str(e)}
-        self._plan_key = _plan_key(self.raw)
+        self._plan_key = _plan_key(self.raw, self.spec)
         self.notify("plan")
 
     # -- run events (called from the runtime's thread) -----------------------------------
@@ -204,13 +204,16 @@ def default_spec_dict() -> dict:
             "layout": {"dp": 2}, "resources": {"gpu": "cpu", "gpus_per_node": 2, "nodes": 1}}
 
 
-def _plan_key(raw: dict) -> str:
-    """What a plan depends on: the spec but the layout, micro-batch and per-node GPUs the planner sets."""
+def _plan_key(raw: dict, spec: JobSpec) -> str:
+    """What a plan depends on: the spec but the layout, micro-batch and per-node GPUs the planner sets,
+    and the number of GPUs it searches (which follows the layout when resources.gpus_per_node is not
+    given: a plan for 1 GPU stayed on screen after dp went to 8)."""
     import json
 
     rest = {k: v for k, v in raw.items() if k != "layout"}
     rest["train"] = {k: v for k, v in (raw.get("train") or {}).items() if k != "micro_batch"}
     rest["resources"] = {k: v for k, v in (raw.get("resources") or {}).items() if k != "gpus_per_node"}
+    rest["gpus"] = spec.resources.num_gpus
     return json.dumps(rest, sort_keys=True, default=str)
 
 
