@@ -6,6 +6,7 @@ widgets draw each fresh figure whole (``workbench.ui.live.FigureBox``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -38,12 +39,23 @@ def mfu_text(mfu: float | None, device: str | None) -> str:
     return "-" if is_cpu(device) or mfu is None else f"{mfu:.0%}"
 
 
+@lru_cache(maxsize=1)
+def template() -> go.layout.Template:
+    """plotly's "plotly_white" as these figures use it: its layout, and its defaults for the only trace
+    types they draw (bar, scatter). Set by name, the whole template (24 trace types) was validated
+    again for each figure: 15-20 ms of the kernel's time per figure, twice the JSON sent."""
+    import plotly.io as pio
+
+    white = pio.templates["plotly_white"]
+    return go.layout.Template(layout=white.layout, data={"bar": white.data.bar, "scatter": white.data.scatter})
+
+
 def _base_layout(fig: go.Figure, title: str, height: int) -> go.Figure:
     # The title on top of the box and room under it for a legend wrapped to two rows (narrow columns).
     # Transparent backgrounds: the page's own (JupyterLab's light or dark theme; app.py's CSS sets the
     # text and grid colors of the dark one). The mode bar stands upright on the right, over no title.
     fig.update_layout(title=dict(text=title, x=0.01, y=0.99, yref="container", yanchor="top", font=dict(size=14)),
-                      height=height, font=_FONT, template="plotly_white", margin=dict(l=60, r=36, t=78, b=40),
+                      height=height, font=_FONT, template=template(), margin=dict(l=60, r=36, t=78, b=40),
                       paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)", modebar=dict(orientation="v"),
                       legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
     return fig

@@ -84,7 +84,7 @@ class MemoryPanel:
         title = (f"{lay.pp_schedule}, pp={lay.pp}, {micro} micro-batches<br>"
                  f"<span style='font-size:12px'>bubble {bubble_fraction(events):.0%} (simulated)</span>")
         fig = timeline_figure(events, title=title)
-        fig.update_layout(height=140 + 36 * lay.pp, template="plotly_white", margin=dict(l=60, r=36, t=64, b=40),
+        fig.update_layout(height=140 + 36 * lay.pp, template=figures.template(), margin=dict(l=60, r=36, t=64, b=40),
                           paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)", modebar=dict(orientation="v"),
                           xaxis_title="time (units of one forward)")
         return fig
