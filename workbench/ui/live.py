@@ -48,9 +48,9 @@ class FitCharts(anywidget.AnyWidget):
     """An empty strip in the workbench that makes its charts fit their columns.
 
     plotly.js sizes a chart when it is drawn and on the window's `resize` event, 100 ms later
-    (`Plots.resize`). Both can miss: a live chart drawn before the page placed it keeps plotly's
-    default 700 px (every run's Training chart, in a 638 px column), and in a starved browser a chart
-    measures its column on a resize before JupyterLab narrowed it (browser tests, #34). This strip watches the workbench's
+    (`Plots.resize`). In a starved browser both miss: a live chart drawn before its column was laid
+    out keeps plotly's default 700 px in a 638 px column, and after a window resize a chart measures
+    its column before JupyterLab narrowed it (browser tests, #34). This strip watches the workbench's
     size (a ResizeObserver reports it after layout: a window resize, a new chart, a scrollbar) and,
     when a chart's drawing is not as wide as its box, sends the window one more `resize` for the
     charts to measure their boxes as they now are. A chart given a width of its own is left alone.
