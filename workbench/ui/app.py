@@ -15,7 +15,7 @@ from workbench.spec import JobSpec, load_spec
 from workbench.ui.dispatch_panel import DispatchPanel
 from workbench.ui.import_config import ImportConfig
 from workbench.ui.layout_panel import LayoutPanel
-from workbench.ui.live import FitCharts, note_html
+from workbench.ui.live import note_html
 from workbench.ui.memory_panel import MemoryPanel
 from workbench.ui.run_panel import RunPanel
 from workbench.ui.state import WorkbenchState
@@ -90,7 +90,7 @@ class Workbench:
                        layout=w.Layout(flex="1 1 560px", min_width="0", max_width="100%"))
         right.add_class("wb-right")
         body = w.HBox([self.layout_panel.widget, right], layout=w.Layout(width="100%", flex_flow="row wrap"))
-        self.widget = w.VBox([w.HTML(_CSS), FitCharts(), header, self.message, self.import_config.confirm, body])
+        self.widget = w.VBox([w.HTML(_CSS), header, self.message, self.import_config.confirm, body])
         self.widget.add_class("wb-root")
 
     def _show_dispatch(self, show: bool) -> None:

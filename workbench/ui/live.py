@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import html
 
-import anywidget
 import ipywidgets as w
 import numpy  # noqa: F401  (see below)
 import plotly.graph_objects as go
@@ -42,52 +41,6 @@ class FigureBox(w.Output):
         self.figure, self._shown = fig, key
         data = {} if fig is None else pio.renderers["plotly_mimetype"].to_mimebundle(fig)
         self.outputs = ({"output_type": "display_data", "data": data, "metadata": {}},) if data else ()
-
-
-class FitCharts(anywidget.AnyWidget):
-    """An empty strip in the workbench that makes its charts fit their columns.
-
-    plotly.js sizes a chart when it is drawn and on the window's `resize` event, 100 ms later
-    (`Plots.resize`). In a starved browser both miss: a live chart drawn before its column was laid
-    out keeps plotly's default 700 px in a 638 px column, and after a window resize a chart measures
-    its column before JupyterLab narrowed it (browser tests, #34). This strip watches the workbench's
-    size (a ResizeObserver reports it after layout: a window resize, a new chart, a scrollbar) and,
-    when a chart's drawing is not as wide as its box, sends the window one more `resize` for the
-    charts to measure their boxes as they now are. A chart given a width of its own is left alone.
-    """
-
-    _esm = """
-const misfit = (root) => Array.from(root.querySelectorAll(".js-plotly-plot")).some((plot) => {
-  const svg = plot.querySelector(".main-svg");
-  const box = plot.clientWidth;
-  return svg && box > 0 && !(plot.layout && plot.layout.width) &&
-    Math.abs(svg.getBoundingClientRect().width - box) > 2;
-});
-
-export default {
-  render({ el }) {
-    let timer = null, frame = null;
-    const observer = new ResizeObserver(() => {
-      clearTimeout(timer);
-      timer = setTimeout(() => {
-        const root = el.closest(".wb-root");
-        if (root && misfit(root)) window.dispatchEvent(new Event("resize"));
-      }, 150);
-    });
-    const watch = () => {  // once the strip is on the page: the workbench and its chart column
-      const root = el.closest(".wb-root");
-      if (!root) { frame = requestAnimationFrame(watch); return; }
-      observer.observe(root);
-      root.querySelectorAll(".wb-right").forEach((column) => observer.observe(column));
-    };
-    watch();
-    return () => { observer.disconnect(); clearTimeout(timer); cancelAnimationFrame(frame); };
-  },
-};
-"""
-
-    def __init__(self, **kwargs):
-        super().__init__(layout=w.Layout(width="100%", height="0px"), **kwargs)
 
 
 def note_html(text: str | None, kind: str = "info") -> str:
