@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 from workbench.memory import Layout
-from workbench.memory.estimate import _stage_params, device_used, estimate_stage_modes
+from workbench.memory.estimate import _stage_params, device_used, stage_fixed, stage_mode
 from workbench.prices import PRICES_DATE, load_prices
 from workbench.steptime import Hardware, step_time
 from workbench.validate import check_layout_rules, zero_bubble_refused
@@ -176,20 +176,29 @@ def _layouts(spec, shape, world: int, gpn: int, nvme: bool = False):
 
 def _peak(shape, lay: Layout) -> tuple[int, int]:
     """(allocated peak, host/disk bytes) over the stages that can be largest (`_peaks`)."""
-    return next(_peaks(shape, [lay]))
+    return next(_peaks(shape, [lay], {}))
 
 
-def _peaks(shape, modes: list[Layout]) -> Iterator[tuple[int, int]]:
+def _peaks(shape, modes: list[Layout], priced_modes: dict) -> Iterator[tuple[int, int]]:
     """`_peak` of each layout of one option group in turn (they differ only in activation
     checkpointing; the search stops at the first that fits).
 
     Stage 0 holds the most micro-batches in flight (and the extra blocks of an uneven split);
     the last stage holds the head and the logits. Middle stages are never above both.
+    A mode's activations and recomputed bytes read neither zero, offload nor dp: `priced_modes`
+    keeps them for the option groups that differ only in those (memory.estimate.stage_mode).
     """
-    stages = [estimate_stage_modes(shape, modes, k) for k in {0, modes[0].pp - 1}]
-    for _ in modes:
-        priced = [next(stage) for stage in stages]
-        yield max(s.total for s in priced), max(s.host for s in priced)
+    first = modes[0]
+    stages = sorted({0, first.pp - 1})
+    fixed = [stage_fixed(shape, first, k) for k in stages]
+    for mode in modes:
+        key = (mode.tp, mode.pp, mode.chunks, mode.pp_schedule, mode.sequence_parallel, mode.micro_batch,
+               mode.num_micro, mode.activation_checkpointing)
+        parts = priced_modes.get(key)
+        if parts is None:
+            parts = priced_modes[key] = [stage_mode(shape, mode, k)[:2] for k in stages]
+        yield (max(f.peak(a, rec) for f, (a, rec) in zip(fixed, parts)),
+               max(int(f.host) for f in fixed))
 
 
 def plan(spec, prices=None, top: int | None = None, profile=None) -> PlanResult:
@@ -248,6 +257,7 @@ def _search(spec, shape, dev, hw: Hardware, dev_prices: dict):
     fitting: list[Candidate] = []
     misses: list[tuple[int, Layout]] = []
     searched, truncated = 0, False
+    priced_modes: dict = {}
     world, gpn = spec.resources.num_gpus, spec.resources.gpus_per_node
     for nvme in (False, True):  # ZeRO-Infinity (files) only when nothing fits in device + host memory
         if fitting or truncated:
@@ -258,7 +268,7 @@ def _search(spec, shape, dev, hw: Hardware, dev_prices: dict):
                 break
             if not _runtime_accepts(shape, options[0], spec.train.global_batch):
                 continue
-            for lay, (peak, host) in zip(options, _peaks(shape, options)):
+            for lay, (peak, host) in zip(options, _peaks(shape, options, priced_modes)):
                 searched += 1
                 if _fits(dev, lay, peak, host):
                     fitting.append(_candidate(shape, lay, hw, spec, peak, True, dev_prices))

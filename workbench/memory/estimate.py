@@ -5,13 +5,12 @@
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from workbench.memory import activations as act
 from workbench.memory import params as prm
-from workbench.memory.states import model_states, offload
+from workbench.memory.states import States, model_states, offload
 from workbench.parallelism import Parallelism
 from workbench.timeline import max_in_flight
 
@@ -190,13 +189,6 @@ def _state_buffers(shape, lay: Layout, p: int, w: int) -> tuple[list[float], lis
     return terms, notes
 
 
-def _sum_buffers(held: float, recomputed: float, terms: list[float]) -> float:
-    out = held + recomputed
-    for t in terms:
-        out += t
-    return out
-
-
 def _runtime_details(shape, lay: Layout, pp_index: int, states, notes: list[str]):
     """Small bytes the runtime really keeps, found by measuring it (docs/memory-accuracy.md)."""
     if lay.optimizer in ("adam", "adamw") and not lay.needs_master:
@@ -211,36 +203,68 @@ def _runtime_details(shape, lay: Layout, pp_index: int, states, notes: list[str]
 
 
 def estimate_stage(shape, lay: Layout, pp_index: int, convention: str = "workbench") -> StageMemory:
-    """Memory of any rank on pipeline stage `pp_index`. A number as `shape` is a size-only model."""
-    return next(estimate_stage_modes(shape, (lay,), pp_index, convention))
+    """Memory of any rank on pipeline stage `pp_index`. A number as `shape` is a size-only model.
+    Two parts: what no checkpointing mode changes (`stage_fixed`) and what the mode sets (`stage_mode`)."""
+    fixed = stage_fixed(shape, lay, pp_index, convention)
+    a, recomputed, notes = stage_mode(shape, lay, pp_index)
+    s = fixed.states
+    return StageMemory(int(s.params), int(s.grads), int(s.master), int(s.optimizer), int(a),
+                       int(fixed.buffers(recomputed)), int(fixed.host + fixed.disk), (s.note, *notes, *fixed.notes),
+                       int(fixed.host), int(fixed.disk))
 
 
-def estimate_stage_modes(shape, lays, pp_index: int, convention: str = "workbench") -> Iterator[StageMemory]:
-    """`estimate_stage` of each of `lays` in turn, layouts that differ in nothing but activation
-    checkpointing (the planner's modes of one option group, tried until one fits): the model states,
-    their offload and the buffers the mode does not touch are priced once, from the first."""
-    lay = lays[0]
+@dataclass(frozen=True)
+class StageFixed:
+    """What a stage holds whatever its activation checkpointing: the model states after offload, their
+    host and disk bytes, and the buffers the mode does not set (held, then the states' terms)."""
+
+    states: States
+    host: float
+    disk: float
+    held: float
+    terms: tuple[float, ...]
+    notes: tuple[str, ...]
+
+    def buffers(self, recomputed: float) -> float:
+        """The stage's buffers with a mode's `recomputed` bytes (held + recomputed, then each term:
+        the same float whichever way the stage is priced)."""
+        out = self.held + recomputed
+        for t in self.terms:
+            out += t
+        return out
+
+    def peak(self, activations: float, recomputed: float) -> int:
+        """StageMemory.total of the stage with a mode's activations and recomputed bytes."""
+        s = self.states
+        return (int(s.params) + int(s.grads) + int(s.master) + int(s.optimizer) + int(activations)
+                + int(self.buffers(recomputed)))
+
+
+def stage_fixed(shape, lay: Layout, pp_index: int, convention: str = "workbench") -> StageFixed:
+    """The part of `estimate_stage` no checkpointing mode changes (the planner prices it once per group)."""
     w = act.DTYPE_BYTES[lay.dtype]
     if isinstance(shape, (int, float)):  # {params: N}: model states only, spread evenly
         p = float(shape) / (lay.tp * lay.pp)
         shard = p / lay.dp
-        size_only = ["model given by its size (or a factory): model states only, no activations or buffers"]
+        held = 0.0
+        terms: list[float] = []
+        notes: list[str] = []
     else:
         p, shard = _stage_params(shape, lay.tp, lay.pp, pp_index, lay.chunks, lay.dp)
         held = _held_buffers(shape, lay, pp_index, w)
-        terms, state_notes = _state_buffers(shape, lay, p, w)
+        terms, notes = _state_buffers(shape, lay, p, w)
     states = model_states(p, shard, lay, lay.optimizer, convention)
-    detail_notes: list[str] = []
     if not isinstance(shape, (int, float)):
-        states = _runtime_details(shape, lay, pp_index, states, detail_notes)
+        states = _runtime_details(shape, lay, pp_index, states, notes)
     rng = -(-p // lay.dp) if lay.shards_optimizer_state else p
     states, host, disk = offload(states, lay, rng, lay.optimizer)
-    for mode in lays:
-        if isinstance(shape, (int, float)):
-            a, buf, notes = 0.0, 0.0, size_only
-        else:
-            a = _activations(shape, mode, pp_index)
-            recomputed, notes = _recomputed_buffers(shape, mode)
-            buf, notes = _sum_buffers(held, recomputed, terms), notes + state_notes + detail_notes
-        yield StageMemory(int(states.params), int(states.grads), int(states.master), int(states.optimizer),
-                          int(a), int(buf), int(host + disk), (states.note, *notes), int(host), int(disk))
+    return StageFixed(states, host, disk, held, tuple(terms), tuple(notes))
+
+
+def stage_mode(shape, mode: Layout, pp_index: int) -> tuple[float, float, list[str]]:
+    """The part of `estimate_stage` a checkpointing mode sets: (activations, recomputed buffers, notes).
+    It reads neither zero, offload nor dp (the planner prices it once for every such group)."""
+    if isinstance(shape, (int, float)):
+        return 0.0, 0.0, ["model given by its size (or a factory): model states only, no activations or buffers"]
+    recomputed, notes = _recomputed_buffers(shape, mode)
+    return _activations(shape, mode, pp_index), recomputed, notes
