@@ -193,6 +193,9 @@ def test_three_runs_back_to_back_and_stop_within_a_step(lab, shots):
         # 3 curves, earlier runs' beneath (3 each), the 2 dashed "predicted" lines (tokens/s, step time)
         wait_until(lab, lambda: curves() == [RUN_STEPS, 3 + 3 * (run - 1) + 2], f"run {run}'s curves", limit_s=30)  # noqa: B023 (waited on here)
         print(f"\nrun {run}: {time.monotonic() - t0:.0f}s")
+        # the live chart drawn while the run started fits its column with no window resize (it kept
+        # plotly's default 700 px in a 638 px column, every run, until the window next resized: #34)
+        wait_until(lab, lambda: not lab.evaluate(OVERFLOW), f"run {run}'s charts fitting their column", limit_s=30)
         if run == 1:
             check_predicted_beside_measured(lab, root, f"median of steps 2-{RUN_STEPS}")
             shot(lab, shots, "03-run-done")

@@ -215,6 +215,22 @@ def test_a_redraw_leaves_what_the_browser_set_on_a_window_resize():
     assert any(d and d.get("legend", {}) == {} for d in layouts) and widget.layout.legend.title.text is None
 
 
+def test_a_new_chart_asks_plotly_js_to_measure_its_box_once_it_is_drawn():
+    """A new widget's view draws before JupyterLab attaches it, at plotly.js's default 700 px, and kept
+    that width in a narrower column (browser: the three-runs test checks every run's chart fits). Its
+    first trace report (sent once it is drawn) is answered with a relayout {autosize: true}, once."""
+    box = LiveFigure()
+    box.show(figures.run_figure(steps(3)))
+    widget = box.widget
+    sent = []
+    widget.observe(lambda ch: sent.append(ch["new"]), names=["_py2js_relayout"])
+    report = {"trace_deltas": [{"uid": t.uid} for t in widget.data], "trace_edit_id": widget._last_trace_edit_id}
+    widget._js2py_traceDeltas = report
+    widget._js2py_traceDeltas = {**report}  # a later report (a restyle): nothing more is sent
+    assert [m["relayout_data"] for m in sent if m] == [{"autosize": True}]
+    assert widget.layout.autosize is True
+
+
 def test_the_run_panel_keeps_a_zoom_while_the_run_goes():
     wb = Workbench()
     st, panel = wb.state, wb.run_panel

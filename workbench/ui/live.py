@@ -124,8 +124,25 @@ class LiveFigure(w.VBox):
         else:
             widget = go.FigureWidget(data=fig.data, layout=layout)
             widget._config = {**widget._config, "responsive": True}  # follow the column's width (plotly.js)
+            widget.observe(self._fit_once_drawn, names="_js2py_traceDeltas")
             self._replace(widget)
         self._pushed = _axes(fig.layout.to_plotly_json())
+
+    def _fit_once_drawn(self, change) -> None:
+        """Have plotly.js measure the chart's box again once the chart is on the page.
+
+        A new widget's view draws its chart before JupyterLab attaches it, into a box with no width
+        yet: plotly.js falls back to its default 700 px and keeps that width (wider than a 638 px
+        column at a 1400 px window) until the window is next resized (browser test, #34). The view
+        reports its traces once drawn (its layout report goes to a trait plotly's Python side does
+        not observe, `_js2py_widget_layoutDelta`), so by the time that report reaches the kernel the
+        chart is on the page; the answer is what a window resize sends, a relayout {autosize: true},
+        sent once.
+        """
+        widget = change["owner"]
+        if change["new"]:
+            widget.unobserve(self._fit_once_drawn, names="_js2py_traceDeltas")
+            widget.layout.autosize = True
 
     def _replace(self, widget: go.FigureWidget | None) -> None:
         self.widget = widget
