@@ -605,6 +605,15 @@ def test_the_live_chart_follows_its_column_after_a_redraw(lab):
     assert got and got[0] <= got[1] + 2, f"Training chart {got[0]} px wide in a column of {got[1]} px"
 
 
+# What plotly.js holds for each chart in the right-hand column: for a chart that did not follow its column.
+PLOT_STATE = """() => [...document.querySelectorAll('.wb-right .js-plotly-plot')].map(g => ({
+  title: String(g.layout && g.layout.title && g.layout.title.text || '').slice(0, 24), traces: (g.data || []).length,
+  box: g.closest('[class*="wb-"]:not(.wb-right)')?.className.slice(0, 60), client: g.clientWidth,
+  drawn: g._fullLayout && g._fullLayout.width, autosize: g.layout && g.layout.autosize,
+  zeroWidthAtFirstDraw: g._context && g._context._hasZeroWidth, hidden: g.offsetParent === null,
+  parents: (() => { const o = []; for (let e = g.parentElement, i = 0; e && i < 4; e = e.parentElement, i++) o.push(e.clientWidth); return o; })()}))"""
+
+
 def overflow(lab, width: int) -> list:
     stuck = lab.evaluate(OVERFLOW)
     if width == 800:  # a ~370 px column: the planner's 9 columns scroll inside their own box there
@@ -634,6 +643,8 @@ def test_layout_fits_1000_to_1920_px(lab, shots):
             print(f"{width} px, {time.monotonic() - t0:.1f} s after the reflow's 1.5 s: {stuck}")
             time.sleep(1.0)
         shot(lab, shots, f"width-{width}")
+        if stuck:  # printed whole (an assertion's message is cut): what plotly.js holds for each chart
+            print(f"{width} px, stuck:", json.dumps(lab.evaluate(PLOT_STATE)))
         assert not stuck, (width, stuck)
     lab.set_viewport_size({"width": 1400, "height": 1000})
     check_the_dark_theme(lab, root, shots)
