@@ -191,14 +191,14 @@ def _peaks(shape, modes: list[Layout], priced_modes: dict) -> Iterator[tuple[int
     first = modes[0]
     stages = sorted({0, first.pp - 1})
     fixed = [stage_fixed(shape, first, k) for k in stages]
+    host = max(int(f.host) for f in fixed)  # offloaded states: no mode changes them
     for mode in modes:
         key = (mode.tp, mode.pp, mode.chunks, mode.pp_schedule, mode.sequence_parallel, mode.micro_batch,
                mode.num_micro, mode.activation_checkpointing)
         parts = priced_modes.get(key)
         if parts is None:
             parts = priced_modes[key] = [stage_mode(shape, mode, k)[:2] for k in stages]
-        yield (max(f.peak(a, rec) for f, (a, rec) in zip(fixed, parts)),
-               max(int(f.host) for f in fixed))
+        yield max(f.peak(a, rec) for f, (a, rec) in zip(fixed, parts)), host
 
 
 def plan(spec, prices=None, top: int | None = None, profile=None) -> PlanResult:
