@@ -44,7 +44,8 @@ LOSS = """(root) => { const g = Array.from(document.querySelectorAll(root + ' .j
 PLOTS = """() => Array.from(document.querySelectorAll('.wb-root .js-plotly-plot')).map(
   g => String(g.layout && g.layout.title && g.layout.title.text))"""
 # What does not fit its column: plots (and their legend, titles, axes), the planner table and its
-# cells, the run's log, each outside the right-hand column's box or wider inside than its box;
+# cells, the run's log, each outside the right-hand column's box or wider inside than its box; a
+# plot's title, panel titles and legend over one another;
 # buttons whose label is cut ("Run" read "..."); the workbench wider than the page.
 OVERFLOW = """() => { const out = [];
   const root = document.querySelector('.wb-root');
@@ -60,6 +61,10 @@ OVERFLOW = """() => { const out = [];
     outside(g, name);
     g.querySelectorAll('.main-svg, .legend, .gtitle, .g-xtitle, .g-ytitle, .xtick, .annotation').forEach(
       s => outside(s, name + ': ' + (s.getAttribute('class') || '')));
+    const texts = [...g.querySelectorAll('.gtitle, .annotation, .legend')].filter(s => r0(s).width);
+    texts.forEach((a, i) => texts.slice(i + 1).forEach(b => { const A = r0(a), B = r0(b);
+      if (A.right > B.left + 1 && B.right > A.left + 1 && A.bottom > B.top + 1 && B.bottom > A.top + 1)
+        out.push(['overlap in ' + name, a.textContent.slice(0, 24), b.textContent.slice(0, 24)]); }));
   }
   for (const t of root.querySelectorAll('.wb-right .wb-plan-table, .wb-right .wb-run-log')) {
     outside(t, t.className.slice(0, 40));
@@ -88,7 +93,7 @@ def wait_until(page, cond, what, limit_s=60.0):
         if time.monotonic() - t0 > limit_s:
             texts = page.locator(".wb-run-progress, .wb-note").all_inner_texts()
             raise AssertionError(f"no {what} after {limit_s}s; plots: {page.evaluate(PLOTS)}; texts: {texts}; "
-                                 f"problems: {page.problems}")
+                                 f"problems: {page.problems}; what does not fit: {page.evaluate(OVERFLOW)}")
         time.sleep(0.3)
 
 
@@ -195,7 +200,8 @@ def test_three_runs_back_to_back_and_stop_within_a_step(lab, shots):
         print(f"\nrun {run}: {time.monotonic() - t0:.0f}s")
         # the live chart drawn while the run started fits its column with no window resize (it kept
         # plotly's default 700 px in a 638 px column, every run, until the window next resized: #34)
-        wait_until(lab, lambda: not lab.evaluate(OVERFLOW), f"run {run}'s charts fitting their column", limit_s=30)
+        wait_until(lab, lambda: not lab.evaluate(OVERFLOW), f"run {run}'s charts fitting their column, titles and legend apart",
+                   limit_s=30)
         if run == 1:
             check_predicted_beside_measured(lab, root, f"median of steps 2-{RUN_STEPS}")
             shot(lab, shots, "03-run-done")

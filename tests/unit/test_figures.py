@@ -184,7 +184,9 @@ def test_earlier_runs_have_a_legend_and_the_charts_follow_the_page_theme():
     fig = figures.run_figure(events, history=[{"label": "run 1", "events": events},
                                               {"label": "run 2", "events": events}])
     past = [t for t in fig.data if t.name in ("run 1", "run 2")]  # loss, tokens/s and step time of each
-    assert [t.showlegend for t in past] == [True, False, False] * 2 and past[0].legendgrouptitle.text == "earlier runs"
-    assert not past[3].legendgrouptitle.text  # one title for the group
+    assert [t.showlegend for t in past] == [True, False, False] * 2
+    assert past[0].hovertemplate.startswith("run 1 (earlier runs)")  # the group: in the hover, not a legend title
+    # the legend at the foot, across the figure: above the panels it lay over their titles (#34)
+    assert (fig.layout.legend.yref, fig.layout.legend.y, fig.layout.legend.orientation) == ("container", 0, "h")
     assert fig.layout.paper_bgcolor == fig.layout.plot_bgcolor == "rgba(0,0,0,0)"
     assert fig.layout.modebar.orientation == "v"

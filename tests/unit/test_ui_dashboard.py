@@ -85,7 +85,7 @@ def test_host_figure_draws_cpu_and_memory_per_rank_and_gpu_only_when_reported():
     events = steps(5) + [memory_event(r, s, cpu_s=0.25 * (r + 1), wall=0.5, rss=(300 + r) << 20)
                          for s in (1, 5) for r in (0, 1)]
     fig = figures.host_figure(events)
-    assert [a.text for a in fig.layout.annotations] == ["host CPU (%)", "host memory (MiB)"]
+    assert [a.text for a in fig.layout.annotations] == ["host CPU<br>(%)", "host memory<br>(MiB)"]
     cpu = [t for t in fig.data if t.xaxis == "x"]
     assert [t.name for t in cpu] == ["rank 0", "rank 1"] and list(cpu[1].y) == [100.0, 100.0]
     assert list(cpu[0].y) == [50.0, 50.0] and list(cpu[0].x) == [1, 5]
@@ -93,8 +93,8 @@ def test_host_figure_draws_cpu_and_memory_per_rank_and_gpu_only_when_reported():
     assert list(mem[1].y) == [301.0, 301.0]
     gpu = {"util_percent": 87.0, "memory_used_bytes": 40 << 30, "memory_total_bytes": 80 << 30}
     fig = figures.host_figure(steps(5) + [memory_event(0, 1, 0.1, 0.5, rss=1 << 30, gpu=gpu)], x_axis="tokens")
-    assert [a.text for a in fig.layout.annotations] == ["host CPU (%)", "host memory (GiB)", "GPU utilisation (%)",
-                                                        "GPU memory (GiB)"]
+    assert [a.text for a in fig.layout.annotations] == ["host CPU<br>(%)", "host memory<br>(GiB)", "GPU busy<br>(%)",
+                                                        "GPU memory<br>(GiB)"]
     assert [list(t.y) for t in fig.data[2:]] == [[87.0], [40.0]] and list(fig.data[0].x) == [500]
 
 
@@ -125,7 +125,7 @@ def test_the_runtimes_memory_events_carry_the_hosts_resident_memory(two_real_run
     assert all("gpu" not in e for e in memory)  # CPU: no GPU figures, quietly
     fig = figures.host_figure(runs["alpha"][1])
     unit = "GiB" if max(e["host"]["rss_bytes"] for e in memory) >= 2**29 else "MiB"  # the process's own size decides
-    assert [a.text for a in fig.layout.annotations][:2] == ["host CPU (%)", f"host memory ({unit})"]
+    assert [a.text for a in fig.layout.annotations][:2] == ["host CPU<br>(%)", f"host memory<br>({unit})"]
 
 
 def test_runs_load_from_a_metrics_file_and_a_checkpoint_folder_with_their_layout(two_real_runs):
@@ -152,7 +152,7 @@ def test_picked_runs_overlay_the_training_chart_with_a_legend_of_their_layouts(t
     assert sorted(legend) == ["alpha (dp1 tp1 pp1)", "beta (dp1 tp1 pp1 mb=8)"]
     alpha = [t for t in fig.data if t.name == "alpha (dp1 tp1 pp1)"]
     assert [list(t.y) for t in alpha][0] == [e["loss"] for e in runs["alpha"][1] if e["event"] == "step"]
-    assert fig.data[3].legendgrouptitle.text == "compared runs"
+    assert "(compared runs)<br>" in fig.data[3].hovertemplate  # its group, in the hover
     panel.x_axis.value = "tokens"
     assert list(panel.run_box.figure.data[3].x) == figures.step_x(
         [e for e in runs["alpha"][1] if e["event"] == "step"], "tokens")

@@ -51,13 +51,17 @@ def template() -> go.layout.Template:
 
 
 def _base_layout(fig: go.Figure, title: str, height: int) -> go.Figure:
-    # The title on top of the box and room under it for a legend wrapped to two rows (narrow columns).
+    # The title on top of the box, the panels' titles under it, and the legend at the foot, across the
+    # figure: plotly.js makes room for its rows under the x axes' titles, so the panels give up the
+    # height a long legend takes and the figure keeps its own (a changed height sent to a live chart
+    # pins its width: live.LiveFigure). In the band above the panels, a legend wrapped to more rows in
+    # a narrow column lay over the title and the panels' titles (#34).
     # Transparent backgrounds: the page's own (JupyterLab's light or dark theme; app.py's CSS sets the
     # text and grid colors of the dark one). The mode bar stands upright on the right, over no title.
     fig.update_layout(title=dict(text=title, x=0.01, y=0.99, yref="container", yanchor="top", font=dict(size=14)),
-                      height=height, font=_FONT, template=template(), margin=dict(l=60, r=36, t=78, b=40),
+                      height=height, font=_FONT, template=template(), margin=dict(l=60, r=36, t=56, b=40),
                       paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)", modebar=dict(orientation="v"),
-                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
+                      legend=dict(orientation="h", yref="container", y=0, yanchor="bottom", x=0, xanchor="left"))
     return fig
 
 
@@ -311,22 +315,20 @@ def _add_run_curves(fig: go.Figure, steps: list[dict], xs: list[float], smooth: 
 
 def _add_history(fig: go.Figure, history: list[dict], smooth: float, x_axis: str) -> None:
     """Other runs beneath the current one: thin dotted curves on every panel, one legend entry per run
-    (its label carries its layout for runs loaded from files), grouped as earlier or compared runs."""
-    titled: set[str] = set()
+    (its label carries its layout for runs loaded from files); the hover names its group (earlier or
+    compared runs). No legend group titles: in a legend across the figure they stack its entries one
+    per row."""
     for i, run in enumerate(history):
         past = [e for e in run["events"] if e.get("event") == "step"]
         xs, group = step_x(past, x_axis), run.get("group", "earlier runs")
         color = run.get("color") or _PAST[i % len(_PAST)]
         for col, key in enumerate(("loss", "tokens_per_s", "step_time_s"), start=1):
-            first = col == 1
             fig.add_trace(go.Scatter(
                 x=xs, y=smoothed([e.get(key) for e in past], smooth), mode="lines", name=run["label"],
-                showlegend=first, opacity=0.55, legendgroup=f"{group}:{i}",
-                legendgrouptitle_text=group if first and group not in titled else None,
+                showlegend=col == 1, opacity=0.55, legendgroup=f"{group}:{i}",
                 line=dict(color=color, width=1.2, dash="dot"),
-                hovertemplate=f"{run['label']}<br>{_X_HOVER[x_axis]}<br>{key} %{{y:.4g}}<extra></extra>"),
+                hovertemplate=f"{run['label']} ({group})<br>{_X_HOVER[x_axis]}<br>{key} %{{y:.4g}}<extra></extra>"),
                 row=1, col=col)
-        titled.add(group)
 
 
 def _add_predicted(fig: go.Figure, predicted: dict, ends: list[float]) -> None:
@@ -364,8 +366,10 @@ def host_series(events: list[dict]) -> dict[int, list[dict]]:
     return out
 
 
-_HOST_PANELS = (("cpu_percent", "host CPU (%)", 1), ("rss_bytes", "host memory", GiB),
-                ("gpu_util_percent", "GPU utilisation (%)", 1), ("gpu_memory_bytes", "GPU memory", GiB))
+# (series, name, unit: None for bytes, in GiB or MiB; divisor). A panel's title is its name over its
+# unit, 12 px: four one-line titles overlapped at an 800 px window (a 370 px column).
+_HOST_PANELS = (("cpu_percent", "host CPU", "%", 1), ("rss_bytes", "host memory", None, GiB),
+                ("gpu_util_percent", "GPU busy", "%", 1), ("gpu_memory_bytes", "GPU memory", None, GiB))
 
 
 def host_figure(events: list[dict], height: int = 260, *, smooth: float = 0.0, x_axis: str = "step") -> go.Figure:
@@ -384,15 +388,15 @@ def host_figure(events: list[dict], height: int = 260, *, smooth: float = 0.0, x
     x_of = _x_of(steps, step_x(steps, x_axis), x_axis)
     series = host_series(events)
     panels = []
-    for key, title, scale in _HOST_PANELS:
+    for key, name, unit, scale in _HOST_PANELS:
         values = [row[key] for rows in series.values() for row in rows if row[key] is not None]
-        if values and scale == GiB:  # bytes: GiB, or MiB where GiB would read 0.00
+        if values and unit is None:  # bytes: GiB, or MiB where GiB would read 0.00
             unit, scale = ("GiB", GiB) if max(values) >= GiB / 2 else ("MiB", 2**20)
-            title = f"{title} ({unit})"
         if values:
-            panels.append((key, title, scale))
+            panels.append((key, f"{name} ({unit})", scale))
     fig = make_subplots(rows=1, cols=max(len(panels), 1), horizontal_spacing=0.08,
-                        subplot_titles=[t for _, t, _ in panels] or ["host"])
+                        subplot_titles=[t.replace(" (", "<br>(") for _, t, _ in panels] or ["host"])
+    fig.update_annotations(font_size=12)
     for col, (key, title, div) in enumerate(panels, start=1):
         for j, rank in enumerate(sorted(series)):
             rows = [r for r in series[rank] if r[key] is not None]
