@@ -92,6 +92,7 @@ def wait_until(page, cond, what, limit_s=60.0):
     while not cond():
         if time.monotonic() - t0 > limit_s:
             texts = page.locator(".wb-run-progress, .wb-note").all_inner_texts()
+            print(f"no {what}: what plotly.js holds for each chart:", json.dumps(page.evaluate(PLOT_STATE)))
             raise AssertionError(f"no {what} after {limit_s}s; plots: {page.evaluate(PLOTS)}; texts: {texts}; "
                                  f"problems: {page.problems}; what does not fit: {page.evaluate(OVERFLOW)}")
         time.sleep(0.3)
