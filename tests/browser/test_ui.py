@@ -694,3 +694,38 @@ def test_the_kernel_is_alive_90s_after_the_last_run(lab, lab_server):
     offsite = [p for p in lab.problems if "requestfailed" in p and "127.0.0.1" not in p]
     assert not offsite, offsite  # nothing from a CDN
     assert not [p for p in lab.problems if p.startswith("pageerror")], lab.problems
+
+
+# Run Python in the notebook's kernel, as a cell would, and wait for it: "ok" or the error's name.
+KERNEL_RUN = """async (code) => { const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+  const reply = await k.requestExecute({code}).done; return reply.content.status === 'ok' ? 'ok' : reply.content.ename; }"""
+HOST_PLOTS = """() => [...document.querySelectorAll('.wb-root .wb-host-chart .js-plotly-plot')].map(
+  g => [g.offsetParent !== null, String(g.layout && g.layout.title && g.layout.title.text || '')])"""
+
+
+def test_the_hosts_chart_survives_being_dropped_and_drawn_again_quickly(lab):
+    """#34: at each run's start the hosts' chart has no figure until the first memory event. Its
+    FigureWidget was dropped and a new one made (each sends the page plotly's 5 MB bundle): done in
+    quick succession the page was left without the chart for seconds or for good (2 of 4 such storms,
+    with "Cannot read properties of undefined (reading '_guiEditing')" in the console). Now the same
+    widget is hidden and shown again."""
+    problems = len(lab.problems)
+    storm = """
+import time
+from workbench.report import figures
+events = [{"event": "step", "step": i, "loss": 3.0, "tokens_per_s": 1.0, "step_time_s": 0.1} for i in range(1, 11)]
+events += [{"event": "memory", "rank": r, "step": s, "step_time_s": 0.1, "cpu_s": 0.05, "host": {"rss_bytes": 3 << 28}}
+           for r in (0, 1) for s in (1, 5, 10)]
+for i in range(20):
+    wb.run_panel.host_box.show(None)
+    time.sleep(GAP)
+    wb.run_panel.host_box.show(figures.host_figure(events[:10 + i % 6]))
+    time.sleep(GAP)
+"""
+    for gap in (0.05, 0.3):
+        assert lab.evaluate(KERNEL_RUN, f"GAP = {gap}\n" + storm) == "ok"
+        settle(lab)
+        wait_until(lab, lambda: lab.evaluate(HOST_PLOTS) == [[True, "Hosts and GPUs per rank"]],
+                   f"the hosts' chart after a storm of redraws {gap} s apart", limit_s=10)
+        assert not lab.evaluate(OVERFLOW)
+    assert lab.problems[problems:] == []

@@ -190,8 +190,29 @@ def test_a_zoom_survives_live_updates_in_place_and_goes_with_the_axis():
     widget._js2py_relayout = {"relayout_data": {"xaxis.autorange": True}, "source_view_id": "browser"}
     box.show(figures.run_figure(events + steps(1, first=7), x_axis="tokens"))
     assert box.widget is widget and not widget.layout.xaxis.range  # a double-click back to the whole curve stays
+
+
+def test_no_figure_hides_the_chart_and_the_next_one_is_drawn_in_the_same_widget():
+    """The hosts' chart has no figure at each run's start. Dropping its FigureWidget and making a new
+    one (each sends the page plotly's 5 MB bundle) left the page without the chart for seconds, or
+    for good, when it happened in quick succession (browser, #34): the widget is hidden instead, and
+    shown again with the next figure, which asks plotly.js to measure its box again (it does not
+    resize a hidden chart)."""
+    box = LiveFigure()
+    box.show(None)  # nothing yet: nothing to hide
+    assert box.children == () and box.widget is None
+    box.show(figures.run_figure(steps(3)))
+    widget = box.widget
+    assert box.children == (widget,) and box.layout.display is None
+    sent = []
+    widget.observe(lambda ch: sent.append(ch["new"]), names=["_py2js_relayout"])
     box.show(None)
-    assert box.children == () and box.figure is None
+    assert box.figure is None and box.layout.display == "none" and box.children == (widget,)
+    box.show(figures.run_figure(steps(5), x_axis="tokens"))
+    assert box.widget is widget and box.layout.display is None and list(widget.data[0].x) == figures.step_x(steps(5), "tokens")
+    assert [m["relayout_data"] for m in sent if m and m["relayout_data"] == {"autosize": True}] == [{"autosize": True}]
+    box.show(figures.run_figure(steps(6)))  # shown all along: no relayout of its own
+    assert len([m for m in sent if m and m["relayout_data"] == {"autosize": True}]) == 1
 
 
 def test_a_redraw_leaves_what_the_browser_set_on_a_window_resize():

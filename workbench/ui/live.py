@@ -75,9 +75,12 @@ class LiveFigure(w.VBox):
     place in one `batch_update`, and every axis range the person set in the browser (plotly.js sends
     it back as a relayout) is kept unless the axis now measures something else (its title changed);
     otherwise the widget's traces are replaced (deleted, then the new ones added) and its layout set
-    with those ranges, so no trace or shape of an earlier figure is left behind. The widget itself is
-    never swapped for another: swapped twice in quick succession (a new run's first redraws), the
-    page was left without the chart (browser test, #34). Safe to call from a background thread.
+    with those ranges, so no trace or shape of an earlier figure is left behind. `show(None)` hides
+    the widget until the next figure. The widget itself is never swapped for another: each new
+    `FigureWidget` sends the page plotly's whole 5 MB bundle, and swapped in quick succession (a new
+    run's first redraws, or the hosts' chart dropped and drawn again at each run's start) the page was
+    left without the chart for seconds, or for good (browser test, #34). Safe to call from a
+    background thread.
     """
 
     def __init__(self, **kwargs):
@@ -88,16 +91,18 @@ class LiveFigure(w.VBox):
         self._shown: str | None = None
 
     def show(self, fig: go.Figure | None) -> None:
-        """Draw `fig` (None: nothing), keeping the ranges a person zoomed to."""
+        """Draw `fig` (None: hide the chart), keeping the ranges a person zoomed to."""
         key = fig.to_json() if fig is not None else None
-        if key == self._shown and (fig is None) == (self.widget is None):
+        if key == self._shown:
             return  # the same figure again (the refresher redraws each second): nothing to send
         before = self.figure
         self.figure, self._shown = fig, key
         if fig is None:
-            self._replace(None)
+            self.layout.display = "none"
             self._pushed = {}
             return
+        hidden = self.layout.display == "none" and self.widget is not None
+        self.layout.display = None
         layout = fig.layout.to_plotly_json()
         kept = self.zoomed(layout)
         for axis, rng in kept.items():
@@ -125,7 +130,12 @@ class LiveFigure(w.VBox):
             widget = go.FigureWidget(data=fig.data, layout=layout)
             widget._config = {**widget._config, "responsive": True}  # follow the column's width (plotly.js)
             widget.observe(self._fit_once_drawn, names="_js2py_traceDeltas")
-            self._replace(widget)
+            self.widget = widget
+            self.children = (widget,)
+        if hidden:
+            # plotly.js does not resize a hidden chart: measure the box again, as a window resize does
+            # (autosize is already true on this side, so setting it would send nothing)
+            self.widget._send_relayout_msg({"autosize": True})
         self._pushed = _axes(fig.layout.to_plotly_json())
 
     def _fit_once_drawn(self, change) -> None:
@@ -143,10 +153,6 @@ class LiveFigure(w.VBox):
         if change["new"]:
             widget.unobserve(self._fit_once_drawn, names="_js2py_traceDeltas")
             widget.layout.autosize = True
-
-    def _replace(self, widget: go.FigureWidget | None) -> None:
-        self.widget = widget
-        self.children = () if widget is None else (widget,)
 
     def zoomed(self, new_layout: dict) -> dict[str, tuple]:
         """{axis: range} of the shown widget's axes whose range differs from the one the newest figure
