@@ -1,5 +1,7 @@
 """Suite-wide rules and fixtures: GPU tests are skipped without CUDA; gloo process pools are
 shared by every test module of the session (unit, distributed and integration alike)."""
+import gc
+
 import pytest
 import torch
 
@@ -13,6 +15,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After each module, with its fixtures gone, what is left lives for the session (imported
+    modules, session fixtures, caches): frozen, Python's full collections stop walking it again.
+    This process holds ~1.4 M objects by the end; its full collections took 16 s of the fast
+    loop's unit tests, 6.5 s frozen (docs/testing.md). Refcounting still frees frozen objects."""
+    result = yield
+    if nextitem is None or nextitem.module is not item.module:
+        gc.collect()
+        gc.freeze()
+    return result
 
 
 class _Pools:

