@@ -16,7 +16,7 @@ from workbench.parallel.materialize import build_model
 from workbench.spec import load_spec
 
 
-def train_plain(spec, device: str = "cpu", autocast_dtype: torch.dtype | None = None) -> dict:
+def train_plain(spec, device: str = "cpu", autocast_dtype: torch.dtype | None = None, on_step=None) -> dict:
     """Train `spec` (dp=1) with a textbook loop.
 
     Args:
@@ -24,6 +24,7 @@ def train_plain(spec, device: str = "cpu", autocast_dtype: torch.dtype | None = 
         device: "cpu" or "cuda".
         autocast_dtype: e.g. torch.bfloat16 to run forward/backward under autocast (weights and
             optimizer stay fp32, as with the runtime's bf16 policy).
+        on_step: called after each step (a profiler's `step`).
     Returns:
         {"times": wall-clock step ends, "cpu_times": this process's CPU time at step ends,
          "losses": per-step mean loss, "peak_bytes": CUDA peak or 0}.
@@ -54,5 +55,7 @@ def train_plain(spec, device: str = "cpu", autocast_dtype: torch.dtype | None = 
         losses.append(total.item())  # syncs the device: the step is done
         times.append(time.time())
         cpu_times.append(time.process_time())
+        if on_step is not None:
+            on_step()
     peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
     return {"times": times, "cpu_times": cpu_times, "losses": losses, "peak_bytes": int(peak)}

@@ -256,20 +256,31 @@ def calibrate(spec: JobSpec | dict | str, out: str | Path | None = None, quick: 
             raise ConfigError(f"resources.gpu is {spec.resources.gpu} with {spec.resources.gpus_per_node} per node, "
                               f"but this machine has {torch.cuda.device_count()} CUDA devices. Calibrate on the "
                               "machines the profile is for, or set resources.gpu: cpu to profile this CPU.")
-    job_spec = _job_spec(spec)
-    options = _options(spec, quick)
+    job_spec, options = rank_plan(spec, quick)
     events = _run(job_spec, options, spec.backend.name, say)
+    profile = profile_from_events(events, options, spec.backend.name)
+    save_profile(profile, path)
+    return profile, path
+
+
+def rank_plan(spec: JobSpec, quick: bool) -> tuple[JobSpec, dict]:
+    """(the job the ranks run, the `options` of `calibrate_rank`) for calibrating `spec`'s resources."""
+    return _job_spec(spec), _options(spec, quick)
+
+
+def profile_from_events(events: list[dict], options: dict, backend: str) -> HardwareProfile:
+    """The profile from the ranks' events (rank 0's "calibration" event), its per-step and
+    per-block overheads derived from the strategy probes. Raises WorkerError when there is none."""
     found = [e for e in events if e.get("event") == "calibration"]
     if not found:
         raise WorkerError("calibration ended without a result from rank 0 (see the Ray logs)")
     raw = {**found[-1]["profile"], "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "backend": spec.backend.name}
+           "backend": backend}
     probes = raw.pop("probe_seconds", [])
     profile = profile_from_dict(raw, "(measured)")
     if probes:
         profile = derive_overheads(profile, [(f, r, t) for (f, r), t in zip(options["probes"], probes) if t])
-    save_profile(profile, path)
-    return profile, path
+    return profile
 
 
 def _check_writable(path: Path) -> None:

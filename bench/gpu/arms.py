@@ -5,9 +5,16 @@
 (`workbench.runtime.loop.train`) on `world` spawned ranks, one device each (nccl on GPUs, gloo on
 CPU), the same model and batches per data-parallel rank as `single`: zero3 scales the global batch
 with dp (each rank trains what the one GPU trains), tp keeps it (the ranks share each sequence).
+`ckpt` (the single arm's spec with full activation checkpointing) and `llama` (llama3.2-1b at the
+single arm's sequence length: grouped-query attention, SwiGLU, a 128k vocabulary; llama-tiny beside
+the CPU smoke run's gpt-tiny) run the runtime on one device: two more shapes of work for the
+step-time and memory models. `calibrate` is `workbench calibrate` (GEMMs by shape, memory
+bandwidth, collectives, the runtime's strategy probes) on every device, through a pool instead of
+Ray: its profile gives every measured arm a second step-time prediction, the calibrated one,
+beside the catalog's.
 Each rank reports its step ends, CPU time, allocator peaks and reserve; rank 0 its losses. The
-prediction is `estimate_memory` and the step-time model (`workbench.steptime`, the catalog's
-figures for the spec's GPU, no calibrated profile) for exactly that spec.
+prediction is `estimate_memory` and the step-time model (`workbench.steptime`: the catalog's
+figures for the GPU, and the calibrated profile's) for exactly that spec.
 """
 from __future__ import annotations
 
@@ -17,7 +24,8 @@ import gc
 import statistics
 import time
 
-ARMS = ("single", "zero3", "tp")
+ARMS = ("single", "zero3", "tp", "calibrate", "ckpt", "llama")
+ONE_DEVICE = ("single", "ckpt", "llama")
 
 
 def base_spec(preset: str, seq_len: int | None, dtype: str, steps: int, global_batch: int, micro_batch: int,
@@ -38,6 +46,16 @@ def arm_spec(name: str, world: int, base: dict) -> dict:
         spec["train"]["global_batch"] = base["train"]["global_batch"] * world
     elif name == "tp":
         spec["layout"] = {"dp": 1, "tp": world}
+    elif name == "calibrate":
+        spec["layout"] = {"dp": world}
+    elif name == "ckpt":
+        spec["layout"] = {"dp": 1, "activation_checkpointing": "full"}
+        world = 1
+    elif name == "llama":
+        llama = "llama3.2-1b" if base["model"]["preset"] == "gpt-1.3b" else "llama-tiny"  # llama-tiny: CPU smoke
+        spec["model"] = {"preset": llama, "seq_len": shape_of(base).seq_len}
+        spec["layout"] = {"dp": 1}
+        world = 1
     else:
         spec["layout"] = {"dp": 1}
         world = 1
@@ -46,8 +64,14 @@ def arm_spec(name: str, world: int, base: dict) -> dict:
     return spec
 
 
+def shape_of(spec: dict):
+    from workbench.spec import load_spec
+
+    return load_spec(spec).model.shape()
+
+
 def arm_world(name: str, world: int) -> int:
-    return 1 if name == "single" else world
+    return 1 if name in ONE_DEVICE else world
 
 
 def skip_reason(name: str, world: int, spec: dict) -> str | None:
@@ -58,7 +82,7 @@ def skip_reason(name: str, world: int, spec: dict) -> str | None:
     from workbench.spec import load_spec
     from workbench.validate import check_runnable
 
-    if name != "single" and world < 2:
+    if name in ("zero3", "tp") and world < 2:
         return f"needs >= 2 GPUs (found {world}): ZeRO-3 on one rank has nothing to shard over, tp=1 is the single arm"
     try:
         check_runnable(load_spec(spec))
@@ -67,8 +91,9 @@ def skip_reason(name: str, world: int, spec: dict) -> str | None:
     return None
 
 
-def predict(spec: dict) -> dict:
-    """The step-time model's step for exactly this spec, from the catalog's figures for its GPU."""
+def predict(spec: dict, profile=None) -> dict:
+    """The step-time model's step for exactly this spec, from the catalog's figures for its GPU, or
+    from `profile` (a HardwareProfile of `workbench calibrate`) when given."""
     from workbench.catalog import get_device
     from workbench.memory import layout_from_spec
     from workbench.memory.params import rank_counts
@@ -78,9 +103,19 @@ def predict(spec: dict) -> dict:
     js = load_spec(spec)
     shape, lay, dev = js.model.shape(), layout_from_spec(js), get_device(js.resources.gpu)
     params, shard, _ = rank_counts(shape, lay.tp, lay.pp, 0, lay.chunks, lay.dp)
-    hw = Hardware(dev, js.resources.gpus_per_node)
+    hw = Hardware(dev, js.resources.gpus_per_node, profile)
     st = step_time(shape, lay, dev, js.train.global_batch, js.resources.gpus_per_node, params, shard, hw=hw)
     return {"step_time_s": st.step_time_s, "tokens_per_s": st.tokens_per_s, "source": hw.source}
+
+
+def predicted_steps(spec: dict, measured: float, profile=None) -> dict:
+    """The step time predicted from the catalog and, given `profile`, from it; each against `measured`."""
+    pred = predict(spec)["step_time_s"]
+    out = {"predicted": pred, "measured_over_predicted": measured / pred}
+    if profile is not None:
+        cal = predict(spec, profile)["step_time_s"]
+        out.update(predicted_calibrated=cal, measured_over_calibrated=measured / cal)
+    return out
 
 
 def predicted_memory(spec: dict) -> dict:
@@ -103,6 +138,25 @@ def single_job(job: dict, emit) -> None:
         gc.collect()  # the last run's model may live on in reference cycles
         torch.cuda.empty_cache()  # the next arm's ranks share this device
     emit({"event": "single", "result": result})
+
+
+def calibrate_job(job: dict, emit) -> None:
+    """On each rank: `workbench calibrate`'s rank part with the driver's options."""
+    from workbench.calibrate import calibrate_rank
+
+    calibrate_rank(job["spec"], emit, options=job["options"])
+
+
+def calibrate(spec: dict, pool, quick: bool, timeout_s: float) -> tuple:
+    """Calibrate the devices of `spec`'s resources on `pool`: (the profile, its summary table)."""
+    from workbench.calibrate import profile_from_events, rank_plan, summary
+    from workbench.spec import load_spec
+
+    js = load_spec(spec, layout=False)
+    job_spec, options = rank_plan(js, quick)
+    events = pool.run({"spec": job_spec.to_dict(), "options": options}, fn=calibrate_job, timeout_s=timeout_s)
+    profile = profile_from_events(events, options, "local")
+    return profile, summary(profile, options["model_shapes"])
 
 
 def rank_job(job: dict, emit) -> None:
@@ -155,11 +209,12 @@ def summarize(events: list[dict], spec: dict, warmup: int, world: int) -> dict:
     peak_flops = None if gpu == "cpu" else get_device(gpu).compute_flops[dtype]
     pred = predict(spec)
     steady = r0["cpu"][warmup:]
+    step = tokens / tps
     return {
         "status": "ok", "world": world, "layout": spec["layout"], "global_batch": spec["train"]["global_batch"],
         "tokens_per_s": tps, "mfu": tps * fpt / (world * peak_flops) if peak_flops else None,
-        "step_time_s": {"measured": tokens / tps, "median_event": statistics.median(r0["step_time_s"][warmup:]),
-                        "predicted": pred["step_time_s"], "measured_over_predicted": tokens / tps / pred["step_time_s"]},
+        "step_time_s": {"measured": step, "median_event": statistics.median(r0["step_time_s"][warmup:]),
+                        **predicted_steps(spec, step)},
         "predicted": {**pred, "mfu": pred["tokens_per_s"] * fpt / (world * peak_flops) if peak_flops else None},
         "cpu_s_per_step_rank0": (steady[-1] - steady[0]) / (len(steady) - 1),
         "memory": memory_rows(recs, predicted_memory(spec)),

@@ -6,9 +6,12 @@ stuck arm can be stopped at its deadline):
           alternated (bench/gpu/train_1b.py): tokens/s, MFU, peak memory against `estimate_memory`;
   zero3   dp = every device, zero = 3 (FSDP2), nccl;
   tp      tp = every device, nccl;
+  calibrate  `workbench calibrate` on every device (its profile: bench/results/gpu-profile.yaml);
+  ckpt    the single arm's spec with full activation checkpointing, one device;
+  llama   llama3.2-1b at the same sequence length, one device;
 each with tokens/s, MFU, every rank's allocated peak and reserve against `estimate_memory` for the
-same layout, and the measured step time against the step-time model's (catalog figures for the GPU).
-With one device, zero3 and tp say "needs >= 2 GPUs". An arm that would not fit in what is left of
+same layout, and the measured step time against the step-time model's: from the catalog's figures
+for the GPU, and from the calibrate arm's profile (added to every measured arm once it has run). With one device, zero3 and tp say "needs >= 2 GPUs". An arm that would not fit in what is left of
 the budget is skipped and says so; an arm that fails or overruns is recorded with its error, and the
 others still run. Writes bench/results/gpu.json and, on a GPU, regenerates docs/benchmarks.md (its
 GPU section is bench/gpu/section.py's rendering of that file).
@@ -35,6 +38,7 @@ from bench.gpu.arms import ARMS  # noqa: E402
 
 SLACK = 3.0  # an arm's steps are budgeted at 3x the predicted step time (the model's misses, warm-up)
 SETUP_S = {"cuda": 60.0, "cpu": 20.0}  # per run, until an arm has measured it: start, model build, first step
+CALIBRATE_S = {"full": 180.0, "quick": 60.0}  # the calibrate arm's budget (GEMM time is capped at 60 / 8 s)
 RESERVE_S = 10.0  # kept back for writing the results
 
 
@@ -57,14 +61,19 @@ def run(args: argparse.Namespace, pools: dict | None = None, save: Callable[[dic
     pools, own = dict(pools or {}), set[int]()
     out: dict[str, dict] = {}
     setup_s = SETUP_S[args.device]
+    state: dict = {"profile": None}  # the calibrate arm's HardwareProfile
+    specs: dict[str, dict] = {}
     try:
         for name in args.arms:
             world = A.arm_world(name, args.world)
             spec = A.arm_spec(name, world, base)
             left = args.budget_s - (time.monotonic() - t0) - RESERVE_S
-            out[name] = _arm(name, spec, world, args, left, setup_s, pools, own)
+            specs[name] = spec
+            out[name] = _arm(name, spec, world, args, left, setup_s, pools, own, state)
+            if state["profile"] is not None:
+                _add_calibrated(out, specs, state["profile"])
             print(f"{name}: {_line(out[name])}", flush=True)
-            if out[name]["status"] == "ok":
+            if out[name]["status"] == "ok" and name != "calibrate":
                 setup_s = max(5.0, out[name]["wall_s"] / _runs(name, args)
                               - args.steps * out[name]["step_time_s"]["measured"])
             if save:
@@ -75,8 +84,17 @@ def run(args: argparse.Namespace, pools: dict | None = None, save: Callable[[dic
     return _result(args, gpu, out, t0)
 
 
+def _add_calibrated(arms: dict, specs: dict, profile) -> None:
+    """Each measured arm's step time as the calibrated profile predicts it (whichever ran first)."""
+    from bench.gpu import arms as A
+
+    for name, a in arms.items():
+        if a["status"] == "ok" and "step_time_s" in a:
+            a["step_time_s"].update(A.predicted_steps(specs[name], a["step_time_s"]["measured"], profile))
+
+
 def _result(args, gpu: str, arms: dict, t0: float) -> dict:
-    return {"config": {**{k: v for k, v in vars(args).items() if k not in ("out", "doc")}, "catalog_gpu": gpu},
+    return {"config": {**{k: v for k, v in vars(args).items() if k not in ("out", "doc", "profile_out")}, "catalog_gpu": gpu},
             "arms": dict(arms), "used_s": time.monotonic() - t0}
 
 
@@ -84,7 +102,8 @@ def _runs(name: str, args) -> int:
     return 2 * args.reps if name == "single" else 1
 
 
-def _arm(name: str, spec: dict, world: int, args, left: float, setup_s: float, pools: dict, own: set) -> dict:
+def _arm(name: str, spec: dict, world: int, args, left: float, setup_s: float, pools: dict, own: set,
+         state: dict) -> dict:
     """One arm: skipped (why), failed (its error) or measured; never raises."""
     from bench.gpu import arms as A
 
@@ -92,14 +111,17 @@ def _arm(name: str, spec: dict, world: int, args, left: float, setup_s: float, p
         why = A.skip_reason(name, world, spec)
         if why:
             return {"status": "skipped", "world": world, "layout": spec["layout"], "reason": why}
-        need = _runs(name, args) * (setup_s + args.steps * A.predict(spec)["step_time_s"] * SLACK)
+        if name == "calibrate":
+            need = CALIBRATE_S[args.calibrate]
+        else:
+            need = _runs(name, args) * (setup_s + args.steps * A.predict(spec)["step_time_s"] * SLACK)
         if need > left:
             return {"status": "skipped", "world": world, "layout": spec["layout"],
                     "reason": f"would take ~{need:.0f} s; {max(left, 0):.0f} s of the {args.budget_s:.0f} s budget left"}
         start = time.monotonic()
         pool = _pool(world, args.device, pools, own)
         try:
-            result = _measure(name, spec, world, args, pool, left)
+            result = _measure(name, spec, world, args, pool, left, state)
         except Exception:
             # SpawnPool.run closes a pool whose job failed; one that ran but whose figures could not
             # be read is closed here if this run started it. The next arm starts a fresh one.
@@ -127,9 +149,19 @@ def _pool(world: int, device: str, pools: dict, own: set):
     return pools[world]
 
 
-def _measure(name: str, spec: dict, world: int, args, pool, left: float) -> dict:
+def _measure(name: str, spec: dict, world: int, args, pool, left: float, state: dict) -> dict:
     from bench.gpu import arms as A
 
+    if name == "calibrate":
+        from workbench.hwprofile import save_profile
+
+        profile, table = A.calibrate(spec, pool, args.calibrate == "quick", max(left, 1.0))
+        state["profile"] = profile
+        if args.profile_out:
+            save_profile(profile, args.profile_out)
+        print(table, flush=True)
+        return {"status": "ok", "world": world, "layout": spec["layout"], "mode": args.calibrate,
+                "profile": profile.to_dict(), "summary": table}
     if name != "single":
         events = pool.run({"spec": spec}, fn=A.rank_job, timeout_s=max(left, 1.0))
         return A.summarize(events, spec, args.warmup, world)
@@ -145,8 +177,7 @@ def _measure(name: str, spec: dict, world: int, args, pool, left: float) -> dict
     measured = tokens / r["variants"]["runtime"]["tokens_per_s"]["median"]
     return {"status": "ok", "world": 1, "layout": spec["layout"], **r, "predicted": pred,
             "predicted_device_used_gib": A.predicted_memory(spec)["device_used"] / 2**30,
-            "step_time_s": {"measured": measured, "predicted": pred["step_time_s"],
-                            "measured_over_predicted": measured / pred["step_time_s"]}}
+            "step_time_s": {"measured": measured, **A.predicted_steps(spec, measured)}}
 
 
 def _line(a: dict) -> str:
@@ -154,10 +185,13 @@ def _line(a: dict) -> str:
         return f"skipped: {a['reason']}"
     if a["status"] == "failed":
         return "failed: " + a["error"].strip().splitlines()[-1][:300]
+    if "profile" in a:
+        return f"{a['mode']} profile, {a['wall_s']:.0f} s"
     st = a["step_time_s"]
     tps = a["tokens_per_s"] if "variants" not in a else a["variants"]["runtime"]["tokens_per_s"]["median"]
+    cal = f", calibrated {st['predicted_calibrated']:.3f} s" if "predicted_calibrated" in st else ""
     return (f"{tps:,.0f} tokens/s, step {st['measured']:.3f} s (predicted {st['predicted']:.3f} s, "
-            f"x{st['measured_over_predicted']:.2f}), {a['wall_s']:.0f} s")
+            f"x{st['measured_over_predicted']:.2f}{cal}), {a['wall_s']:.0f} s")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -173,6 +207,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--reps", type=int, default=2, help="alternated rounds of (runtime, plain) in the single arm")
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated, from " + ",".join(ARMS))
+    ap.add_argument("--calibrate", choices=["full", "quick"], help="the calibrate arm's plan (default: full on "
+                    "a GPU, quick on CPU)")
+    ap.add_argument("--profile-out", type=Path, help="the calibrate arm's profile (default on a GPU: "
+                    "bench/results/gpu-profile.yaml)")
     ap.add_argument("--budget-s", type=float, default=540.0, help="the whole run's wall-clock budget")
     ap.add_argument("--out", type=Path, help="result JSON (default on a GPU: bench/results/gpu.json)")
     ap.add_argument("--no-doc", dest="doc", action="store_false", help="do not regenerate docs/benchmarks.md")
@@ -201,6 +239,9 @@ def resolve(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Nam
     args.world = args.gpus or (count if args.device == "cuda" else 2)
     args.gpu_name = _gpu_name() if args.device == "cuda" else "cpu"
     args.device_count = count
+    args.calibrate = args.calibrate or ("full" if args.device == "cuda" else "quick")
+    if args.profile_out is None and args.device == "cuda":
+        args.profile_out = Path(__file__).resolve().parents[1] / "results" / "gpu-profile.yaml"
     return args
 
 

@@ -4,7 +4,7 @@ bench/report.py's `sec_gpu` calls `section`; nothing here reads files or imports
 """
 from __future__ import annotations
 
-TITLE = "## GPU: ~1.3B GPT in bf16: one GPU, ZeRO-3 and TP, memory and step time predicted vs measured"
+TITLE = "## GPU: ~1.3B models in bf16: one GPU, ZeRO-3 and TP, memory and step time predicted (catalog, calibrated) vs measured"
 
 ABOUT = (
     "`python -m bench.gpu.run_all --budget-s 540` runs every arm in spawned ranks (never Ray), one device "
@@ -12,11 +12,14 @@ ABOUT = (
     "`gpt-1.3b` in bf16 on one GPU, the per-rank runtime (`workbench.runtime.loop.train`: bf16 weights, "
     "fp32 master) against a plain PyTorch loop (autocast bf16, fp32 weights, AdamW), alternated "
     "(bench/gpu/train_1b.py); **zero3**, dp = every GPU with ZeRO-3 (FSDP2) over nccl, each rank the "
-    "single arm's batch; **tp**, tp = every GPU over nccl, the single arm's batch. MFU counts 6 N + 12 L h s "
-    "FLOPs per token against the catalog's dense bf16 peak per GPU. Predictions: `estimate_memory` (each "
-    "rank's allocated peak, `torch.cuda.max_memory_allocated`'s convention) and the step-time model "
-    "(`workbench.steptime`, the catalog's figures for the GPU, no calibrated profile) for exactly the spec "
-    "the arm ran. Reserved: the caching allocator's reserve after the run; device use: NVML's, which adds "
+    "single arm's batch; **tp**, tp = every GPU over nccl, the single arm's batch; **calibrate**, `workbench "
+    "calibrate` on every GPU (its profile: bench/results/gpu-profile.yaml); **ckpt**, the single arm with "
+    "full activation checkpointing; **llama**, llama3.2-1b at the same sequence length on one GPU. MFU "
+    "counts 6 N + 12 L h s FLOPs per token against the catalog's dense bf16 peak per GPU. Predictions: "
+    "`estimate_memory` (each rank's allocated peak, `torch.cuda.max_memory_allocated`'s convention) and "
+    "the step-time model (`workbench.steptime`) for exactly the spec the arm ran, twice: from the "
+    "catalog's figures for the GPU (what `plan` says before anyone measured), and from the calibrate "
+    "arm's profile. Reserved: the caching allocator's reserve after the run; device use: NVML's, which adds "
     "the CUDA context and NCCL's buffers.")
 
 PENDING = (
@@ -46,31 +49,38 @@ def _layout(lay: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in lay.items())
 
 
+def _measured(arms: dict) -> dict:
+    """The arms that trained and were measured (not the calibrate arm, not a skipped or failed one)."""
+    return {n: a for n, a in arms.items() if a["status"] == "ok" and "step_time_s" in a}
+
+
+def _calibrated(st: dict) -> list[str]:
+    if "predicted_calibrated" not in st:
+        return ["-", "-"]
+    return [f"{st['predicted_calibrated']:.3f}", f"{st['measured_over_calibrated']:.2f}"]
+
+
 def _speed_rows(arms: dict) -> list[list]:
     rows = []
-    for name, a in arms.items():
-        if a["status"] != "ok":
-            continue
+    for name, a in _measured(arms).items():
         st, pred = a["step_time_s"], a["predicted"]
         if "variants" in a:  # the single arm: runtime, and the plain loop beside it
             v = a["variants"]
             rows.append([f"`{name}` runtime", 1, _layout(a["layout"]), f"{v['runtime']['tokens_per_s']['median']:,.0f}",
                          _pct(v["runtime"]["mfu"]["median"]), _pct(pred.get("mfu")), f"{st['measured']:.3f}",
-                         f"{st['predicted']:.3f}", f"{st['measured_over_predicted']:.2f}", "-"])
+                         f"{st['predicted']:.3f}", f"{st['measured_over_predicted']:.2f}", *_calibrated(st), "-"])
             rows.append([f"`{name}` plain loop", 1, "", f"{v['plain']['tokens_per_s']['median']:,.0f}",
-                         _pct(v["plain"]["mfu"]["median"]), "", "", "", "", ""])
+                         _pct(v["plain"]["mfu"]["median"]), "", "", "", "", "", "", ""])
             continue
         rows.append([f"`{name}`", a["world"], _layout(a["layout"]), f"{a['tokens_per_s']:,.0f}", _pct(a["mfu"]),
                      _pct(pred.get("mfu")), f"{st['measured']:.3f}", f"{st['predicted']:.3f}",
-                     f"{st['measured_over_predicted']:.2f}", f"{a['cpu_s_per_step_rank0']:.3f}"])
+                     f"{st['measured_over_predicted']:.2f}", *_calibrated(st), f"{a['cpu_s_per_step_rank0']:.3f}"])
     return rows
 
 
 def _memory_rows(arms: dict) -> list[list]:
     rows = []
-    for name, a in arms.items():
-        if a["status"] != "ok":
-            continue
+    for name, a in _measured(arms).items():
         if "variants" in a:
             v, pred = a["variants"]["runtime"], a.get("predicted_peak_gib")
             ratio = f"{v['peak_gib'] / pred:.2f}" if pred else "-"
@@ -107,11 +117,13 @@ def section(r: dict | None) -> str:
                f"{m.get('torch', '?')}; `{c['preset']}`, {c['dtype']}, {c['steps']} steps of which the first "
                f"{c['warmup']} are warm-up, global batch {c['global_batch']} per data-parallel rank, micro-batch "
                f"{c['micro_batch']}; the whole run {r.get('used_s', float('nan')):.0f} s of a {c['budget_s']:.0f} s budget.")
+    out.extend(r.get("notes", []))
     arms = r["arms"]
     speed = _speed_rows(arms)
     if speed:
         out.append(_table(speed, ["arm", "GPUs", "layout", "tokens/s", "MFU", "MFU predicted", "step s",
-                                  "step s predicted", "measured / predicted", "rank 0 CPU s/step"]))
+                                  "step s predicted", "measured / predicted", "step s calibrated",
+                                  "measured / calibrated", "rank 0 CPU s/step"]))
     single = arms.get("single", {})
     if single.get("status") == "ok":
         out.append(f"Runtime / plain loop tokens/s: {single['ratio']['median']:.3f} "
@@ -120,6 +132,10 @@ def section(r: dict | None) -> str:
     if mem:
         out.append(_table(mem, ["arm", "rank", "allocated peak GiB", "predicted GiB", "measured / predicted",
                                 "reserved GiB", "device use GiB (NVML)", "predicted device use GiB"]))
+    cal = arms.get("calibrate", {})
+    if cal.get("status") == "ok":
+        out.append(f"The calibrate arm's {cal['mode']} profile ({cal['wall_s']:.0f} s; `workbench calibrate`'s "
+                   f"table):\n\n```\n{cal['summary']}\n```")
     notes = [f"- `{n}` {a['status']}: {_why(a)}" for n, a in arms.items() if a["status"] != "ok"]
     if notes:
         out.append("\n".join(notes))

@@ -13,12 +13,17 @@ def test_run_all_on_cuda(tmp_path):
 
     out = tmp_path / "gpu.json"
     run_all.main(["--device", "cuda", "--preset", "gpt-tiny", "--steps", "6", "--warmup", "2", "--reps", "1",
-                  "--global-batch", "4", "--micro-batch", "2", "--out", str(out), "--no-doc"])
+                  "--global-batch", "4", "--micro-batch", "2", "--calibrate", "quick", "--out", str(out), "--no-doc"])
     arms = json.loads(out.read_text())["arms"]
     single = arms["single"]
     assert single["status"] == "ok", single
     runtime = single["variants"]["runtime"]
     assert runtime["mfu"]["median"] > 0 and runtime["reserved_gib"] >= runtime["peak_gib"] > 0
+    assert arms["calibrate"]["status"] == "ok" and arms["calibrate"]["profile"]["device"] != "cpu", arms["calibrate"]
+    for name in ("ckpt", "llama"):
+        a = arms[name]
+        assert a["status"] == "ok" and a["step_time_s"]["predicted_calibrated"] > 0, a
+        assert 0.5 < a["memory"][0]["measured_over_predicted"] < 2, (name, a["memory"])
     if torch.cuda.device_count() < 2:
         for name in ("zero3", "tp"):
             assert arms[name]["status"] == "skipped" and arms[name]["reason"].startswith("needs >= 2 GPUs")

@@ -38,8 +38,9 @@ SMOKE = ["--device", "cpu", "--preset", "gpt-tiny", "--steps", "4", "--warmup", 
 @pytest.mark.slow  # the whole suite keeps the script from rotting; the fast loop runs train_1b's smoke
 @pytest.mark.timeout(300)
 def test_run_all_cpu_smoke_measures_every_arm(spawn_pools, tmp_path, monkeypatch):
-    """bench/gpu/run_all.py's CPU smoke mode: the single arm, ZeRO-3 and TP on 2 gloo ranks, each
-    with its prediction beside it, and the GPU section rendered from the JSON it wrote."""
+    """bench/gpu/run_all.py's CPU smoke mode: the single arm, ZeRO-3 and TP on 2 gloo ranks, the
+    calibrate arm, activation checkpointing and a llama on one rank, each with its predictions
+    (catalog and calibrated) beside it, and the GPU section rendered from the JSON it wrote."""
     from bench.gpu import run_all
     from bench.gpu.section import section
     from bench.report import sec_gpu
@@ -49,22 +50,28 @@ def test_run_all_cpu_smoke_measures_every_arm(spawn_pools, tmp_path, monkeypatch
     run_all.main([*SMOKE, "--out", str(out)], pools={1: spawn_pools.get(1), 2: spawn_pools.get(2)})
     saved = json.loads(out.read_text())
     arms = saved["arms"]
-    assert saved["name"] == "gpu" and list(arms) == ["single", "zero3", "tp"]
-    assert {n: a["status"] for n, a in arms.items()} == {"single": "ok", "zero3": "ok", "tp": "ok"}, arms
+    assert saved["name"] == "gpu" and list(arms) == ["single", "zero3", "tp", "calibrate", "ckpt", "llama"]
+    assert {a["status"] for a in arms.values()} == {"ok"}, arms
+    assert arms["calibrate"]["profile"]["device"] == "cpu" and arms["calibrate"]["profile"]["probes"]
+    assert arms["ckpt"]["layout"] == {"dp": 1, "activation_checkpointing": "full"}
     assert arms["zero3"]["layout"] == {"dp": 2, "zero": 3} and arms["tp"]["layout"] == {"dp": 1, "tp": 2}
     assert arms["zero3"]["global_batch"] == 8 and arms["tp"]["global_batch"] == 4
-    for name in ("zero3", "tp"):
+    for name in ("zero3", "tp", "ckpt", "llama"):
         a = arms[name]
         assert a["tokens_per_s"] > 0 and len(a["losses"]) == 4
         assert a["step_time_s"]["measured"] > 0 and a["step_time_s"]["predicted"] > 0
-        assert [m["rank"] for m in a["memory"]] == [0, 1]
+        assert a["step_time_s"]["predicted_calibrated"] > 0  # added once the calibrate arm ran
+        assert [m["rank"] for m in a["memory"]] == list(range(a["world"]))
         for m in a["memory"]:  # the meter's tracked bytes against estimate_memory for the same layout
             assert 0.5 < m["measured_over_predicted"] < 1.5, (name, m)
     # tp=2 trains the single arm's model on the same batches: its first loss is the runtime's
     assert arms["tp"]["losses"][0] == pytest.approx(arms["single"]["first_losses"]["runtime"][0], rel=2e-2)
-    assert arms["single"]["step_time_s"]["predicted"] > 0
+    assert arms["single"]["step_time_s"]["predicted"] > 0 and arms["single"]["step_time_s"]["predicted_calibrated"] > 0
+    # full activation checkpointing recomputes the forward: the same losses, a slower step
+    assert arms["ckpt"]["losses"] == pytest.approx(arms["tp"]["losses"], rel=2e-2)
     text = section(saved)
     assert "CPU smoke run" in text and "`zero3`" in text and "`tp`" in text and "`single` plain loop" in text
+    assert "`ckpt`" in text and "`llama`" in text and "calibrate arm's quick profile" in text
     assert sec_gpu(saved) == text
 
 
@@ -76,7 +83,7 @@ def test_budget_skips_what_would_not_fit_and_says_so(monkeypatch):
     r = run_all.run(run_all.resolve(run_all.parser(), [*SMOKE, "--budget-s", "5"]), save=saved.append)
     for name, a in r["arms"].items():
         assert a["status"] == "skipped" and "budget" in a["reason"], (name, a)
-    assert [list(x["arms"]) for x in saved] == [["single"], ["single", "zero3"], ["single", "zero3", "tp"]]
+    assert [list(x["arms"]) for x in saved] == [list(run_all.ARMS[:n]) for n in range(1, len(run_all.ARMS) + 1)]
 
 
 def test_one_device_reports_that_zero3_and_tp_need_two(monkeypatch):
