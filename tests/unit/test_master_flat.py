@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from workbench.parallel.master import MAX_CHUNK, MIN_CHUNK, FlatParams, MasterOptimizer, MemoryStore, memory_chunk_size
+from workbench.parallel.master import (
+    MAX_CHUNK,
+    MAX_CHUNK_CUDA,
+    MIN_CHUNK,
+    FlatParams,
+    MasterOptimizer,
+    MemoryStore,
+    memory_chunk_size,
+)
 from workbench.parallel.step import functional_update
 
 
@@ -62,3 +70,5 @@ def test_memory_chunk_size_bounds():
     assert memory_chunk_size(10) == MIN_CHUNK
     assert memory_chunk_size(MIN_CHUNK * 3) == MIN_CHUNK * 3
     assert memory_chunk_size(MAX_CHUNK * 5) == MAX_CHUNK
+    assert memory_chunk_size(MAX_CHUNK * 5, cuda=True) == MAX_CHUNK * 5  # fewer launches on a GPU
+    assert memory_chunk_size(MAX_CHUNK_CUDA * 2, cuda=True) == MAX_CHUNK_CUDA

@@ -22,6 +22,13 @@ from workbench.timeline import max_in_flight
 # and the caching allocator's reserve over what is allocated at the peak (fragmentation; the
 # reserved/allocated ratio PyTorch's memory snapshots show in training is 1.05-1.2).
 CUDA_CONTEXT_BYTES = 512 * 2**20
+# cuBLAS's workspace, which PyTorch takes from its caching allocator (so it is in the allocated
+# peak) once per cuBLAS handle and stream: 4096 KiB x 8 = 32 MiB on Hopper (sm90), 8.125 MiB on
+# earlier GPUs (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize; cuBLASLt shares
+# it). A training step uses two handles: forward on the caller's thread, backward on autograd's
+# device thread. Measured on an H200 (torch 2.11, CUDA 13): a gpt-tiny step's allocated peak is
+# 67-68 MiB above its tensors (bench/results/gpu.json, docs/planning.md). Priced at Hopper's size.
+CUBLAS_WORKSPACE_BYTES = 2 * 32 * 2**20
 NCCL_BYTES_PER_GROUP = 256 * 2**20
 ALLOCATOR_RESERVE = 0.1
 
@@ -128,16 +135,19 @@ def device_used(total: float, lay: Layout) -> float:
     return total * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT_BYTES + groups * NCCL_BYTES_PER_GROUP
 
 
-def _chunk_numel(range_numel: float) -> int:
-    """Elements per chunk of the master-weight step and the nvme staging (docs/strategies.md)."""
+def _chunk_numel(range_numel: float, lay: Layout) -> int:
+    """Elements per chunk of the master-weight step and the nvme staging (docs/strategies.md); on
+    a GPU with the states in memory, the whole range up to 64 Mi (parallel/master.py, MAX_CHUNK_CUDA)."""
+    if lay.device == "cuda" and lay.offload == "none":
+        return min(64 * 2**20, max(4096, int(range_numel)))
     return min(4 * 2**20, max(4096, -(-int(range_numel) // 8)))
 
 
 def _held_buffers(shape, lay: Layout, pp_index: int, w: int) -> float:
-    """Transient bytes held whatever the checkpointing mode: the logits and the pipeline's in-flight
-    stage outputs. A stage's buffers are these, then `_recomputed_buffers`, then `_state_buffers`."""
+    """Transient bytes held whatever the checkpointing mode: cuBLAS's workspaces (CUDA), the logits
+    and the pipeline's in-flight stage outputs. A stage's buffers are these, then `_recomputed_buffers`, then `_state_buffers`."""
     tokens = lay.micro_batch * shape.seq_len
-    out = 0.0
+    out = float(CUBLAS_WORKSPACE_BYTES) if lay.device == "cuda" else 0.0
     if pp_index == lay.pp - 1:
         # The head's logits of one micro-batch and, when they are not fp32, the loss's fp32 copy;
         # sharded over the vocabulary with tp (the loss runs under loss_parallel).
@@ -171,7 +181,7 @@ def _state_buffers(shape, lay: Layout, p: int, w: int) -> tuple[list[float], lis
     terms: list[float] = []
     notes: list[str] = []
     rng = -(-p // lay.dp) if lay.master_sharded else p
-    chunk = _chunk_numel(rng)
+    chunk = _chunk_numel(rng, lay)
     if lay.needs_master and (lay.mixed or lay.shards_optimizer_state):
         terms.append(chunk * 4)  # the master step converts one chunk of gradients to fp32
     if lay.master_sharded:

@@ -16,6 +16,10 @@ import torch.distributed as dist
 from workbench.parallel.local import local
 
 MAX_CHUNK = 4 * 1024 * 1024  # elements; 16 MiB per fp32 staging buffer
+# On a GPU, in memory: 256 MiB per fp32 staging buffer. Each chunk launches ~11 kernels from
+# Python; at 4 Mi elements a 1.3B model's step took 334 chunks, and the H200 sat idle 29% of the
+# step waiting for launches (bench/gpu/profile_step.py, docs/benchmarks.md).
+MAX_CHUNK_CUDA = 64 * 1024 * 1024
 MIN_CHUNK = 4096
 
 
@@ -74,12 +78,12 @@ def chunk_size(range_numel: int) -> int:
     return max(MIN_CHUNK, min(MAX_CHUNK, math.ceil(range_numel / 8)))
 
 
-def memory_chunk_size(range_numel: int) -> int:
+def memory_chunk_size(range_numel: int, cuda: bool = False) -> int:
     """In memory the master and moments are stepped in place (views), so only the gradient and
-    all-gather staging scale with the chunk: the whole range up to MAX_CHUNK, in one step (each
-    chunk costs an all-gather and a pass over the parameters; ~8 of them were 1/8 of gpt-tiny's
-    zero=1 step)."""
-    return max(MIN_CHUNK, min(MAX_CHUNK, range_numel))
+    all-gather staging scale with the chunk: the whole range up to MAX_CHUNK (MAX_CHUNK_CUDA on a
+    GPU), in one step (each chunk costs an all-gather and a pass over the parameters; ~8 of them
+    were 1/8 of gpt-tiny's zero=1 step). The chunks never change the result: the update is elementwise."""
+    return max(MIN_CHUNK, min(MAX_CHUNK_CUDA if cuda else MAX_CHUNK, range_numel))
 
 
 class MemoryStore:
@@ -123,8 +127,13 @@ class MasterOptimizer:
         self.world = world
         self.range_numel = math.ceil(self.flat.numel / world)  # padded: every rank owns the same count
         self.start = rank * self.range_numel
-        self.chunk = chunk or (memory_chunk_size if make_store is MemoryStore else chunk_size)(self.range_numel)
         self.device = local(params[0]).device
+        if chunk:
+            self.chunk = chunk
+        elif make_store is MemoryStore:
+            self.chunk = memory_chunk_size(self.range_numel, cuda=self.device.type == "cuda")
+        else:
+            self.chunk = chunk_size(self.range_numel)
         self.param_dtype = local(params[0]).dtype
         init = torch.zeros(self.range_numel, dtype=torch.float32, device=self.device)
         self.flat.read(self.start, self.start + self.range_numel, grad=False, out=init)
