@@ -70,9 +70,10 @@ class GemmFit:
         return self.t0 + 2.0 * (m + am) * (n + an) * (k + ak) / self.rate
 
 
-def _solve(pts: list, a: tuple) -> tuple[float, float, float] | None:
+def _solve(pts: list, a: tuple, min_c: float = 0.0) -> tuple[float, float, float] | None:
     """(sum of squared relative errors, t0, 1/rate) minimising sum((t0 + c x_i) / t_i - 1)^2 over
-    t0 >= 0, c > 0 for fixed widths `a` (a 2x2 linear solve); None without a positive slope."""
+    t0 >= 0, c > 0 for fixed widths `a` (a 2x2 linear solve); None without a positive slope. A
+    slope under `min_c` (a rate over the device's peak) is held at `min_c`, and t0 solved for it."""
     am, an, ak = a
     u = [1 / t for *_, t in pts]
     v = [2 * (m + am) * (n + an) * (k + ak) / t for m, n, k, t in pts]
@@ -84,19 +85,29 @@ def _solve(pts: list, a: tuple) -> tuple[float, float, float] | None:
         t0_, c_ = (su * svv - sv * suv) / det, (sv * suu - su * suv) / det
         if t0_ >= 0 and c_ > 0:
             t0, c = t0_, c_
-    if c <= 0:
+    if c <= 0 and not min_c:
         return None
+    if c < min_c:
+        c = min_c
+        t0 = max(0.0, sum(p * (1 - c * q) for p, q in zip(u, v)) / suu)
     return sum((t0 * p + c * q - 1) ** 2 for p, q in zip(u, v)), t0, c
 
 
-def fit_gemm(points) -> GemmFit:
+def fit_gemm(points, max_rate: float | None = None) -> GemmFit:
     """Least relative squared error fit of GemmFit through (m, n, k, seconds) points: the widths on
-    a coarse log grid, then refined one dimension at a time; t0 and 1/rate solved exactly for each."""
+    a coarse log grid, then refined one dimension at a time; t0 and 1/rate solved exactly for each.
+
+    Points whose times barely grow with size (a GPU's small GEMMs are launch-bound: ~12 us each)
+    cannot tell the rate or the widths: each width stays within 4x the largest size measured in its
+    dimension, and the rate at most `max_rate` (the device's data-sheet peak).
+    """
     pts = [(float(m), float(n), float(k), float(t)) for m, n, k, t in points]
+    caps = [4 * max(p[d] for p in pts) for d in range(3)]
+    min_c = 1 / max_rate if max_rate else 0.0
     grid = [0.0, 2.0, 8.0, 32.0, 128.0, 512.0, 2048.0]
     best = None
-    for a in ((x, y, z) for x in grid for y in grid for z in grid):
-        got = _solve(pts, a)
+    for a in ((x, y, z) for x in grid for y in grid for z in grid if x <= caps[0] and y <= caps[1] and z <= caps[2]):
+        got = _solve(pts, a, min_c)
         if got is not None and (best is None or got[0] < best[0][0] - 1e-15):
             best = (got, a)
     if best is None:  # no positive slope at any width: times do not grow with size (noise only)
@@ -108,10 +119,11 @@ def fit_gemm(points) -> GemmFit:
         while improved:
             improved = False
             for dim in range(3):
-                for cand in (best[1][dim] * factor, best[1][dim] / factor, max(best[1][dim], 1.0) * factor):
+                for cand in (min(best[1][dim] * factor, caps[dim]), best[1][dim] / factor,
+                             min(max(best[1][dim], 1.0) * factor, caps[dim])):
                     a = (cand, best[1][1], best[1][2]) if dim == 0 else (
                         (best[1][0], cand, best[1][2]) if dim == 1 else (best[1][0], best[1][1], cand))
-                    got = _solve(pts, a)
+                    got = _solve(pts, a, min_c)
                     if got is not None and got[0] < best[0][0] * (1 - 1e-9):
                         best, improved = (got, a), True
     (_, t0, c), a = best
@@ -166,8 +178,15 @@ class HardwareProfile:
         d = self._measured_dtype(dtype)
         key = ("gemm", d)
         if key not in self._cache:
-            self._cache[key] = fit_gemm([p[1:] for p in self.gemm if p[0] == d])
+            self._cache[key] = fit_gemm([p[1:] for p in self.gemm if p[0] == d], self._peak(d))
         return self._cache[key]
+
+    def _peak(self, dtype: str) -> float | None:
+        """The catalog's data-sheet FLOP/s of a GPU in `dtype`, the most a fit may claim (None on
+        CPU, whose catalog figures are nominal)."""
+        from workbench.catalog import get_device
+
+        return None if self.device == "cpu" else get_device(self.device).compute_flops.get(dtype)
 
     def _measured_dtype(self, dtype: str) -> str:
         """`dtype`, or the nearest dtype whose GEMMs were measured when it was not."""
@@ -211,7 +230,7 @@ class HardwareProfile:
 
         if key not in self._cache:
             pts = points()
-            self._cache[key] = fit_gemm(pts) if pts else None
+            self._cache[key] = fit_gemm(pts, self._peak(dtype)) if pts else None
         fit = self._cache[key]
         exact = self._exact(key, points).get((m, n, k))
         return exact if exact is not None else (None if fit is None else fit.seconds(m, n, k))

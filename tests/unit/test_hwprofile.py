@@ -91,6 +91,23 @@ def test_gemm_fit_of_noisy_points_stays_sane():
     assert fit.seconds(2048, 2048, 2048) > fit.seconds(1024, 1024, 1024) > fit.seconds(8, 8, 8) > 0
 
 
+def test_gemm_fit_of_launch_bound_points_stays_bounded():
+    # A GPU's small GEMMs all take ~12 us (launch-bound), as `calibrate --quick` of gpt-tiny measured
+    # on an H200: the fit had widths of 3e11 and a rate of 1.8e29 GFLOP/s. Widths stay within 4x the
+    # largest size measured, the rate within the data sheet's peak, and the points are still met.
+    cubes = [32, 64, 128, 256, 512]
+    noise = [1.02, 0.97, 1.05, 0.99, 1.01, 0.98, 1.03, 1.0, 0.96, 1.04, 1.01]
+    shapes = [(c, c, c) for c in cubes] + [(4 * c, c, c) for c in cubes[1:-1]] + [(c, 4 * c, c) for c in cubes[1:-1]]
+    pts = [(m, n, k, 12e-6 * f) for (m, n, k), f in zip(shapes, noise)]
+    fit = fit_gemm(pts, max_rate=989e12)
+    assert max(fit.a) <= 4 * 2048 and fit.rate <= 989e12
+    assert fit.worst < 0.1
+    # a profile of such points on a GPU prices a large GEMM no faster than the peak allows
+    gpu = _profile(device="h200", gemm=[("bf16", *p) for p in pts])
+    assert gpu.gemm_flops("bf16") <= 989e12
+    assert gpu.gemm_s(8192, 8192, 8192, "bf16") >= 2 * 8192**3 / 989e12
+
+
 def test_collectives_interpolate_and_scale_by_ring_factors():
     p = _profile()
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
