@@ -15,6 +15,7 @@ import contextlib
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file by torchrun
@@ -45,7 +46,8 @@ def train_peer(job: dict, emit) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         mesh = init_device_mesh("cpu", (world,))
-        policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+        # pinned host memory needs an accelerator: on a CPU-only host the policy runs unpinned
+        policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
         for block in model.blocks.values():
             fully_shard(block, mesh=mesh, reshard_after_forward=zero == 3, offload_policy=policy)
         fully_shard(model, mesh=mesh, reshard_after_forward=False, offload_policy=policy)
