@@ -72,3 +72,6 @@ def test_memory_chunk_size_bounds():
     assert memory_chunk_size(MAX_CHUNK * 5) == MAX_CHUNK
     assert memory_chunk_size(MAX_CHUNK * 5, cuda=True) == MAX_CHUNK * 5  # fewer launches on a GPU
     assert memory_chunk_size(MAX_CHUNK_CUDA * 2, cuda=True) == MAX_CHUNK_CUDA
+    # a sharded master all-gathers one chunk per rank: the staging stays within MAX_CHUNK_CUDA
+    assert memory_chunk_size(MAX_CHUNK_CUDA, cuda=True, world=8) == MAX_CHUNK_CUDA // 8
+    assert memory_chunk_size(MAX_CHUNK_CUDA, cuda=True, world=64) == MAX_CHUNK

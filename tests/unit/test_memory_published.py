@@ -51,3 +51,29 @@ def test_device_used_adds_reserve_context_and_nccl_on_cuda_only():
     used = device_used(10 * 2**30, cuda)
     assert used == 10 * 2**30 * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT_BYTES + 3 * 256 * 2**20  # dp, tp, world
     assert device_used(10 * 2**30, Layout(dp=8, device="cpu")) == 10 * 2**30
+
+
+def test_gpu_buffers_hold_cublas_workspaces_and_bounded_master_chunks():
+    """On a GPU `buffers` holds cuBLAS's two 32 MiB workspaces (measured on an H200: 32 MiB after
+    the first GEMM, 64 after its backward) and the fp32 master's step chunk: up to 64 Mi elements
+    of all-gather staging over the ranks of a sharded master (parallel/master.py), so a zero=1
+    run stages at most max(64 Mi, dp x 4 Mi) elements."""
+    from workbench.memory.estimate import CUBLAS_WORKSPACE_BYTES
+
+    sh = resolve_shape(ModelSpec(preset="llama-7b"))
+
+    def buffers(device, **kw):
+        return estimate_stage(sh, Layout(micro_batch=1, dtype="bf16", device=device, **kw), 0).buffers
+
+    assert CUBLAS_WORKSPACE_BYTES == 64 * 2**20
+    # same logits, same activations: cuda adds the workspaces and a 64 Mi-element fp32 grad chunk (4 Mi on CPU)
+    assert buffers("cuda") - buffers("cpu") == CUBLAS_WORKSPACE_BYTES + (64 - 4) * 2**20 * 4
+    # zero=1: the runtime's chunk (each rank's range of 7B / dp is past 64 Mi elements here): an fp32
+    # grad chunk and dp chunks of bf16 all-gather staging, at most 64 Mi elements over the ranks
+    # from dp 16 on no more than the 4 Mi-element chunks of a CPU
+    from workbench.parallel.master import memory_chunk_size
+
+    for dp in (2, 16, 64):
+        c = memory_chunk_size(10**10, cuda=True, world=dp)
+        assert dp * c == max(64 * 2**20, dp * 4 * 2**20)
+        assert buffers("cuda", dp=dp, zero=1) - buffers("cuda", zero=0) == c * 4 + dp * c * 2 - 64 * 2**20 * 4

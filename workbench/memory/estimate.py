@@ -137,9 +137,11 @@ def device_used(total: float, lay: Layout) -> float:
 
 def _chunk_numel(range_numel: float, lay: Layout) -> int:
     """Elements per chunk of the master-weight step and the nvme staging (docs/strategies.md); on
-    a GPU with the states in memory, the whole range up to 64 Mi (parallel/master.py, MAX_CHUNK_CUDA)."""
+    a GPU with the states in memory, the whole range up to 64 Mi elements of all-gather staging
+    over the ranks (parallel/master.py, memory_chunk_size)."""
     if lay.device == "cuda" and lay.offload == "none":
-        return min(64 * 2**20, max(4096, int(range_numel)))
+        cap = max(4 * 2**20, 64 * 2**20 // lay.dp) if lay.master_sharded else 64 * 2**20
+        return min(cap, max(4096, int(range_numel)))
     return min(4 * 2**20, max(4096, -(-int(range_numel) // 8)))
 
 

@@ -78,12 +78,15 @@ def chunk_size(range_numel: int) -> int:
     return max(MIN_CHUNK, min(MAX_CHUNK, math.ceil(range_numel / 8)))
 
 
-def memory_chunk_size(range_numel: int, cuda: bool = False) -> int:
+def memory_chunk_size(range_numel: int, cuda: bool = False, world: int = 1) -> int:
     """In memory the master and moments are stepped in place (views), so only the gradient and
-    all-gather staging scale with the chunk: the whole range up to MAX_CHUNK (MAX_CHUNK_CUDA on a
-    GPU), in one step (each chunk costs an all-gather and a pass over the parameters; ~8 of them
-    were 1/8 of gpt-tiny's zero=1 step). The chunks never change the result: the update is elementwise."""
-    return max(MIN_CHUNK, min(MAX_CHUNK_CUDA if cuda else MAX_CHUNK, range_numel))
+    all-gather staging scale with the chunk: the whole range up to MAX_CHUNK, in one step (each
+    chunk costs an all-gather and a pass over the parameters; ~8 of them were 1/8 of gpt-tiny's
+    zero=1 step). On a GPU up to MAX_CHUNK_CUDA elements of all-gather staging over the `world`
+    ranks of a sharded master (never below MAX_CHUNK per rank). The chunks never change the
+    result: the update is elementwise."""
+    cap = max(MAX_CHUNK, MAX_CHUNK_CUDA // world) if cuda else MAX_CHUNK
+    return max(MIN_CHUNK, min(cap, range_numel))
 
 
 class MemoryStore:
@@ -131,7 +134,7 @@ class MasterOptimizer:
         if chunk:
             self.chunk = chunk
         elif make_store is MemoryStore:
-            self.chunk = memory_chunk_size(self.range_numel, cuda=self.device.type == "cuda")
+            self.chunk = memory_chunk_size(self.range_numel, cuda=self.device.type == "cuda", world=world)
         else:
             self.chunk = chunk_size(self.range_numel)
         self.param_dtype = local(params[0]).dtype
