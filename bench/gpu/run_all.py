@@ -11,7 +11,8 @@ stuck arm can be stopped at its deadline):
   llama   llama3.2-1b at the same sequence length, one device;
 each with tokens/s, MFU, every rank's allocated peak and reserve against `estimate_memory` for the
 same layout, and the measured step time against the step-time model's: from the catalog's figures
-for the GPU, and from the calibrate arm's profile (added to every measured arm once it has run). With one device, zero3 and tp say "needs >= 2 GPUs". An arm that would not fit in what is left of
+for the GPU, and from the calibrate arm's profile (added to every measured arm once it has run).
+With one device, zero3 and tp say "needs >= 2 GPUs". An arm that would not fit in what is left of
 the budget is skipped and says so; an arm that fails or overruns is recorded with its error, and the
 others still run. Writes bench/results/gpu.json and, on a GPU, regenerates docs/benchmarks.md (its
 GPU section is bench/gpu/section.py's rendering of that file).
