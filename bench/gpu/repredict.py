@@ -21,6 +21,7 @@ def repredict(result: dict) -> dict:
     """`result` (run_all's JSON) with every arm's predictions recomputed; measurements untouched."""
     from bench.gpu import arms as A
     from bench.gpu.train_1b import flops_per_token
+    from workbench.catalog import get_device
     from workbench.hwprofile import profile_from_dict
 
     c = result["config"]
@@ -42,7 +43,7 @@ def repredict(result: dict) -> dict:
             a["predicted_device_used_gib"] = mem["device_used"] / 2**30
             continue
         fpt = flops_per_token(A.shape_of(spec))
-        peak = a["mfu"] and a["tokens_per_s"] * fpt / (a["world"] * a["mfu"])
+        peak = None if c["catalog_gpu"] == "cpu" else get_device(c["catalog_gpu"]).compute_flops[c["dtype"]]
         a["predicted"] = {**pred, "mfu": pred["tokens_per_s"] * fpt / (a["world"] * peak) if peak else None}
         for m in a["memory"]:
             m["predicted"], m["predicted_device_used"] = mem["per_rank"][m["rank"]], mem["device_used"]

@@ -147,7 +147,8 @@ def _chunk_numel(range_numel: float, lay: Layout) -> int:
 
 def _held_buffers(shape, lay: Layout, pp_index: int, w: int) -> float:
     """Transient bytes held whatever the checkpointing mode: cuBLAS's workspaces (CUDA), the logits
-    and the pipeline's in-flight stage outputs. A stage's buffers are these, then `_recomputed_buffers`, then `_state_buffers`."""
+    and the pipeline's in-flight stage outputs. A stage's buffers are these, then
+    `_recomputed_buffers`, then `_state_buffers`."""
     tokens = lay.micro_batch * shape.seq_len
     out = float(CUBLAS_WORKSPACE_BYTES) if lay.device == "cuda" else 0.0
     if pp_index == lay.pp - 1:
