@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -32,6 +33,9 @@ from workbench.hwprofile import OVERHEAD_KEYS  # noqa: E402
 PROFILE = RESULTS / "prediction_profile.yaml"
 LATEST = Path("/tmp/bench_prediction_latest.txt")
 GOAL = 0.25  # every layout within +-25%
+# A layout runs at least this long after warm-up: gpt-tiny's steps settle over its first ~10 (25 ms each:
+# 51 ms at step 1, 37 at step 5, 27 at step 10 on 4 December), so 12 steps measured the warm-up, not the step.
+MIN_MEASURED_S = 3.0
 
 
 def _spec(name: str, model: str = "gpt-mini", ranks: int = 2, global_batch: int = 8, micro_batch: int = 4,
@@ -104,6 +108,7 @@ def measure(spec: dict, steps: int, warmup: int) -> dict:
             events = [json.loads(line) for line in f]
     times = [e["step_time_s"] for e in events if e["event"] == "step"][warmup:]
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "steps": len(times),
+            "warmup": warmup,
             "wall_s": round(wall, 1), "load_1m": [round(load_before, 1), round(os.getloadavg()[0], 1)]}
 
 
@@ -187,8 +192,9 @@ def section(result: dict, doc=None, img=None, profile=None) -> str:
            "`python bench/bench_prediction.py` calibrates this machine once (`workbench calibrate`: 2 CPU ranks "
            "through local Ray, gloo), then for each layout takes the planner's prediction for the spec's own layout "
            "(`plan(spec, profile=profile).given.step_time_s`) and runs the layout through `workbench.run` (what "
-           "`workbench run` calls), taking the median `step_time_s` of the metrics after "
-           f"{result['warmup']} warm-up steps. gpt-mini (6 x 256, 128 tokens) with 4 sequences per micro-batch "
+           "`workbench run` calls), taking the median `step_time_s` of the metrics after warm-up: the first third "
+           f"of the steps (at least {result['warmup']}), with at least {MIN_MEASURED_S:.0f} s of predicted steps "
+           "(so gpt-tiny runs ~150 steps). gpt-mini (6 x 256, 128 tokens) with 4 sequences per micro-batch "
            "unless the name says otherwise; 2 ranks, and 1-rank baselines. Goal (#28): every layout within "
            "±25%, the order preserved. `--reuse-measured` predicts again against the stored measurements (after a "
            "change to the step-time model) in seconds."]
@@ -260,13 +266,14 @@ def main(argv=None) -> int:
     measured_before = {r["layout"]: r["measured"] for r in previous["rows"]} if previous else {}
     rows, source = [], "catalog defaults"
     for name, spec in LAYOUTS.items():
+        predicted, note = predict(spec, profile)
         if name in names and not args.reuse_measured:
-            measured = measure(spec, steps, args.warmup)
+            n = max(steps, math.ceil(MIN_MEASURED_S / predicted)) if predicted else steps
+            measured = measure(spec, n, max(args.warmup, n // 3))
         elif name in measured_before:
             measured = measured_before[name]
         else:
             continue
-        predicted, note = predict(spec, profile)
         if predicted is not None:
             source = note
         ratio = predicted / measured["median_s"] if predicted else None
