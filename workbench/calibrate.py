@@ -67,7 +67,8 @@ def _options(spec: JobSpec, quick: bool) -> dict:
     if spec.precision.dtype not in dtypes:
         dtypes.append(spec.precision.dtype)
     return {"mode": mode, **_PLANS[mode], "dtypes": dtypes, "model_shapes": model_gemm_shapes(spec),
-            "device": spec.resources.gpu, "probes": probe_specs(spec), "forward_shapes": model_forward_shapes(spec)}
+            "device": spec.resources.gpu, "probes": probe_specs(spec), "forward_shapes": model_forward_shapes(spec),
+            "attention_shapes": model_attention_shapes(spec)}
 
 
 def probe_specs(spec: JobSpec) -> list[list]:
@@ -223,6 +224,21 @@ def model_forward_shapes(spec: JobSpec) -> list[list[int]]:
     return [list(x) for x in sorted(out)]
 
 
+def model_attention_shapes(spec: JobSpec) -> list[list[int]]:
+    """(batch, heads, seq, head_dim) of the attention core of one micro-batch, at tp = 1 and at the
+    spec's tp (heads split), and of the strategy probes' near-empty model (their modelled time
+    prices it too); only the probes' without a model shape."""
+    probe = load_spec({"model": {**PROBE_MODEL, "layers": 1}}, layout=False).model.shape()
+    out = {(PROBE_MICRO_BATCH, probe.heads, probe.seq_len, probe.head_dim)}
+    try:
+        s = spec.model.shape()
+    except ConfigError:
+        return [list(x) for x in sorted(out)]
+    for tp in sorted({1, spec.layout.tp or 1}):
+        out.add((spec.train.micro_batch, max(1, s.heads // tp), s.seq_len, s.head_dim))
+    return [list(x) for x in sorted(out)]
+
+
 def calibrate(spec: JobSpec | dict | str, out: str | Path | None = None, quick: bool = False,
               note: Callable[[str], None] | None = None) -> tuple[HardwareProfile, Path]:
     """Measure the spec's resources and write the hardware profile.
@@ -332,6 +348,15 @@ def summary(profile: HardwareProfile, model_shapes: list | None = None) -> str:
     lines += ["", f"memory bandwidth per rank  {profile.memory_bw / 1e9:.2f} GB/s"
               + "".join(f", {d} {bw / 1e9:.2f} GB/s" for d, bw in profile.memory_bw_dtype),
               f"per-op overhead            {profile.op_overhead_s * 1e6:.1f} us", ""]
+    if profile.attention:
+        lines.append("attention core (causal)   batch x heads x seq x head_dim   forward     backward")
+        timed = {(r[1], *r[2:6]): {} for r in profile.attention}
+        for kind, dtype, *dims, t in profile.attention:
+            timed[(dtype, *dims)][kind] = t
+        for (dtype, *dims), t in timed.items():
+            lines.append(f"  {dtype:<23} {' x '.join(map(str, dims)):>32}  {t.get('fwd', 0) * 1e3:7.3f} ms  "
+                         f"{t.get('bwd', 0) * 1e3:8.3f} ms")
+        lines.append("")
     if profile.overheads:
         lines += ["runtime step beyond the modelled work (a near-empty model and the spec's through the runtime's "
                   "own step)",
@@ -383,6 +408,7 @@ def calibrate_rank(spec: dict, sink, *, options: dict, should_stop=lambda: False
     bench = _Bench(ctx, options, nodes, per_node, sink if ctx.rank == 0 else None)
     gemm = bench.gemms(options["dtypes"], options["model_shapes"], options["cubes"])
     gemm_grad = bench.grad_gemms(options["dtypes"], options.get("forward_shapes", []), options["cubes"])
+    attention = bench.attention(options["dtypes"], options.get("attention_shapes", []))
     memory_bw = bench.memory_bw(options["elements"] if ctx.device.type == "cpu" else _GPU_ELEMENTS)
     overhead = bench.op_overhead()
     bw_dtype = {d: bench.memory_bw(options["elements"] if ctx.device.type == "cpu" else _GPU_ELEMENTS, d)
@@ -396,7 +422,7 @@ def calibrate_rank(spec: dict, sink, *, options: dict, should_stop=lambda: False
             "threads_per_rank": torch.get_num_threads(), "gemm": gemm, "memory_bw": memory_bw,
             "op_overhead_s": overhead, "collectives": collectives, "memory_bw_dtype": bw_dtype,
             "cpu_cores": os.cpu_count() or 0, "probe_seconds": probe_seconds,
-            "gemm_grad": gemm_grad}})
+            "gemm_grad": gemm_grad, "attention": attention}})
         sink({"event": "end", "status": "completed", "step": 0})
 
 
@@ -508,6 +534,27 @@ class _Bench:
                 x = torch.randn(m, k, device=self.dev).to(dt)
                 out.append(["dgrad", dtype, m, k, n, self.time(lambda dy=dy, w=w: torch.mm(dy, w))])
                 out.append(["wgrad", dtype, n, k, m, self.time(lambda dy=dy, x=x: torch.mm(dy.t(), x))])
+        return out
+
+    def attention(self, dtypes: list, shapes: list) -> list:
+        """(pass, dtype, batch, heads, seq, head_dim, seconds) of the causal attention core as the
+        models call it (scaled_dot_product_attention on (batch, heads, seq, head_dim)): its forward,
+        and its backward alone (forward + backward less the forward)."""
+        from workbench.parallel.precision import DTYPES
+
+        torch = self.torch
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        self.note(f"attention core: {len(shapes)} shapes x {', '.join(dtypes)}")
+        out: list = []
+        for dtype in dtypes:
+            for b, h, s, d in shapes:
+                q, k, v = (torch.randn(b, h, s, d, device=self.dev).to(DTYPES[dtype]).requires_grad_()
+                           for _ in range(3))
+                dy = torch.randn(b, h, s, d, device=self.dev).to(DTYPES[dtype])
+                fwd = self.time(lambda q=q, k=k, v=v: sdpa(q, k, v, is_causal=True))  # recording, as training does
+                both = self.time(lambda q=q, k=k, v=v, dy=dy: torch.autograd.grad(sdpa(q, k, v, is_causal=True),
+                                                                                    (q, k, v), dy))
+                out += [["fwd", dtype, b, h, s, d, fwd], ["bwd", dtype, b, h, s, d, max(both - fwd, 0.05 * both)]]
         return out
 
     def memory_bw(self, elements: int, dtype: str = "fp32") -> float:

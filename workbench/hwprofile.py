@@ -30,6 +30,7 @@ LINKS = ("intra", "inter")
 # stored) and the weight gradient dY^T @ X (the first operand transposed). On a CPU without bf16 units
 # the first runs ~5x slower than the forward's F.linear in bf16, so they are measured apart.
 GRAD_KINDS = ("dgrad", "wgrad")
+ATTENTION_PASSES = ("fwd", "bwd")  # the attention core's forward, and its backward alone
 BACKENDS = ("local", "ray")
 # Strategy families whose fixed per-step and per-block costs `workbench calibrate` measures by running
 # the runtime's own step on a near-empty model (workbench/calibrate.py, strategy_probes), in the order
@@ -165,6 +166,10 @@ class HardwareProfile:
     # (kind, dtype, m, n, k, seconds) of backward GEMMs in autograd's layout (GRAD_KINDS): dgrad is
     # mm(A (m x k), B (k x n)), wgrad mm(A^T, B) with A stored (k x m)
     gemm_grad: tuple = ()
+    # (pass, dtype, batch, heads, seq, head_dim, seconds) of the fused causal attention core
+    # (scaled_dot_product_attention) at the model's shapes: its kernels are not GEMMs (on a CPU,
+    # bf16's backward ran 3x fp32's, where bf16 GEMMs ran 2x faster than fp32's)
+    attention: tuple = ()
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self):
@@ -234,6 +239,17 @@ class HardwareProfile:
         fit = self._cache[key]
         exact = self._exact(key, points).get((m, n, k))
         return exact if exact is not None else (None if fit is None else fit.seconds(m, n, k))
+
+    def attention_s(self, kind: str, dtype: str, batch_heads: float, seq: int, head_dim: int) -> float | None:
+        """Seconds of the causal attention core's `kind` pass (ATTENTION_PASSES) over `batch_heads`
+        sequence-heads of `seq` x `head_dim`: the measured row of `dtype` nearest in sequence and head
+        size, scaled by the work (batch x heads x seq^2 x head_dim); None when none of `dtype` was measured."""
+        rows = [r for r in self.attention if r[0] == kind and r[1] == dtype]
+        if not rows:
+            return None
+        _, _, b, h, s, d, t = min(rows, key=lambda r: (abs(math.log(r[4] / seq)) + abs(math.log(r[5] / head_dim)),
+                                                        -r[2] * r[3]))
+        return t * (batch_heads * seq * seq * head_dim) / (b * h * s * s * d)
 
     def gemm_flops(self, dtype: str) -> float:
         """FLOP/s a large GEMM reaches (the fit's rate)."""
@@ -334,7 +350,7 @@ class HardwareProfile:
                 "overheads": {f: {k: v for i, (k, v) in enumerate(zip(OVERHEAD_KEYS, costs)) if v or i < 2}
                               for f, *costs in self.overheads},
                 "probes": [list(p) for p in self.probes], "cpu_cores": self.cpu_cores,
-                "gemm_grad": [list(p) for p in self.gemm_grad]}
+                "gemm_grad": [list(p) for p in self.gemm_grad], "attention": [list(p) for p in self.attention]}
 
 
 def _interp(series: list, x: float) -> float:
@@ -412,8 +428,9 @@ def profile_from_dict(raw, where: str = "(dict)") -> HardwareProfile:
     probes = _probe_rows(raw["probes"], where) if raw.get("probes") else ()
     cores = raw.get("cpu_cores", 0)
     grad = _grad_rows(raw["gemm_grad"], where) if raw.get("gemm_grad") else ()
+    attention = _attention_rows(raw["attention"], where) if raw.get("attention") else ()
     return HardwareProfile(
-        gemm_grad=grad,
+        gemm_grad=grad, attention=attention,
         memory_bw_dtype=bw_pairs, overheads=overheads, probes=probes,
         cpu_cores=_int(cores, "cpu_cores", where, 0, 1 << 20),
         device=device, created=created, host=_text(raw["host"], "host", where),
@@ -427,7 +444,7 @@ def profile_from_dict(raw, where: str = "(dict)") -> HardwareProfile:
 
 _REQUIRED = {"format", "device", "created", "host", "backend", "nodes", "ranks_per_node", "threads_per_rank",
              "gemm", "memory_bw", "op_overhead_s", "collectives"}
-_KNOWN = _REQUIRED | {"memory_bw_dtype", "overheads", "probes", "cpu_cores", "gemm_grad"}
+_KNOWN = _REQUIRED | {"memory_bw_dtype", "overheads", "probes", "cpu_cores", "gemm_grad", "attention"}
 
 
 def _check_fields(raw, where: str) -> None:
@@ -517,6 +534,17 @@ def _grad_rows(raw, where: str) -> tuple:
                      _int(m, f"{name} m", where, 1, MAX_DIM), _int(n, f"{name} n", where, 1, MAX_DIM),
                      _int(k, f"{name} k", where, 1, MAX_DIM), _pos(t, f"{name} seconds", where)))
     return tuple(grad)
+
+
+def _attention_rows(raw, where: str) -> tuple:
+    rows = []
+    for i, (kind, dtype, *dims, t) in enumerate(_rows(raw, "attention", where, 7)):
+        name = f"attention[{i}]"
+        rows.append((_choice(kind, f"{name} pass", where, ATTENTION_PASSES), _choice(dtype, f"{name} dtype", where, DTYPES),
+                     *(_int(x, f"{name} {what}", where, 1, MAX_DIM) for x, what in zip(dims, ("batch", "heads", "seq",
+                                                                                               "head_dim"))),
+                     _pos(t, f"{name} seconds", where)))
+    return tuple(rows)
 
 
 def load_profile(path) -> HardwareProfile:

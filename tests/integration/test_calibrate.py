@@ -64,6 +64,9 @@ def test_calibrate_quick_on_two_local_ranks(tmp_path):
     assert "runtime step beyond the modelled work" in proc.stdout
     # the backward GEMMs in autograd's layout (fp32: --quick with an fp32 spec measures no other dtype)
     assert {(p[0], p[1]) for p in profile.gemm_grad} == {("dgrad", "fp32"), ("wgrad", "fp32")}
+    # the fused attention core at gpt-tiny's shape (4 sequences, 4 heads of 16, 64 tokens) and the probes'
+    assert {p[:6] for p in profile.attention} >= {(k, "fp32", 4, 4, 64, 16) for k in ("fwd", "bwd")}
+    assert all(1e-7 < p[6] < 1 for p in profile.attention) and "attention core (causal)" in proc.stdout
 
 
 def test_calibrate_refuses_before_any_worker(tmp_path):
@@ -104,6 +107,8 @@ def test_calibrate_ranks_measure_every_figure_of_the_profile(pool2, tmp_path):
     assert {p[0] for p in profile.probes} == {"single", "ddp", "zero1", "zero2", "zero3", "tp", "pp"}
     assert {p[0] for p in profile.overheads} == {p[0] for p in profile.probes}
     assert {(p[0], p[1]) for p in profile.gemm_grad} == {("dgrad", "fp32"), ("wgrad", "fp32")}
+    assert {(p[0], p[1], *p[4:6]) for p in profile.attention} == {(k, "fp32", s, d) for k in ("fwd", "bwd")
+                                                                     for s, d in ((64, 16), (32, 8))}
     text = C.summary(profile)
     assert "bus bandwidth" in text and "all_reduce intra x2" in text and "runtime step beyond the modelled work" in text
     save_profile(profile, tmp_path / "cpu.yaml")

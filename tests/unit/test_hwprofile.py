@@ -13,6 +13,7 @@ from workbench.hwprofile import (
     find_profile,
     fit_gemm,
     load_profile,
+    profile_from_dict,
     save_profile,
 )
 
@@ -330,3 +331,19 @@ def test_a_measured_shape_is_priced_as_measured_where_the_smooth_fit_cannot_foll
     # repeated measurements of a shape: their median
     again = _profile(gemm=points + (("fp32", *odd, 2 * law), ("fp32", *odd, 3 * law)))
     assert again.gemm_s(*odd, "fp32") == pytest.approx(3 * law)
+
+
+def test_attention_rows_round_trip_and_scale_with_the_work_from_the_nearest_measured_shape(tmp_path):
+    rows = (("fwd", "fp32", 4, 8, 128, 32, 1e-3), ("bwd", "fp32", 4, 8, 128, 32, 3e-3),
+            ("fwd", "fp32", 2, 8, 32, 8, 2e-5), ("bwd", "bf16", 4, 8, 128, 32, 9e-3))
+    p = _profile(attention=rows)
+    save_profile(p, tmp_path / "cpu.yaml")
+    back = load_profile(tmp_path / "cpu.yaml")
+    assert back == p
+    assert back.attention_s("bwd", "fp32", 32, 128, 32) == pytest.approx(3e-3)  # the measured row itself
+    # twice the sequence-heads, twice the sequence: 2 x 4 the work of the nearest row
+    assert back.attention_s("fwd", "fp32", 64, 256, 32) == pytest.approx(8e-3)
+    assert back.attention_s("fwd", "fp32", 16, 32, 8) == pytest.approx(2e-5)  # the probes' shape: its own row
+    assert back.attention_s("fwd", "bf16", 32, 128, 32) is None  # not measured in bf16: the caller falls back
+    with pytest.raises(ConfigError, match=r"attention\[0\] pass"):
+        profile_from_dict({**p.to_dict(), "attention": [["forward", "fp32", 4, 8, 128, 32, 1e-3]]})
