@@ -421,8 +421,11 @@ How this table was taken (2026-12-04 20:41, on a host whose bf16 GEMMs run 3x it
 the 3 December host's ran at a seventh; load 4-5 is the run itself, two ranks, the driver and Ray's
 daemons on two cores): one run, calibration included, each layout at least 3 s of steps after a
 warm-up of a third of them. The miss is tiny-dp2 (0.56): a 38 ms median step whose steps ranged
-27-56 ms within the run (0.79 at its fastest), where tiny-1rank's ranged 22-34 ms; on two cores its
-two ranks leave none to the driver and Ray. The three pairs out of order are within each other's
+27-56 ms within the run (0.79 at its fastest), where tiny-1rank's ranged 22-34 ms. Not Ray's: in a
+spawn pool without Ray (150 steps, the last 100 timed, twice each) tiny-1rank took 23.3-23.5 ms and
+tiny-dp2 31-38 ms, each rank's own CPU time 27-49 ms a step against 23 ms alone. The two ranks slow
+each other's work down on two logical CPUs by 30-70% at gpt-tiny's size, where the near-empty probes
+show 13% (6 blocks: 17.4 ms alone, 19.7 ms with dp 2) and gpt-mini ~18%. The three pairs out of order are within each other's
 measured ranges; among the 97 pairs whose ranges do not overlap, none is out of order.
 
 History of the model on this bench:
