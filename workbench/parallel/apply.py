@@ -39,6 +39,7 @@ class Parallelized:
 
     model: nn.Module  # call this for forward (pp=1)
     modules: list[nn.Module]  # the modules whose parameters this rank holds (for the optimizer)
+    # Wraps each micro-batch's forward+backward but the step's last: DDP's no_sync; zero=2's kept weights.
     no_sync: Callable[[], contextlib.AbstractContextManager] = field(default=contextlib.nullcontext)
     master: MasterOptimizer | None = None  # the fp32 master when the parameters are not it
     params_are_master: bool = False  # FSDP2 mixed precision: the sharded fp32 parameters are the master
@@ -84,6 +85,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, par: Parallelism, *, 
     for m in out.modules:
         apply_activation_checkpointing(m, par.activation_checkpointing, every=par.checkpoint_every)
     init_device = _apply_fsdp(out, dp_mesh, par, device)
+    if par.fsdp and not par.reshard_after_forward and par.pp == 1 and par.offload != "nvme":
+        out.no_sync = functools.partial(_keep_gathered, out.modules)
     for m in out.modules:
         materialize(m, init_device, seed=seed)
     if par.fsdp and par.offload == "nvme":  # ZeRO-Infinity: FSDP2's shards and the moments in files
@@ -126,6 +129,21 @@ def _apply_fsdp(out: Parallelized, dp_mesh: DeviceMesh | None, par: Parallelism,
                    mp_policy=mixed_precision_policy(par.dtype), offload_policy=offload)
     # CPUOffloadPolicy wants the shards in host memory.
     return torch.device("cpu") if host else device
+
+
+@contextlib.contextmanager
+def _keep_gathered(modules: list[nn.Module]):
+    """zero=2 with gradient accumulation, around each micro-batch but the last: FSDP2 keeps the
+    gathered weights after backward, so the next micro-batch's forward gathers nothing (the weights
+    cannot change before the step). The peak stays: zero=2 holds every gathered weight from the end
+    of forward into backward anyway. The gradients are still reduce-scattered every micro-batch."""
+    for m in modules:
+        m.set_reshard_after_backward(False)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.set_reshard_after_backward(True)
 
 
 def _tie(out: Parallelized, mesh: DeviceMesh):
