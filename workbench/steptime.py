@@ -119,9 +119,12 @@ class Engine:
     # Bytes per gradient element that ZeRO-2/3 (FSDP) reduce-scatters: 4 (fp32: our runtime, and
     # FSDP1 MixedPrecision with reduce_dtype fp32) or 2 (reduce_dtype bf16/fp16, e.g. Composer's PURE).
     grad_reduce_bytes: int = 4
+    # ZeRO-2 keeps the gathered parameters from one micro-batch to the next (ours with pp = 1:
+    # parallel/apply.py `_keep_gathered`), so only a step's first micro-batch all-gathers them.
+    keep_gathered: bool = False
 
 
-WORKBENCH = Engine()
+WORKBENCH = Engine(keep_gathered=True)
 
 
 @dataclass(frozen=True)
@@ -574,7 +577,13 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
     bubble = _bubble(lay.pp_schedule, lay.pp, m, lay.chunks)
     micro = _timed(hw, compute + accumulate, tp_micro + fsdp_micro + p2p_micro, tp_ops)
     per_micro = (compute + accumulate).device_s
-    pipelined = m * micro / (1 - bubble)
+    steady = m * micro
+    if engine.keep_gathered and lay.zero == 2 and lay.pp == 1 and lay.offload != "nvme" and m > 1:
+        kept = _fsdp_comm(hw, shape, lay, params_per_rank / max(1, blocks), w, blocks, fwd_block, bwd_block, engine,
+                          gathered=True)
+        steady = micro + (m - 1) * _timed(hw, compute + accumulate, tp_micro + kept + p2p_micro, tp_ops)
+        fsdp_micro = (fsdp_micro + (m - 1) * kept) / m  # the mean over the step's micro-batches
+    pipelined = steady / (1 - bubble)
     exposed_dp, dp_comm = _dp_comm(hw, lay, params_per_rank, w, fwd_all, bwd_all, engine)
     optimizer = _optimizer_time(lay, hw, shard_per_rank, params_per_rank, w, _tensors(shape, tp, lay.pp, lay.chunks))
     # The runtime's own step cost beyond this work, as a calibrated profile measured it (hw.overhead).
@@ -588,7 +597,7 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
               "gemm_s": m * (fwd_all + bwd_all).device_s, "memory_bound_s": m * mem * blocks,
               "host_s": m * (compute.ops + tp_ops) * hw.launch_s,
               "tp_comm_s": m * tp_micro, "fsdp_exposed_s": m * fsdp_micro, "dp_exposed_s": exposed_dp,
-              "dp_comm_s": dp_comm, "p2p_s": m * p2p_micro + tied_s, "bubble_s": pipelined - m * micro, "runtime_overhead_s": runtime_s,
+              "dp_comm_s": dp_comm, "p2p_s": m * p2p_micro + tied_s, "bubble_s": pipelined - steady, "runtime_overhead_s": runtime_s,
               "source": hw.source}
     return StepTime(total, tokens_per_s, mfu, m * per_micro, bubble, exposed, optimizer, detail)
 
@@ -657,16 +666,17 @@ def _tp_comm(hw: Hardware, shape, lay, act_bytes: float, blocks: int, re_dense: 
 
 
 def _fsdp_comm(hw: Hardware, shape, lay, block_params: float, w: int, blocks: int, fwd_block: _Work,
-               bwd_block: _Work, engine: Engine) -> float:
+               bwd_block: _Work, engine: Engine, gathered: bool = False) -> float:
     """Exposed seconds of ZeRO-2/3 (FSDP) collectives per micro-batch: each block's parameters are
-    all-gathered in forward (and, zero 3, again in backward) and its gradients reduce-scattered;
+    all-gathered in forward (and, zero 3, again in backward; not at all when still `gathered` from
+    the previous micro-batch, zero 2) and its gradients reduce-scattered;
     prefetch hides a block's collectives behind at most one block's compute. With FSDP1's
     BACKWARD_POST prefetch (`Engine.backward_prefetch == "post"`) the backward all-gather is not
     hidden: only the reduce-scatter overlaps the next block's gradient computation."""
     if lay.grad_sync != "fsdp":
         return 0.0
     k = _block_tensor_count(shape) if engine.per_tensor else 1
-    gather = k * hw.collective_s("all_gather", lay.dp, block_params * w / k, lay.tp)
+    gather = 0.0 if gathered else k * hw.collective_s("all_gather", lay.dp, block_params * w / k, lay.tp)
     scatter = k * hw.collective_s("reduce_scatter", lay.dp, block_params * engine.grad_reduce_bytes / k, lay.tp)
     regather = gather if lay.reshard_after_forward else 0.0
     hide_f = hw.overlap * fwd_block.device_s if engine.prefetch else 0.0

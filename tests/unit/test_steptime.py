@@ -100,6 +100,27 @@ def test_fsdp_backward_post_prefetch_exposes_the_backward_gathers_only():
     assert st(3, "post", reduce_bytes=2).step_time_s <= post.step_time_s  # a bf16 reduce-scatter moves half
 
 
+def test_zero2_gathers_once_a_step_when_the_engine_keeps_the_gathered_weights():
+    """Our zero=2 keeps FSDP2's gathered weights across the step's micro-batches (parallel/apply.py
+    `_keep_gathered`): with 4 micro-batches, 3 of the 4 forward all-gathers are gone; an engine that
+    reshards after every backward (FSDP1's SHARD_GRAD_OP) pays them all."""
+    sh = shape("llama-7b")
+    hw = Hardware(H100, 8)
+
+    def st(zero, engine, num_micro=4):
+        lay = Layout(dtype="bf16", dp=8, zero=zero, micro_batch=2, num_micro=num_micro)
+        p, shard = _stage_params(sh, lay.tp, lay.pp, 0, lay.chunks, lay.dp)
+        return step_time(sh, lay, H100, 8 * 2 * num_micro, 8, p, shard, hw=hw, engine=engine)
+
+    kept, every = st(2, Engine(prefetch=False, keep_gathered=True)), st(2, Engine(prefetch=False))
+    gather = hw.collective_s("all_gather", 8, sh.block_params() * 2, 1)
+    assert every.detail["fsdp_exposed_s"] - kept.detail["fsdp_exposed_s"] == pytest.approx(3 * (sh.layers + 1) * gather,
+                                                                                           rel=0.05)
+    assert every.step_time_s - kept.step_time_s == pytest.approx(3 * (sh.layers + 1) * gather, rel=0.05)
+    assert st(3, Engine(keep_gathered=True)).step_time_s == st(3, Engine()).step_time_s  # zero 3 frees them
+    assert st(2, Engine(keep_gathered=True), 1).step_time_s == st(2, Engine(), 1).step_time_s  # nothing to keep
+
+
 def test_gemm_efficiency_falls_as_tp_narrows_the_gemms():
     assert gemm_efficiency(H100, 8192 / 8, 4096) < gemm_efficiency(H100, 8192, 4096)
     assert gemm_efficiency(H100, 8192, 512) < gemm_efficiency(H100, 8192, 4096)
