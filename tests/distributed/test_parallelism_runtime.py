@@ -79,6 +79,15 @@ def observe(spec: dict, sink) -> None:
         torch.manual_seed(1)  # the same tokens on every rank (tp ranks need the same input)
         out.model(torch.randint(0, spec.model.shape().vocab, (1, 16), device=ctx.device))
         seen["reshard_after_forward"] = _dp_sharded(next(w for w in blocks[0].parameters() if w.ndim == 2))
+        # Gradient accumulation: a micro-batch but the step's last runs under no_sync; zero=2 keeps the
+        # gathered weights past its backward for the next forward, the last one reshards them (apply.py).
+        x = torch.randint(0, spec.model.shape().vocab, (1, 16), device=ctx.device)
+        with out.no_sync():
+            out.model(x).float().sum().backward()
+        kept = not _dp_sharded(next(w for w in blocks[0].parameters() if w.ndim == 2))
+        out.model(x).float().sum().backward()
+        sink({"event": "gathered", "kept": kept, "sharded_after_last": _dp_sharded(
+            next(w for w in blocks[0].parameters() if w.ndim == 2))})
     sink({"event": "seen", "rank": ctx.rank, "seen": seen})
 
 
@@ -94,3 +103,5 @@ def test_runtime_builds_what_parallelism_says(spawn_pools, name):
         assert rank_seen == {k: facts[k] for k in rank_seen}, (name, rank_seen)
     if facts["fsdp"] and layout.get("pp", 1) == 1:
         assert all("reshard_after_forward" in s for s in seen)  # the forward check ran
+        gathered = [(e["kept"], e["sharded_after_last"]) for e in events if e["event"] == "gathered"]
+        assert gathered == [(layout["zero"] == 2, True)] * world, gathered
