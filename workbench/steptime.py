@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import TYPE_CHECKING
 
 from workbench.memory.nvme import nvme_transfer_s
@@ -572,17 +572,12 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
     accumulate = _Work(hw.memory_s(params_per_rank * 3 * (4 if lay.fsdp else w)), 1) if m > 1 else _Work()
     act_bytes = tokens * shape.hidden * w
     tp_micro, tp_ops = _tp_comm(hw, shape, lay, act_bytes, blocks, re_dense, (fwd_all + bwd_all).device_s, engine)
-    fsdp_micro = _fsdp_comm(hw, shape, lay, params_per_rank / max(1, blocks), w, blocks, fwd_block, bwd_block, engine)
+    fsdp = _fsdp_comm(hw, shape, lay, params_per_rank / max(1, blocks), w, blocks, fwd_block, bwd_block, engine)
     p2p_micro, tied_s = _pp_comm(hw, shape, lay, act_bytes, w)
     bubble = _bubble(lay.pp_schedule, lay.pp, m, lay.chunks)
-    micro = _timed(hw, compute + accumulate, tp_micro + fsdp_micro + p2p_micro, tp_ops)
+    micro, later = (_timed(hw, compute + accumulate, tp_micro + f + p2p_micro, tp_ops) for f in fsdp)
     per_micro = (compute + accumulate).device_s
-    steady = m * micro
-    if engine.keep_gathered and lay.zero == 2 and lay.pp == 1 and lay.offload != "nvme" and m > 1:
-        kept = _fsdp_comm(hw, shape, lay, params_per_rank / max(1, blocks), w, blocks, fwd_block, bwd_block, engine,
-                          gathered=True)
-        steady = micro + (m - 1) * _timed(hw, compute + accumulate, tp_micro + kept + p2p_micro, tp_ops)
-        fsdp_micro = (fsdp_micro + (m - 1) * kept) / m  # the mean over the step's micro-batches
+    steady = micro + (m - 1) * later  # zero 2 may gather in the first micro-batch only (_fsdp_comm)
     pipelined = steady / (1 - bubble)
     exposed_dp, dp_comm = _dp_comm(hw, lay, params_per_rank, w, fwd_all, bwd_all, engine)
     optimizer = _optimizer_time(lay, hw, shard_per_rank, params_per_rank, w, _tensors(shape, tp, lay.pp, lay.chunks))
@@ -592,11 +587,11 @@ def step_time(shape, lay, dev, global_batch: int, gpus_per_node: int, params_per
     total = pipelined + tied_s + exposed_dp + optimizer + runtime_s
     tokens_per_s = global_batch * s / total
     mfu = None if hw.cpu else tokens_per_s * model_fpt / (lay.world_size * dev.compute_flops[lay.dtype])
-    exposed = m * (tp_micro + fsdp_micro + p2p_micro) + tied_s + exposed_dp
+    exposed = m * (tp_micro + p2p_micro) + fsdp[0] + (m - 1) * fsdp[1] + tied_s + exposed_dp
     detail = {"flops_per_token": model_fpt, "efficiency": gemm_efficiency(dev, shape.hidden / tp, tokens),
               "gemm_s": m * (fwd_all + bwd_all).device_s, "memory_bound_s": m * mem * blocks,
               "host_s": m * (compute.ops + tp_ops) * hw.launch_s,
-              "tp_comm_s": m * tp_micro, "fsdp_exposed_s": m * fsdp_micro, "dp_exposed_s": exposed_dp,
+              "tp_comm_s": m * tp_micro, "fsdp_exposed_s": fsdp[0] + (m - 1) * fsdp[1], "dp_exposed_s": exposed_dp,
               "dp_comm_s": dp_comm, "p2p_s": m * p2p_micro + tied_s, "bubble_s": pipelined - steady, "runtime_overhead_s": runtime_s,
               "source": hw.source}
     return StepTime(total, tokens_per_s, mfu, m * per_micro, bubble, exposed, optimizer, detail)
@@ -666,15 +661,25 @@ def _tp_comm(hw: Hardware, shape, lay, act_bytes: float, blocks: int, re_dense: 
 
 
 def _fsdp_comm(hw: Hardware, shape, lay, block_params: float, w: int, blocks: int, fwd_block: _Work,
-               bwd_block: _Work, engine: Engine, gathered: bool = False) -> float:
-    """Exposed seconds of ZeRO-2/3 (FSDP) collectives per micro-batch: each block's parameters are
-    all-gathered in forward (and, zero 3, again in backward; not at all when still `gathered` from
-    the previous micro-batch, zero 2) and its gradients reduce-scattered;
+               bwd_block: _Work, engine: Engine) -> tuple[float, float]:
+    """Exposed seconds of ZeRO-2/3 (FSDP) collectives in a step's first micro-batch and in each later
+    one: each block's parameters are all-gathered in forward (and, zero 3, again in backward; in the
+    first micro-batch only where the engine keeps zero 2's gathered weights: `Engine.keep_gathered`)
+    and its gradients reduce-scattered;
     prefetch hides a block's collectives behind at most one block's compute. With FSDP1's
     BACKWARD_POST prefetch (`Engine.backward_prefetch == "post"`) the backward all-gather is not
     hidden: only the reduce-scatter overlaps the next block's gradient computation."""
     if lay.grad_sync != "fsdp":
-        return 0.0
+        return 0.0, 0.0
+    one = partial(_fsdp_micro_comm, hw, shape, lay, block_params, w, blocks, fwd_block, bwd_block, engine)
+    first = one(gathered=False)
+    kept = engine.keep_gathered and lay.zero == 2 and lay.pp == 1 and lay.offload != "nvme"
+    return first, one(gathered=True) if kept else first
+
+
+def _fsdp_micro_comm(hw: Hardware, shape, lay, block_params: float, w: int, blocks: int, fwd_block: _Work,
+                     bwd_block: _Work, engine: Engine, gathered: bool) -> float:
+    """`_fsdp_comm` of one micro-batch, whose weights are already `gathered` or not."""
     k = _block_tensor_count(shape) if engine.per_tensor else 1
     gather = 0.0 if gathered else k * hw.collective_s("all_gather", lay.dp, block_params * w / k, lay.tp)
     scatter = k * hw.collective_s("reduce_scatter", lay.dp, block_params * engine.grad_reduce_bytes / k, lay.tp)
