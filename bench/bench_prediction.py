@@ -266,14 +266,15 @@ def main(argv=None) -> int:
     measured_before = {r["layout"]: r["measured"] for r in previous["rows"]} if previous else {}
     rows, source = [], "catalog defaults"
     for name, spec in LAYOUTS.items():
+        run_now = name in names and not args.reuse_measured
+        if not run_now and name not in measured_before:
+            continue
         predicted, note = predict(spec, profile)
-        if name in names and not args.reuse_measured:
+        if run_now:
             n = max(steps, math.ceil(MIN_MEASURED_S / predicted)) if predicted else steps
             measured = measure(spec, n, max(args.warmup, n // 3))
-        elif name in measured_before:
-            measured = measured_before[name]
         else:
-            continue
+            measured = measured_before[name]
         if predicted is not None:
             source = note
         ratio = predicted / measured["median_s"] if predicted else None

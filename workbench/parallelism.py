@@ -132,6 +132,14 @@ class Parallelism:
         return self.zero == 3
 
     @property
+    def keeps_gathered(self) -> bool:
+        """zero 2 with pp = 1 keeps the gathered weights from one micro-batch's backward to the next
+        one's forward (they cannot change before the step): only a step's first micro-batch gathers
+        them (parallel/apply.py `_keep_gathered`). Not under torch's pipeline schedules, which drive
+        FSDP2 themselves, nor with offload=nvme, whose hooks move the shards."""
+        return self.fsdp and not self.reshard_after_forward and self.pp == 1 and self.offload != "nvme"
+
+    @property
     def shards_optimizer_state(self) -> bool:
         """Optimizer state split over dp (zero >= 1)."""
         return self.zero >= 1

@@ -119,8 +119,8 @@ class Engine:
     # Bytes per gradient element that ZeRO-2/3 (FSDP) reduce-scatters: 4 (fp32: our runtime, and
     # FSDP1 MixedPrecision with reduce_dtype fp32) or 2 (reduce_dtype bf16/fp16, e.g. Composer's PURE).
     grad_reduce_bytes: int = 4
-    # ZeRO-2 keeps the gathered parameters from one micro-batch to the next (ours with pp = 1:
-    # parallel/apply.py `_keep_gathered`), so only a step's first micro-batch all-gathers them.
+    # ZeRO-2 keeps the gathered parameters from one micro-batch to the next where the layout allows
+    # (ours: Parallelism.keeps_gathered), so only a step's first micro-batch all-gathers them.
     keep_gathered: bool = False
 
 
@@ -673,8 +673,7 @@ def _fsdp_comm(hw: Hardware, shape, lay, block_params: float, w: int, blocks: in
         return 0.0, 0.0
     one = partial(_fsdp_micro_comm, hw, shape, lay, block_params, w, blocks, fwd_block, bwd_block, engine)
     first = one(gathered=False)
-    kept = engine.keep_gathered and lay.zero == 2 and lay.pp == 1 and lay.offload != "nvme"
-    return first, one(gathered=True) if kept else first
+    return first, one(gathered=True) if engine.keep_gathered and lay.keeps_gathered else first
 
 
 def _fsdp_micro_comm(hw: Hardware, shape, lay, block_params: float, w: int, blocks: int, fwd_block: _Work,

@@ -85,7 +85,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, par: Parallelism, *, 
     for m in out.modules:
         apply_activation_checkpointing(m, par.activation_checkpointing, every=par.checkpoint_every)
     init_device = _apply_fsdp(out, dp_mesh, par, device)
-    if par.fsdp and not par.reshard_after_forward and par.pp == 1 and par.offload != "nvme":
+    if par.keeps_gathered:
         out.no_sync = functools.partial(_keep_gathered, out.modules)
     for m in out.modules:
         materialize(m, init_device, seed=seed)
