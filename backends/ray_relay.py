@@ -122,20 +122,22 @@ def _rank_main(fd: int, standby: bool = False) -> None:
     them. The job is a dict: the spec and `env` (torchrun's variables), applied before anything
     reads them. Before it, rank 0's process may be asked to serve the store (`_serve_store`).
 
-    Stop within `STOP_WITHIN_STEPS` (k) steps, without waiting on every step: the driver
+    Stop within `STOP_WITHIN_STEPS` (k >= 2) steps, without waiting on every step: the driver
     acknowledges each step event once it has reached whoever follows the job, with the stop request
-    as it stood then. In the loop's `should_stop` (before the ranks agree on stopping) the rank
-    takes the acknowledgements already in the pipe without waiting, and waits only while its newest
-    acknowledged step is more than k - 1 steps behind its newest reported one. So deciding after
-    step S, rank 0 holds the acknowledgement of step S - k + 1 or later; a cancel made while step
-    N was the newest step seen is in every acknowledgement of a step after N, so every rank stops
-    after step N + k at the latest. The acknowledgement's round trip (driver, Ray, two pipes:
-    4.6-8.6 ms under load) overlaps the next k - 1 steps instead of adding to each. Only rank 0
-    reports steps, so only rank 0 can wait; the others wait for it anyway, in the stop decision's
-    all-reduce (Checkpointer.poll), so the decision is the same on every rank. The driver's own
-    "stop" message, sent as soon as it sees the cancel, can end the run sooner.
-    config["stop_within_steps"] replaces k (1: wait for every step's acknowledgement, as before
-    #35; the overhead benchmark's arm)."""
+    as it stood then. The loop asks `should_stop` once step S's update is done, before the ranks
+    agree on stopping and before rank 0 reports step S (the loss and the stop decision travel in one
+    all-reduce, `loop._agree`). There the rank takes the acknowledgements already in the pipe without
+    waiting, and waits only while its newest acknowledged step is more than k - 2 steps behind its
+    newest reported one, S - 1. So deciding after step S, rank 0 holds the acknowledgement of step
+    S - k + 1 or later; a cancel made while step N was the newest step seen is in every
+    acknowledgement of a step after N, so every rank stops after step N + k at the latest. The
+    acknowledgement's round trip (driver, Ray, two pipes: 4.6-8.6 ms under load) overlaps the next
+    step's compute instead of adding to each. Only rank 0 reports steps, so only rank 0 can wait;
+    the others wait for it anyway, in the step's all-reduce, so the decision is the same on every
+    rank. The driver's own "stop" message, sent as soon as it sees the cancel, can end the run
+    sooner. config["stop_within_steps"] replaces k; k = 1 (wait for the acknowledgement of every
+    step before the next, as before #35) cannot be kept since the decision precedes the report.
+    """
     import time
     import traceback
     from multiprocessing.connection import Connection
@@ -148,7 +150,7 @@ def _rank_main(fd: int, standby: bool = False) -> None:
         conn.send(("ready", phases))
     config = _take_config(conn)
     configured = time.perf_counter()
-    channel = _Channel(conn, int(config.get("stop_within_steps", STOP_WITHIN_STEPS)) - 1)
+    channel = _Channel(conn, int(config.get("stop_within_steps", STOP_WITHIN_STEPS)))
 
     def started(loop_phases: dict) -> None:  # after step 1: this rank's start-up, as durations
         channel.sink({"event": "startup", "rank": int(os.environ.get("RANK", 0)),
@@ -172,10 +174,14 @@ def _rank_main(fd: int, standby: bool = False) -> None:
 
 class _Channel:
     """The rank's side of the pipe: events out; acknowledgements and the stop in (`_rank_main`).
-    `lag`: the steps that may go unacknowledged (k - 1)."""
+    `within`: k, the steps after the newest one the driver had seen when it was cancelled that
+    the rank may still run."""
 
-    def __init__(self, conn, lag: int):
-        self._conn, self._lag = conn, lag
+    def __init__(self, conn, within: int):
+        if within < 2:
+            raise ValueError(f"stop_within_steps must be at least 2, not {within}: the rank decides whether to "
+                             "stop before it reports the step, so the step it reports last is one it already ran")
+        self._conn, self._lag = conn, within - 2  # reported steps that may be unacknowledged at a decision
         self._stop, self._sent, self._acked = False, 0, 0  # sent / acked: the newest step reported / acknowledged
 
     def sink(self, event: dict) -> None:

@@ -90,14 +90,15 @@ def sec_throughput(r, doc, img) -> str:
 RAY_DESIGN = """**How the Ray arm runs a rank.** One Ray actor per rank (`RankRelay`, in a placement group)
 starts its rank in a child process, as torchrun's agent starts its workers: torchrun's variables, a
 TCPStore served by rank 0's relay. The rank's process has no Ray in it; its events go over a pipe to
-its relay, and a driver thread long-polls the relays for them; rank 0 waits after each step for the
-driver's acknowledgement of its step event, which carries the stop request, so Stop ends the run
-within one step of the step seen. (The numbers of this section were measured before that wait
-existed, when the driver polled every 0.2 s; the wait costs one round trip rank 0 -> relay -> driver
--> relay -> rank 0 per step: step-to-step minus step time was 4.6-8.6 ms against 1.7-2.3 ms before
-(gpt-tiny, dp=2, ~20 ms steps, medians of 140 steps, 4 runs each at load 6-29 on 2 cores,
-2026-12-01): up to a quarter of gpt-tiny's throughput; a direct driver-rank 0 socket instead of
-two Ray calls would cut it.)
+its relay, and a driver thread long-polls the relays for them. The driver acknowledges each step
+event with the stop request as it stood; rank 0 decides after step S once it holds the
+acknowledgement of step S - 1, so Stop ends the run within two steps of the step seen, and the
+round trip overlaps step S's compute (section m: 0.13-0.19 ms a step). (The numbers of this
+section were measured before the acknowledgement existed, when the driver polled every 0.2 s.
+Waiting for every step's acknowledgement, as first built, cost one round trip rank 0 -> relay ->
+driver -> relay -> rank 0 per step: step-to-step minus step time was 4.6-8.6 ms against 1.7-2.3 ms
+before (gpt-tiny, dp=2, ~20 ms steps, medians of 140 steps, 4 runs each at load 6-29 on 2 cores,
+2026-12-01), up to a quarter of gpt-tiny's throughput.)
 Every Ray worker process of the embedded cluster runs under Linux's `SCHED_BATCH` policy (a
 `worker_process_setup_hook`), a relay under `SCHED_IDLE` once its rank has started; the ranks run
 under the normal policy. Ray's core worker wakes each actor process ~100 times a second (its signal
@@ -472,9 +473,13 @@ with dp=2, to see what besides the two training ranks wants the two cores. What 
   flag). Then the rank sent its events over a pipe to its relay actor and the driver polled the
   relays every 0.2 s for them, handing them the stop request: no Ray call on the training step, but
   the driver saw events ~0.25 s late and Stop ended the run 7-20 steps after the step seen. Now
-  the driver long-polls the relays (events arrive 3-5 ms after the rank sent them) and rank 0 waits
-  for the acknowledgement of each step event, which carries the stop (`backends/ray_relay.py`,
-  `_rank_main`): one round trip per step, and Stop ends the run within one step of the step seen.
+  the driver long-polls the relays (events arrive 3-5 ms after the rank sent them) and acknowledges
+  each step event with the stop (`backends/ray_relay.py`, `_rank_main`); rank 0 decides after step
+  S once it holds the acknowledgement of step S - 1, so the round trip overlaps a step's compute
+  and Stop ends the run within two steps of the step seen (section m).
+- The loss, the stop decision and a time-based save's agreement travel in one all-reduce a step
+  (`loop._agree`), where the loss's all-reduce over dp (with pp, also its broadcast from the last
+  stage) and the stop poll were two or three collectives, each a round trip on the critical path.
 - Gradients are zeroed in one `torch._foreach_zero_` call instead of one `zero_()` per parameter
   (they are zeroed in place, not set to None: DDP's gradients are views into its buckets).
 - Each rank runs in a child process of its Ray actor, which only relays; the embedded cluster's Ray

@@ -23,6 +23,6 @@ def test_the_section_and_summary_render_the_committed_result():
         assert all(arm in md for arm in ARMS)
     assert f"N + {r['ack']['stop_within_steps']} at the latest" in md
     rows = summary_rows(r)
-    assert len(rows) == 4 * len(r["ack"]["models"]) + 2
+    assert len(rows) == 2 * len(r["ack"]["models"]) + 2
     assert all(isinstance(row[2], float) for row in rows)
     assert section({}).endswith("not run\n")

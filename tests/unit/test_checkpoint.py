@@ -83,16 +83,20 @@ def test_time_based_saves_and_keep(tmp_path):
     now = [0.0]
     ck, model, saved = _linear_checkpointer(tmp_path, lambda: now[0], every_minutes=1.0, keep=2)
     plan = []
+
+    def poll(step: int, stop: bool) -> tuple[bool, bool]:  # one rank: its flags are the agreed ones
+        return ck.decide(step, ck.flags(step, stop, last_step=10), last_step=10)
+
     for step, minutes in enumerate([0.5, 1.2, 1.5, 2.3, 3.4], start=1):
         now[0] = minutes * 60
-        save, stop = ck.poll(step, False, last_step=10)
+        save, stop = poll(step, False)
         plan.append(save)
         if save:
             ck.save(step)
     assert plan == [False, True, False, True, True] and saved == [2, 4, 5]
     assert Store(str(tmp_path)).committed_steps() == [5, 4]
-    assert ck.poll(10, False, last_step=10) == (True, False)  # the last step is always saved
-    assert ck.poll(7, True, last_step=10) == (True, True)  # a stop request saves, then stops
+    assert poll(10, False) == (True, False)  # the last step is always saved
+    assert poll(7, True) == (True, True)  # a stop request saves, then stops
 
 
 def test_manifestless_directories_are_never_loaded(tmp_path):

@@ -1,7 +1,8 @@
 """The stop acknowledgement between the driver and rank 0 (backends/ray_relay.py `_rank_main`,
-#35): rank 0 does not wait for the driver on every step, only when more than
-STOP_WITHIN_STEPS - 1 steps are unacknowledged, and a cancel made while step N was the newest step
-delivered stops it after step N + STOP_WITHIN_STEPS at the latest. The real rank process over a
+#35): rank 0 does not wait for the driver on every step, only when a decision would leave more
+than STOP_WITHIN_STEPS - 1 steps unacknowledged (the decision after step S precedes its report),
+and a cancel made while step N was the newest step delivered stops it after step
+N + STOP_WITHIN_STEPS at the latest. The real rank process over a
 real pipe; the test plays the driver (backends/local_ray.py `_take`: an acknowledgement carries
 the stop request as it stood when that step was delivered), and acknowledges as the relay does
 (`_send_quietly`): a rank that stopped may have exited before the acknowledgement of its last
@@ -13,7 +14,7 @@ from multiprocessing import Pipe
 
 import pytest
 
-from backends.ray_relay import _CHILD, STOP_WITHIN_STEPS, _send_quietly
+from backends.ray_relay import _CHILD, STOP_WITHIN_STEPS, _Channel, _send_quietly
 
 pytestmark = pytest.mark.timeout(120)
 ENTRY = {"steps": 40}
@@ -52,22 +53,31 @@ def finish(conn, proc) -> list:
     return rest
 
 
-@pytest.mark.parametrize("k", [STOP_WITHIN_STEPS, 1])
+@pytest.mark.parametrize("k", [STOP_WITHIN_STEPS, 3])
 def test_rank_0_runs_k_steps_ahead_of_the_acknowledgements_and_then_waits(k):
     conn, proc = start_rank(stop_within=None if k == STOP_WITHIN_STEPS else k)
     try:
-        steps = [next_event(conn)["step"] for _ in range(k)]
-        assert steps == list(range(1, k + 1))  # no acknowledgement yet: k steps reported anyway
-        assert not conn.poll(1.0), "the rank went past step k without the acknowledgement of step 1"
+        steps = [next_event(conn)["step"] for _ in range(k - 1)]
+        assert steps == list(range(1, k))  # no acknowledgement yet: k - 1 steps reported anyway
+        # step k ran; its decision (which precedes its report) needs the acknowledgement of step 1
+        assert not conn.poll(1.0), "the rank reported step k without the acknowledgement of step 1"
         conn.send(("ack", 1, False))
-        assert next_event(conn)["step"] == k + 1
+        assert next_event(conn)["step"] == k
         assert not conn.poll(1.0)
         conn.send(("ack", 2, True))  # a cancel made while step 1 was the newest step delivered
         rest = finish(conn, proc)
     finally:
         proc.kill()
     # decided after step k + 1 (the first decision that holds the acknowledgement of step 2)
-    assert rest == [{"event": "end", "status": "preempted", "step": k + 1}, ("done", None)]
+    assert rest == [{"event": "step", "step": k + 1}, {"event": "end", "status": "preempted", "step": k + 1},
+                    ("done", None)]
+
+
+def test_fewer_than_two_steps_cannot_be_promised():
+    """The rank decides before it reports the step, so the newest step the driver can have seen
+    when a decision is made is the one before: k = 1 is refused, not silently weakened."""
+    with pytest.raises(ValueError, match="at least 2, not 1"):
+        _Channel(None, 1)
 
 
 def test_a_cancel_at_step_n_stops_by_step_n_plus_k_when_every_acknowledgement_is_as_late_as_possible():

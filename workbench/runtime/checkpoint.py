@@ -155,13 +155,16 @@ class Checkpointer:
         return self.store is not None
 
     # -- schedule -----------------------------------------------------------------------
-    def poll(self, step: int, stop_requested: bool, *, last_step: int) -> tuple[bool, bool]:
-        """(save now, stop now) after `step`, the same on every rank (one small all-reduce).
-
-        A stop on any rank stops all; a time-based save due on any rank's clock saves on all.
-        """
+    def flags(self, step: int, stop_requested: bool, *, last_step: int) -> list[bool]:
+        """This rank's [stop, time-based save due] after `step`. The loop agrees on them over the
+        ranks (each True if it is on any rank: a stop on any rank stops all, a save due on any
+        rank's clock saves on all) and passes the agreed flags to `decide`."""
         time_due = self.enabled and self.every_s > 0 and self.clock() - self._last_save_time >= self.every_s
-        stop, time_due = _any_rank([stop_requested and step < last_step, time_due], self.device)
+        return [stop_requested and step < last_step, time_due]
+
+    def decide(self, step: int, agreed: list[bool], *, last_step: int) -> tuple[bool, bool]:
+        """(save now, stop now) after `step`, from the flags agreed over the ranks (`flags`)."""
+        stop, time_due = agreed
         if not self.enabled:
             return False, stop
         step_due = self.every_steps > 0 and step % self.every_steps == 0
@@ -504,12 +507,3 @@ def build_checkpointer(spec, modules: list[nn.Module], optimizer: torch.optim.Op
     return Checkpointer(spec.to_dict(), modules, optimizer, extra_state=extra_state, device=device, loaded=spec,
                         on_saved=lambda step, url: sink({"event": "checkpoint", "step": step, "uri": url}),
                         warn=lambda message: sink({"event": "warning", "message": message}))
-
-
-def _any_rank(flags: list[bool], device: torch.device) -> list[bool]:
-    """Each flag True on every rank if it is True on any."""
-    if not dist.is_initialized():
-        return [bool(f) for f in flags]
-    t = torch.tensor([int(f) for f in flags], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in t.tolist()]

@@ -152,8 +152,9 @@ def train(spec: JobSpec | dict, sink: Sink, *, should_stop: Callable[[], bool] =
         spec: the job: a dict (what travels to a rank) is loaded here, a JobSpec (loaded by the
             caller) validated again; the rank runs on this one spec and its one Parallelism.
         sink: receives each metrics event (all ranks emit memory events; rank 0 the others).
-        should_stop: polled after each step on every rank; if any rank says True, all ranks
-            stop after the same step and the run ends with status "preempted".
+        should_stop: polled after each step's update on every rank, before the step is reported;
+            if any rank says True, all ranks stop after the same step and the run ends with status
+            "preempted".
         resume: continue from the newest complete checkpoint under checkpoint.uri; ConfigError when
             every checkpoint there is corrupt, unless RESUME_OR_FRESH (then start at step 1).
         gather_state: also return the full fp32 trained weights by canonical name under "state"
@@ -305,13 +306,14 @@ def _loop(run: _Run, spec: JobSpec, ckpt, sink: Sink, should_stop: Callable[[], 
         sink(restart)
     step, loss_value, status = first - 1, float("nan"), "completed"
     for step in range(first, t.steps + 1):
-        loss_value = _step(run, step, first, sink)
+        loss_value, agreed = _step(run, step, first, sink,
+                                   flags=lambda s=step: ckpt.flags(s, should_stop(), last_step=t.steps))
         started.step_done()
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
             val = evaluate(run)
             if rank == 0:
                 sink({"event": "eval", "step": step, "loss": val, "perplexity": math.exp(min(val, 700.0))})
-        save, stop = ckpt.poll(step, should_stop(), last_step=t.steps)
+        save, stop = ckpt.decide(step, agreed, last_step=t.steps)
         if save:
             ckpt.save(step, block=stop or step == t.steps)
         if stop:
@@ -320,9 +322,15 @@ def _loop(run: _Run, spec: JobSpec, ckpt, sink: Sink, should_stop: Callable[[], 
     return step, loss_value, status
 
 
-def _step(run: _Run, step: int, first: int, sink: Sink) -> float:
+def _step(run: _Run, step: int, first: int, sink: Sink,
+          flags: Callable[[], list[bool]] = list) -> tuple[float, list[bool]]:
     """One optimizer step: forward/backward of the rank's micro-batches (or the pipeline's), the
-    gradient sync no wrapper does, the update; memory and step events. Returns the dp-mean loss."""
+    gradient sync no wrapper does, the update; memory and step events.
+
+    `flags`: called once the update is done, this rank's stop and save flags (`Checkpointer.flags`;
+    it may wait for the driver's acknowledgement, which the step's time leaves out). They travel
+    with the loss in the step's one all-reduce (`_agree`). Returns (the global mean loss, each flag
+    True if it is on any rank), the same on every rank."""
     parallelized, step_fn, meter, rank = run.parallelized, run.step_fn, run.meter, run.ctx.rank
     t, lay = run.spec.train, run.parallelism
     dp = lay.dp
@@ -347,11 +355,11 @@ def _step(run: _Run, step: int, first: int, sink: Sink) -> float:
             sink({"event": "timeline", "step": step, "rank": rank, "items": timeline})
     parallelized.finish_grads()
     step_extra = step_fn.step()
-    loss = loss / count  # this rank's part of the global mean
-    if run.dp_group is not None:
-        dist.all_reduce(loss, group=run.dp_group)
-    loss_value = loss.item()
-    elapsed = time.perf_counter() - start
+    waited = time.perf_counter()
+    mine = flags()
+    waited = time.perf_counter() - waited
+    loss_value, agreed = _agree(run, loss / count, mine)  # loss / count: this rank's part of the global mean
+    elapsed = time.perf_counter() - start - waited
     if step == 1 or step == t.steps or step % MEMORY_EVERY == 0:
         held = step_fn.measured_states()
         # Every rank's own step time (wall, and this process's CPU): where a rank is slower.
@@ -365,7 +373,25 @@ def _step(run: _Run, step: int, first: int, sink: Sink) -> float:
         sink({"event": "step", "step": step, "loss": loss_value,
               "tokens_per_s": t.global_batch * run.source.seq_len / elapsed, "step_time_s": elapsed,
               "time": time.time(), "lr": step_fn.lr, **step_extra})
-    return loss_value
+    return loss_value, agreed
+
+
+def _agree(run: _Run, part: torch.Tensor, flags: list[bool]) -> tuple[float, list[bool]]:
+    """The step's one collective: a sum over the run's ranks (the world: build_mesh checks that the
+    layout fills it) of the ranks' parts of the global mean loss, and of each flag (True if any
+    rank's is). One rank per dp coordinate adds its part: the one that holds the last pipeline
+    stage, at tp coordinate 0 (the tp ranks' losses are the same). The loss and the stop poll used
+    to be two collectives (three with pp: the loss's broadcast from the last stage), each a round
+    trip on the critical path. A one-rank run (also calibrate's one-rank probes inside a larger
+    world, which have no mesh) has nothing to agree on."""
+    if run.mesh is None or run.parallelism.world_size == 1:
+        return float(part), [bool(f) for f in flags]
+    values = torch.tensor([0.0, *map(float, flags)], device=part.device)
+    if run.where["tp"] == 0 and (run.pipeline is None or run.pipeline.has_last):
+        values[0] = part
+    dist.all_reduce(values)
+    loss, *rest = values.tolist()
+    return loss, [v > 0 for v in rest]
 
 
 def _gather_state(run: _Run) -> dict:

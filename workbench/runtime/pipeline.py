@@ -80,8 +80,8 @@ class PipelineEngine:
                 global batch's count of target tokens).
             record: also return the F/B/W timeline of this step.
         Returns:
-            (loss summed over this rank's target tokens, the same on every pipeline rank,
-            timeline items or None).
+            (loss summed over this rank's target tokens on the ranks that hold the last stage, zero
+            on the others (the loop's one all-reduce sums it, `loop._agree`), timeline items or None).
         """
         self._meter, self._items, self._t0 = meter, ([] if record else None), time.perf_counter()
         self._losses, self._scale = [], scale
@@ -90,7 +90,7 @@ class PipelineEngine:
             # Every rank passes inputs and targets: the schedule feeds them to whichever of this
             # rank's stages is first / last (a rank may hold both in looped placement).
             self.schedule.step(tokens[:, :-1], target=y, return_outputs=False)
-        loss = self._summed()
+        loss = self._summed(broadcast=False)
         meter.in_flight = 0
         self._saved.clear()
         items, self._items = self._items, None
@@ -104,16 +104,18 @@ class PipelineEngine:
         self._measure(False)
         with self.loss_context(), autocast(self.device.type, self.dtype):
             self.schedule.eval(tokens[:, :-1], target=y)
-        return self._summed()
+        return self._summed(broadcast=True)
 
-    def _summed(self) -> torch.Tensor:
+    def _summed(self, broadcast: bool) -> torch.Tensor:
         # The last stage's loss of each micro-batch, in order: the schedule's shape inference (the
         # first step) calls the loss once before them, on made-up inputs; that call is left out.
+        # `broadcast`: from the last stage's rank to the pipeline's others.
         if self.has_last:
             loss = torch.stack([_local_value(t) for t in self._losses[-self.num_microbatches:]]).sum()
         else:
             loss = torch.zeros((), device=self.device)
-        dist.broadcast(loss, group=self.pp_group, group_src=self.last_pp_rank)
+        if broadcast:
+            dist.broadcast(loss, group=self.pp_group, group_src=self.last_pp_rank)
         return loss
 
     # -- measurement -----------------------------------------------------------------------
