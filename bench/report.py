@@ -490,8 +490,8 @@ with dp=2, to see what besides the two training ranks wants the two cores. What 
   controller, synchronization, placement-group, dataset and autoscaling actors are gone; the driver
   starts the relays in a placement group and restarts the group from the last checkpoint itself.
 
-What remains per step: one 2-value all-reduce so that every rank agrees on stopping or saving after
-the same step, the loss all-reduce over dp (the logged loss is the global-batch mean), and a memory
+What remains per step: one 3-value all-reduce that gives every rank the loss (the global-batch
+mean) and makes them agree on stopping or saving after the same step, and a memory
 measurement every `MEMORY_EVERY` steps. What remains at start-up: the embedded cluster, one relay
 process per rank; each relay starts its rank's process as it starts, which imports torch before its
 job arrives, and a driver's second job of the same shape reuses them (section s)."""
