@@ -180,7 +180,8 @@ class _Channel:
     def __init__(self, conn, within: int):
         if within < 2:
             raise ValueError(f"stop_within_steps must be at least 2, not {within}: the rank decides whether to "
-                             "stop before it reports the step, so the step it reports last is one it already ran")
+                             "stop after step S before it reports S, so the newest acknowledgement it can hold "
+                             "then is of step S - 1")
         self._conn, self._lag = conn, within - 2  # reported steps that may be unacknowledged at a decision
         self._stop, self._sent, self._acked = False, 0, 0  # sent / acked: the newest step reported / acknowledged
 
