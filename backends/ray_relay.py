@@ -150,7 +150,6 @@ def _rank_main(fd: int, standby: bool = False) -> None:
         conn.send(("ready", phases))
     config = _take_config(conn)
     configured = time.perf_counter()
-    channel = _Channel(conn, int(config.get("stop_within_steps", STOP_WITHIN_STEPS)))
 
     def started(loop_phases: dict) -> None:  # after step 1: this rank's start-up, as durations
         channel.sink({"event": "startup", "rank": int(os.environ.get("RANK", 0)),
@@ -159,6 +158,7 @@ def _rank_main(fd: int, standby: bool = False) -> None:
 
     train = config.get("entry")  # `workbench calibrate`: its microbenchmarks on the ranks a run gets
     try:
+        channel = _Channel(conn, int(config.get("stop_within_steps", STOP_WITHIN_STEPS)))  # refuses k < 2
         if train is None:
             from workbench.runtime.loop import train as loop_train
 

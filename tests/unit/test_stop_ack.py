@@ -14,7 +14,7 @@ from multiprocessing import Pipe
 
 import pytest
 
-from backends.ray_relay import _CHILD, STOP_WITHIN_STEPS, _Channel, _send_quietly
+from backends.ray_relay import _CHILD, STOP_WITHIN_STEPS, _send_quietly
 
 pytestmark = pytest.mark.timeout(120)
 ENTRY = {"steps": 40}
@@ -75,9 +75,15 @@ def test_rank_0_runs_k_steps_ahead_of_the_acknowledgements_and_then_waits(k):
 
 def test_fewer_than_two_steps_cannot_be_promised():
     """The rank decides before it reports the step, so the newest step the driver can have seen
-    when a decision is made is the one before: k = 1 is refused, not silently weakened."""
-    with pytest.raises(ValueError, match="at least 2, not 1"):
-        _Channel(None, 1)
+    when a decision is made is the one before: k = 1 is refused, not silently weakened, and the
+    refusal reaches the driver's side of the pipe as the rank's failure."""
+    conn, proc = start_rank(stop_within=1)
+    try:
+        kind, message = next_event(conn)
+        assert kind == "failed" and message.startswith("ValueError: stop_within_steps must be at least 2, not 1")
+        assert proc.wait(timeout=30) == 1
+    finally:
+        proc.kill()
 
 
 def test_a_cancel_at_step_n_stops_by_step_n_plus_k_when_every_acknowledgement_is_as_late_as_possible():
