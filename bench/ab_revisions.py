@@ -119,7 +119,7 @@ def summary(step_ms: dict[str, list[float]]) -> str:
     lines = [table(rows, ["arm", "median step ms", "spread"]), ""]
     for name, v in ratios.items():
         s = stats(v)
-        lo, hi = median_ci(v) if len(v) > 1 else (v[0], v[0])
+        lo, hi = median_ci(v)  # one round: (v, v)
         lines.append(f"{name}: {s['median']:.3f} ({s['min']:.3f}..{s['max']:.3f}; 95% {lo:.3f}..{hi:.3f})")
     return "\n".join(lines)
 

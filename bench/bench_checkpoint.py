@@ -59,7 +59,7 @@ def main() -> None:
     timed_step(0)  # warm-up (and the optimizer state exists from here on)
     step_s = statistics.median(timed_step(k) for k in range(1, args.steps + 1))
 
-    sync = Checkpointer(spec.to_dict(), [model], optimizer, device=device)
+    sync = Checkpointer(spec.to_dict(), [model], optimizer)
     sync.save(1)  # warm-up: first-call costs (imports, plans) are not per save
     start = time.perf_counter()
     sync.save(2)
@@ -70,7 +70,7 @@ def main() -> None:
 
     async_spec = spec.to_dict()
     async_spec["checkpoint"]["async_save"] = True
-    bg = Checkpointer(async_spec, [model], optimizer, device=device)
+    bg = Checkpointer(async_spec, [model], optimizer)
     bg.save(3)  # warm-up: allocates the staging buffers that later saves reuse
     bg.wait()
     start = time.perf_counter()

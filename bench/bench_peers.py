@@ -181,7 +181,7 @@ def _pair_result(runs: dict[str, list[dict]], tokens: int, skip: int, failures: 
     rel = max((abs(x - y) / abs(y) for x, y in zip(a, b)), default=float("nan"))
     return {"tokens_per_s": {arm: stats(v) for arm, v in tps.items()}, "ratios": ratios, "ratio": stats(ratios),
             "cpu_s_per_step": {arm: stats(v) for arm, v in cpu.items()}, "cpu_ratio": stats(cpu_ratios),
-            "ratio_ci95": median_ci(ratios) if len(ratios) > 1 else (ratios[0], ratios[0]),
+            "ratio_ci95": median_ci(ratios),  # one round: (ratio, ratio)
             "loss_rel_diff": rel, "losses": {"workbench": a, "peer": b}, "rounds": n, "failed": failures}
 
 

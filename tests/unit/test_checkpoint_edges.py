@@ -42,7 +42,7 @@ def restored(spec: dict):
     parallelized = parallelize(build_model_meta(spec), None, parallelism, device=torch.device("cpu"), seed=0)
     step_fn = build_train_step(parallelized, spec, parallelism, torch.device("cpu"), None)
     events = []
-    ckpt = build_checkpointer(spec, parallelized.modules, step_fn.optimizer, torch.device("cpu"), events.append,
+    ckpt = build_checkpointer(spec, parallelized.modules, step_fn.optimizer, events.append,
                               extra_state=step_fn.stateful())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -85,7 +85,6 @@ class Checkpointer:
         optimizer: the torch optimizer over their parameters, or None when an extra holds the
             optimizer state (the fp32 master of mixed precision / zero=1).
         extra_state: other objects with state_dict()/load_state_dict(), e.g. {"scaler": scaler}.
-        device: the device of the loop's collectives (polls).
         on_saved: called on rank 0 with (step, url) as soon as its manifest is written (committed),
             before old checkpoints are dropped.
         warn: called on rank 0 with a message when a checkpoint is skipped on resume.
@@ -95,7 +94,7 @@ class Checkpointer:
     """
 
     def __init__(self, spec: dict, modules: list[nn.Module], optimizer: torch.optim.Optimizer | None, *,
-                 extra_state: dict | None = None, device: torch.device | None = None,
+                 extra_state: dict | None = None,
                  on_saved: Callable[[int, str], None] | None = None,
                  warn: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic,
                  loaded=None):
@@ -110,7 +109,6 @@ class Checkpointer:
         self.module = modules[0] if len(modules) == 1 else union_module(modules)
         self.names = saved_names(modules)  # a tied copy/head saved as the embedding: one weight
         self.extra_state = dict(extra_state or {})
-        self.device = device or torch.device("cpu")
         self.on_saved, self._warn_cb, self.clock = on_saved, warn, clock
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -501,9 +499,9 @@ def _recording(writer):
     return writer
 
 
-def build_checkpointer(spec, modules: list[nn.Module], optimizer: torch.optim.Optimizer | None, device: torch.device,
+def build_checkpointer(spec, modules: list[nn.Module], optimizer: torch.optim.Optimizer | None,
                        sink: Callable[[dict], None], extra_state: dict | None = None) -> Checkpointer:
     """The loop's Checkpointer: `checkpoint` and `warning` events go to `sink` (from rank 0)."""
-    return Checkpointer(spec.to_dict(), modules, optimizer, extra_state=extra_state, device=device, loaded=spec,
+    return Checkpointer(spec.to_dict(), modules, optimizer, extra_state=extra_state, loaded=spec,
                         on_saved=lambda step, url: sink({"event": "checkpoint", "step": step, "uri": url}),
                         warn=lambda message: sink({"event": "warning", "message": message}))

@@ -270,7 +270,7 @@ def _train(spec: JobSpec, sink: Sink, should_stop: Callable[[], bool], resume: b
            attempt: int, started: _Started) -> dict:
     run = _setup(spec, sink, started)
     rank = run.ctx.rank
-    ckpt = build_checkpointer(spec, run.parallelized.modules, run.step_fn.optimizer, run.ctx.device, sink,
+    ckpt = build_checkpointer(spec, run.parallelized.modules, run.step_fn.optimizer, sink,
                               extra_state=run.step_fn.stateful())
     try:
         step, loss_value, status = _loop(run, spec, ckpt, sink, should_stop, resume, attempt, started)
