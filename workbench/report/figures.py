@@ -53,9 +53,8 @@ def template() -> go.layout.Template:
 def _base_layout(fig: go.Figure, title: str, height: int) -> go.Figure:
     # The title on top of the box, the panels' titles under it, and the legend at the foot, across the
     # figure: plotly.js makes room for its rows under the x axes' titles, so the panels give up the
-    # height a long legend takes and the figure keeps its own (a changed height sent to a live chart
-    # pins its width: live.LiveFigure). In the band above the panels, a legend wrapped to more rows in
-    # a narrow column lay over the title and the panels' titles (#34).
+    # height a long legend takes and the figure keeps its own. In the band above the panels, a legend
+    # wrapped to more rows in a narrow column lay over the title and the panels' titles (#34).
     # Transparent backgrounds: the page's own (JupyterLab's light or dark theme; app.py's CSS sets the
     # text and grid colors of the dark one). The mode bar stands upright on the right, over no title.
     fig.update_layout(title=dict(text=title, x=0.01, y=0.99, yref="container", yanchor="top", font=dict(size=14)),
