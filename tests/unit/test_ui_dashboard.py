@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 pytest.importorskip("ipywidgets")
+traitlets = pytest.importorskip("traitlets")
 pytest.importorskip("plotly")
 
 from workbench.report import figures  # noqa: E402
@@ -165,7 +166,7 @@ def test_picked_runs_overlay_the_training_chart_with_a_legend_of_their_layouts(t
 def sent(box) -> list[dict]:
     """What the page is sent for each figure: the figures' JSON, as the page parses them."""
     out = []
-    box.observe(lambda ch: out.append(json.loads(ch["new"])), names="_figure")
+    box._figures.observe(lambda ch: out.append(json.loads(ch["new"])), names="figure")
     return out
 
 
@@ -203,12 +204,20 @@ def test_no_figure_hides_the_chart_and_the_next_one_shows_it_again():
     assert box.layout.display is None and len(figs) == 1 and box.figure is not None
 
 
-def test_the_page_is_sent_the_plotly_js_the_plotly_package_ships_and_a_small_module():
-    """anywidget gives a model's module 2 s to load; FigureWidget's is all of plotly.js (5 MB), and under
-    load its chart missed that and never heard from the kernel again (CI). plotly.js comes as a trait."""
+def test_nothing_the_chart_needs_comes_to_its_anywidget_model_after_it_is_made():
+    """anywidget gives a model 2 s to load its module and, past that, drops what the kernel sends it;
+    FigureWidget's module is all of plotly.js (5 MB), and under load its chart never heard from the
+    kernel again (CI). plotly.js is in the model's first state, and the figures travel on a plain
+    ipywidgets model (browser: test_a_live_chart_draws_every_figure_when_anywidget_gives_up_on_its_model)."""
     import plotly
 
     box = LiveFigure()
+    own = []
+    box.observe(lambda ch: own.append(ch["name"]), names=traitlets.All)
+    box.show(figures.run_figure(steps(3)))
+    box.show(figures.run_figure(steps(4)))
+    assert own == [] and box._figures._model_name == "WidgetModel" and box._figures._view_name is None
+    assert box.get_state()["_figures"] == f"anywidget:{box._figures.model_id}"  # what host.getModel reads
     assert len(box._esm) < 4000 and "Plotly.react" in box._esm
     assert box._plotly_version == plotly.__version__ and "* plotly.js v" in box._plotly_js[:100]
     assert "window.Plotly = Plotly;" in box._plotly_js[-200:]  # what live_figure.js reads once it loaded

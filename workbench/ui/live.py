@@ -74,6 +74,13 @@ def section(title: str, *children: w.Widget) -> w.VBox:
                   layout=w.Layout(margin="0 0 8px 0"))
 
 
+class _Figures(w.Widget):
+    """Where a LiveFigure's figures travel: a plain ipywidgets model (no view), which the page
+    updates in order whatever befalls the chart's own anywidget model (see LiveFigure)."""
+
+    figure = traitlets.Unicode().tag(sync=True)  # the figure's JSON, with its uirevisions
+
+
 class LiveFigure(anywidget.AnyWidget):
     """A live chart that keeps what a person did to it (a zoom, a pan, a trace hidden from the
     legend) while new figures come: each `show(fig)` sends the whole figure, and the page draws it
@@ -82,21 +89,24 @@ class LiveFigure(anywidget.AnyWidget):
     its axis comes to measure something else (the x axis switched from step to tokens) and stays
     otherwise. The chart follows its box's width (a ResizeObserver), also a change made while it was hidden.
 
-    Not plotly's `FigureWidget`: an anywidget model whose module takes over 2 s to load never hears
-    from the kernel again, and FigureWidget's module is all of plotly.js. Under load its chart stayed
-    blank (no title) and fixed at its first width for good (CI, browser test; reproduced by
-    shortening anywidget's deadline). This widget's module is 2.5 KB; plotly.js (the copy the plotly
-    package ships) comes as a trait and is evaluated once per page. `show(None)` hides the chart
-    until the next figure. Safe to call from a background thread.
+    Not plotly's `FigureWidget`: anywidget gives a model 2 s to load its module, and a model whose
+    module loads later never hears from the kernel again. FigureWidget's module is all of plotly.js
+    (5 MB); under load its chart stayed blank (no title) and fixed at its first width for good (CI,
+    browser test; reproduced by shortening anywidget's deadline). So nothing this chart needs comes
+    to its own model after it is made: plotly.js (the copy the plotly package ships, evaluated once
+    per page) is in its first state, and the figures go through a plain ipywidgets model,
+    `_Figures`, which the page hears whatever happened to the anywidget one (browser test: every
+    anywidget model given 1 ms). `show(None)` hides the chart until the next figure. Safe to call
+    from a background thread.
     """
 
     _esm = Path(__file__).with_name("live_figure.js")
     _plotly_js = traitlets.Unicode().tag(sync=True)
     _plotly_version = traitlets.Unicode().tag(sync=True)
-    _figure = traitlets.Unicode().tag(sync=True)  # the figure's JSON, with its uirevisions
+    _figures = anywidget.WidgetTrait().tag(sync=True)  # the page reads it with host.getModel
 
     def __init__(self, **kwargs):
-        super().__init__(_plotly_js=_plotly_js(), _plotly_version=plotly.__version__,
+        super().__init__(_plotly_js=_plotly_js(), _plotly_version=plotly.__version__, _figures=_Figures(),
                          layout=w.Layout(width="100%", max_width="100%", display="none"), **kwargs)
         self.figure: go.Figure | None = None  # the newest figure shown (what the builders made)
         self._shown: str | None = None
@@ -110,7 +120,7 @@ class LiveFigure(anywidget.AnyWidget):
         if key is None:
             self.layout.display = "none"
             return
-        self._figure = with_uirevisions(key)
+        self._figures.figure = with_uirevisions(key)
         self.layout.display = None
 
 

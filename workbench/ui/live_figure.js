@@ -2,10 +2,9 @@
 // each figure the kernel sends. What a person did to it (a zoom, a pan, a trace hidden from the
 // legend) stays while the figure's uirevisions stay (the kernel sets one per axis: its title).
 //
-// This module is small on purpose: anywidget gives a model 2 s to load its module, and a model
-// whose module loads later never hears from the kernel again. plotly.FigureWidget's module is all
-// of plotly.js (5 MB); under load it missed the 2 s and its chart stayed blank and fixed in width
-// for good. plotly.js comes here as a trait instead, and is evaluated once per page.
+// anywidget gives a model 2 s to load this module, and a model whose module loads later never hears
+// from the kernel again: so nothing comes to this model after it is made. plotly.js is in its first
+// state (evaluated once per page), and the figures come through a plain ipywidgets model (`_figures`).
 
 function plotly(model) {
   const key = `__workbench_plotly_${model.get("_plotly_version")}`;
@@ -22,19 +21,19 @@ function plotly(model) {
   return window[key];
 }
 
-async function render({ model, el }) {
-  const Plotly = await plotly(model);
+async function render({ model, el, host }) {
+  const [Plotly, figures] = await Promise.all([plotly(model), host.getModel(model.get("_figures"))]);
   const chart = document.createElement("div");
   el.appendChild(chart);
   let queue = Promise.resolve(); // one draw at a time, in the order the figures came
   const draw = () => {
-    const figure = JSON.parse(model.get("_figure") || "null");
+    const figure = JSON.parse(figures.get("figure") || "null");
     if (figure) {
       queue = queue.then(() => Plotly.react(chart, figure.data, figure.layout, { displaylogo: false }))
         .catch((e) => console.error("workbench: the chart was not drawn", e));
     }
   };
-  model.on("change:_figure", draw);
+  figures.on("change:figure", draw);
   draw();
   // Its box's width, followed: a window resize, a side panel opened or closed, the chart shown again
   // after it was hidden, or first placed on the page (drawn before that, into a box with no width,
@@ -49,7 +48,7 @@ async function render({ model, el }) {
   observer.observe(el);
   return () => {
     observer.disconnect();
-    model.off("change:_figure", draw);
+    figures.off("change:figure", draw);
     Plotly.purge(chart);
   };
 }
