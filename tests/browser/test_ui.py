@@ -734,9 +734,16 @@ for i in range(20):
 
 
 # anywidget gives each model 2 s to load its module (AbortSignal.timeout(2000) in its runtime) and,
-# past that, drops whatever the kernel sends the model. Here every such deadline in the page is 1 ms.
-DEADLINE_1MS = """(() => { const timeout = AbortSignal.timeout.bind(AbortSignal);
-  AbortSignal.timeout = (ms) => timeout(ms === 2000 ? 1 : ms); })()"""
+# past that, drops whatever the kernel sends the model. Here every such deadline in the page has passed
+# before the module can load: it aborts in a microtask, right after the runtime listens to it (a 1 ms
+# deadline raced the import of a 2.5 KB module, and lost in one CI run).
+DEADLINE_PASSED = """(() => { const timeout = AbortSignal.timeout.bind(AbortSignal);
+  AbortSignal.timeout = (ms) => {
+    if (ms !== 2000) return timeout(ms);
+    const deadline = new AbortController();
+    queueMicrotask(() => deadline.abort());
+    return deadline.signal;
+  }; })()"""
 LIVE_CELL = """import plotly.graph_objects as go
 from workbench.ui.live import LiveFigure
 box = LiveFigure()
@@ -752,8 +759,9 @@ def test_a_live_chart_draws_every_figure_when_anywidget_gives_up_on_its_model(la
     """In one CI run on a loaded host the hosts' chart (then plotly's FigureWidget, whose module is all
     of plotly.js, 5 MB) missed anywidget's 2 s deadline: it came up with no title, never heard another
     figure and kept its first width at every window size, with nothing in the console. With the
-    deadline at 1 ms in the page, a LiveFigure still draws each figure and follows the window (its
-    figures travel on a plain ipywidgets model; a FigureWidget made so stayed untitled here)."""
+    deadline passed in the page before any module loads, a LiveFigure still draws each figure and
+    follows the window (its figures travel on a plain ipywidgets model; a FigureWidget made so stayed
+    untitled here)."""
     import nbformat
 
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(LIVE_CELL)])
@@ -764,7 +772,7 @@ def test_a_live_chart_draws_every_figure_when_anywidget_gives_up_on_its_model(la
     page.set_default_timeout(60_000)
     errors = []
     page.on("pageerror", lambda e: errors.append(str(e)))
-    page.add_init_script(DEADLINE_1MS)
+    page.add_init_script(DEADLINE_PASSED)
 
     def until(cond, what):
         t0 = time.monotonic()
