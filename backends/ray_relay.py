@@ -124,9 +124,9 @@ def _rank_main(fd: int, standby: bool = False) -> None:
 
     Stop within `STOP_WITHIN_STEPS` (k >= 2) steps, without waiting on every step: the driver
     acknowledges each step event once it has reached whoever follows the job, with the stop request
-    as it stood then. The loop asks `should_stop` once step S's update is done, before the ranks
-    agree on stopping and before rank 0 reports step S (the loss and the stop decision travel in one
-    all-reduce, `loop._agree`). There the rank takes the acknowledgements already in the pipe without
+    as it stood then. The loop asks `should_stop` once step S's gradients are final, before the
+    ranks agree on stopping and before rank 0 reports step S (the loss and the stop decision travel
+    in one all-reduce, `loop._agree`, while the update runs). There the rank takes the acknowledgements already in the pipe without
     waiting, and waits only while its newest acknowledged step is more than k - 2 steps behind its
     newest reported one, S - 1. So deciding after step S, rank 0 holds the acknowledgement of step
     S - k + 1 or later; a cancel made while step N was the newest step seen is in every

@@ -327,10 +327,11 @@ def _step(run: _Run, step: int, first: int, sink: Sink,
     """One optimizer step: forward/backward of the rank's micro-batches (or the pipeline's), the
     gradient sync no wrapper does, the update; memory and step events.
 
-    `flags`: called once the update is done, this rank's stop and save flags (`Checkpointer.flags`;
-    it may wait for the driver's acknowledgement, which the step's time leaves out). They travel
-    with the loss in the step's one all-reduce (`_agree`). Returns (the global mean loss, each flag
-    True if it is on any rank), the same on every rank."""
+    `flags`: called once the gradients are final, this rank's stop and save flags
+    (`Checkpointer.flags`; it may wait for the driver's acknowledgement, which the step's time
+    leaves out). They travel with the loss in the step's one all-reduce (`_agree`), started before
+    the update and awaited after it. Returns (the global mean loss, each flag True if it is on any
+    rank), the same on every rank."""
     parallelized, step_fn, meter, rank = run.parallelized, run.step_fn, run.meter, run.ctx.rank
     t, lay = run.spec.train, run.parallelism
     dp = lay.dp
@@ -354,11 +355,12 @@ def _step(run: _Run, step: int, first: int, sink: Sink,
         if timeline is not None:
             sink({"event": "timeline", "step": step, "rank": rank, "items": timeline})
     parallelized.finish_grads()
-    step_extra = step_fn.step()
     waited = time.perf_counter()
     mine = flags()
     waited = time.perf_counter() - waited
-    loss_value, agreed = _agree(run, loss / count, mine)  # loss / count: this rank's part of the global mean
+    agreement = _agree(run, loss / count, mine)  # loss / count: this rank's part of the global mean
+    step_extra = step_fn.step()  # while the agreement travels
+    loss_value, agreed = agreement()
     elapsed = time.perf_counter() - start - waited
     if step == 1 or step == t.steps or step % MEMORY_EVERY == 0:
         held = step_fn.measured_states()
@@ -376,22 +378,30 @@ def _step(run: _Run, step: int, first: int, sink: Sink,
     return loss_value, agreed
 
 
-def _agree(run: _Run, part: torch.Tensor, flags: list[bool]) -> tuple[float, list[bool]]:
-    """The step's one collective: a sum over the run's ranks (the world: build_mesh checks that the
-    layout fills it) of the ranks' parts of the global mean loss, and of each flag (True if any
-    rank's is). One rank per dp coordinate adds its part: the one that holds the last pipeline
-    stage, at tp coordinate 0 (the tp ranks' losses are the same). The loss and the stop poll used
-    to be two collectives (three with pp: the loss's broadcast from the last stage), each a round
-    trip on the critical path. A one-rank run (also calibrate's one-rank probes inside a larger
-    world, which have no mesh) has nothing to agree on."""
+def _agree(run: _Run, part: torch.Tensor, flags: list[bool]) -> Callable[[], tuple[float, list[bool]]]:
+    """Start the step's one collective; returns the wait for its result (the global mean loss, each
+    flag True if any rank's is). A sum over the run's ranks (the world: build_mesh checks that the
+    layout fills it) of the ranks' parts of the global mean loss, and of each flag. One rank per dp
+    coordinate adds its part: the one that holds the last pipeline stage, at tp coordinate 0 (the tp
+    ranks' losses are the same). The loss and the stop poll used to be two collectives (three with
+    pp: the loss's broadcast from the last stage), each a round trip on the critical path; now one,
+    and it travels while the update runs (the update's own collectives, on the dp, tp or pp groups,
+    are issued after it on every rank). A one-rank run (also calibrate's one-rank probes inside a
+    larger world, which have no mesh) has nothing to agree on."""
     if run.mesh is None or run.parallelism.world_size == 1:
-        return float(part), [bool(f) for f in flags]
+        alone = float(part), [bool(f) for f in flags]
+        return lambda: alone
     values = torch.tensor([0.0, *map(float, flags)], device=part.device)
     if run.where["tp"] == 0 and (run.pipeline is None or run.pipeline.has_last):
         values[0] = part
-    dist.all_reduce(values)
-    loss, *rest = values.tolist()
-    return loss, [v > 0 for v in rest]
+    work = dist.all_reduce(values, async_op=True)
+
+    def result() -> tuple[float, list[bool]]:
+        work.wait()
+        loss, *rest = values.tolist()
+        return loss, [v > 0 for v in rest]
+
+    return result
 
 
 def _gather_state(run: _Run) -> dict:
