@@ -126,13 +126,13 @@ def _rank_main(fd: int, standby: bool = False) -> None:
     acknowledges each step event once it has reached whoever follows the job, with the stop request
     as it stood then. The loop asks `should_stop` once step S's gradients are final, before the
     ranks agree on stopping and before rank 0 reports step S (the loss and the stop decision travel
-    in one all-reduce, `loop._agree`, while the update runs). There the rank takes the acknowledgements already in the pipe without
-    waiting, and waits only while its newest acknowledged step is more than k - 2 steps behind its
-    newest reported one, S - 1. So deciding after step S, rank 0 holds the acknowledgement of step
-    S - k + 1 or later; a cancel made while step N was the newest step seen is in every
-    acknowledgement of a step after N, so every rank stops after step N + k at the latest. The
-    acknowledgement's round trip (driver, Ray, two pipes: 4.6-8.6 ms under load) overlaps the next
-    step's compute instead of adding to each. Only rank 0 reports steps, so only rank 0 can wait;
+    in one all-reduce, `loop._agree`, while the update runs). There the rank takes the
+    acknowledgements already in the pipe without waiting, and waits only while its newest
+    acknowledged step is more than k - 2 steps behind its newest reported one, S - 1. So deciding
+    after step S, rank 0 holds the acknowledgement of step S - k + 1 or later; a cancel made while
+    step N was the newest step seen is in every acknowledgement of a step after N, so every rank
+    stops after step N + k at the latest. The acknowledgement's round trip (driver, Ray, two pipes:
+    4.6-8.6 ms under load) overlaps the next step's compute instead of adding to each. Only rank 0 reports steps, so only rank 0 can wait;
     the others wait for it anyway, in the step's all-reduce, so the decision is the same on every
     rank. The driver's own "stop" message, sent as soon as it sees the cancel, can end the run
     sooner. config["stop_within_steps"] replaces k; k = 1 (wait for the acknowledgement of every
