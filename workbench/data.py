@@ -165,16 +165,33 @@ class TokenSource:
         return tokens, mask
 
     def _synthetic(self, gen: torch.Generator, global_batch: int) -> torch.Tensor:
-        # Each token follows the hidden rule with p=0.9, else is uniform noise. A model can
-        # learn the rule, so the loss falls visibly from ln(vocab).
+        """Each token follows the hidden rule with p=0.9 (out[t] = rule[out[t - 1]]), else is
+        uniform noise (out[t] = noise[t]; the first token is drawn alone). A model can learn the
+        rule, so the loss falls visibly from ln(vocab).
+
+        Computed without a loop over positions: token t is rule applied t - s times to the token
+        drawn at s, the last position at or before t that did not follow, and rule^k is the
+        composition of the rule's powers of two that add up to k. (A loop of three ops per
+        position took ~1 ms a step at 64 tokens on CPU, ~12 ms at 1,024.)"""
         n = self.seq_len + 1
-        out = torch.empty(global_batch, n, dtype=torch.long)
-        out[:, 0] = torch.randint(0, self.vocab, (global_batch,), generator=gen)
+        first = torch.randint(0, self.vocab, (global_batch,), generator=gen)
         follow = torch.rand(global_batch, n, generator=gen) < _FOLLOW_PROB
-        noise = torch.randint(0, self.vocab, (global_batch, n), generator=gen)
-        for t in range(1, n):
-            out[:, t] = torch.where(follow[:, t], self.rule[out[:, t - 1]], noise[:, t])
+        drawn = torch.randint(0, self.vocab, (global_batch, n), generator=gen)
+        drawn[:, 0] = first
+        follow[:, 0] = False
+        pos = torch.arange(n).expand(global_batch, n)
+        last_drawn = torch.where(follow, 0, pos).cummax(dim=1).values
+        steps, out = pos - last_drawn, drawn.gather(1, last_drawn)
+        for j, power in enumerate(self._rule_powers(n - 1)):
+            out = torch.where((steps >> j) & 1 == 1, power[out], out)
         return out
+
+    def _rule_powers(self, most: int) -> list[torch.Tensor]:
+        """[rule, rule^2, rule^4, ...]: the powers of two of the rule up to `most` applications."""
+        powers = self.__dict__.setdefault("_powers", [self.rule])
+        while 2 ** len(powers) <= most:
+            powers.append(powers[-1][powers[-1]])
+        return powers[: max(1, most.bit_length())]
 
 
 def targets(tokens: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

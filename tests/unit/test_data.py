@@ -35,6 +35,25 @@ def test_synthetic_stream_is_learnable():
     assert int(batch.max()) < 64
 
 
+@pytest.mark.parametrize("vocab,seq_len,batch,step", [(64, 128, 32, 1), (256, 64, 8, 7), (50257, 1024, 2, 3),
+                                                     (5, 1, 3, 2)])
+def test_synthetic_stream_is_its_definition_token_by_token(vocab, seq_len, batch, step):
+    """The batch is the sequential definition, computed position by position from the same draws
+    (the first token alone; then the rule with p=0.9, else noise)."""
+    from workbench.data import _FOLLOW_PROB, _generator
+
+    src = TokenSource("synthetic", vocab, seq_len, seed=3)
+    gen = _generator(3, step)
+    n = seq_len + 1
+    want = torch.empty(batch, n, dtype=torch.long)
+    want[:, 0] = torch.randint(0, vocab, (batch,), generator=gen)
+    follow = torch.rand(batch, n, generator=gen) < _FOLLOW_PROB
+    noise = torch.randint(0, vocab, (batch, n), generator=gen)
+    for t in range(1, n):
+        want[:, t] = torch.where(follow[:, t], src.rule[want[:, t - 1]], noise[:, t])
+    assert torch.equal(src.global_batch(step, batch), want)
+
+
 def test_text_source_reads_bytes(tmp_path):
     path = tmp_path / "t.txt"
     path.write_text("abcdefgh" * 20)
