@@ -182,16 +182,17 @@ class TokenSource:
         pos = torch.arange(n).expand(global_batch, n)
         last_drawn = torch.where(follow, 0, pos).cummax(dim=1).values
         steps, out = pos - last_drawn, drawn.gather(1, last_drawn)
-        for j, power in enumerate(self._rule_powers(n - 1)):
+        for j, power in enumerate(self._rule_powers):
             out = torch.where((steps >> j) & 1 == 1, power[out], out)
         return out
 
-    def _rule_powers(self, most: int) -> list[torch.Tensor]:
-        """[rule, rule^2, rule^4, ...]: the powers of two of the rule up to `most` applications."""
-        powers = self.__dict__.setdefault("_powers", [self.rule])
-        while 2 ** len(powers) <= most:
+    @cached_property
+    def _rule_powers(self) -> list[torch.Tensor]:
+        """[rule, rule^2, rule^4, ...]: the rule's powers of two up to seq_len applications (a batch's most)."""
+        powers = [self.rule]
+        while 2 ** len(powers) <= self.seq_len:
             powers.append(powers[-1][powers[-1]])
-        return powers[: max(1, most.bit_length())]
+        return powers
 
 
 def targets(tokens: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

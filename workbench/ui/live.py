@@ -96,7 +96,7 @@ class LiveFigure(anywidget.AnyWidget):
     to its own model after it is made: plotly.js (the copy the plotly package ships, evaluated once
     per page) is in its first state, and the figures go through a plain ipywidgets model,
     `_Figures`, which the page hears whatever happened to the anywidget one (browser test: every
-    anywidget model given 1 ms). `show(None)` hides the chart until the next figure. Safe to call
+    anywidget model's deadline passed before its module loads). `show(None)` hides the chart until the next figure. Safe to call
     from a background thread.
     """
 
