@@ -20,6 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file
 from bench.peer_common import Record, adamw, build_token_source, main, rank_batch, setup, token_loss  # noqa: E402
 
 
+def _forget_groups(groups) -> None:
+    """Drop the process groups DeepSpeed cached in module globals for an earlier job's group."""
+    for name, value in vars(groups).items():
+        if name.startswith("_") and name.isupper() and name.endswith(("_GROUP", "_GROUP_RANKS")):
+            setattr(groups, name, {} if isinstance(value, dict) else None)
+
+
 def train_peer(job: dict, emit) -> None:
     """One rank: job = {"spec": dict, "zero": 1|2|3}; the process group is already up (gloo)."""
     import deepspeed
@@ -30,7 +37,9 @@ def train_peer(job: dict, emit) -> None:
     micro = t.global_batch // world // t.micro_batch
     # DeepSpeed keeps its communication backend in a module global bound to the process group it
     # first saw; the benchmark's pool gives each job a new group, so let it bind to this one.
+    # Its groups module caches the world group the same way (a stale one fails in get_global_rank).
     deepspeed.comm.comm.cdb = None
+    _forget_groups(deepspeed.utils.groups)
     deepspeed.init_distributed(dist_backend="gloo")
     config = {"train_micro_batch_size_per_gpu": t.micro_batch, "gradient_accumulation_steps": micro,
               "zero_optimization": {"stage": int(job.get("zero", 3))}, "steps_per_print": 10**9}
