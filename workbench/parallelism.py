@@ -140,6 +140,16 @@ class Parallelism:
         return self.fsdp and not self.reshard_after_forward and self.pp == 1 and self.offload != "nvme"
 
     @property
+    def fsdp_unit_mb(self) -> float | None:
+        """zero 2/3: consecutive blocks share one FSDP2 unit (one all-gather, one reduce-scatter)
+        up to `bucket_mb` MiB of fp32 gradient, as DDP's buckets and DeepSpeed's bucket sizes group
+        small tensors; a larger block is a unit alone. None (one block per unit) with offload=nvme,
+        whose file prefetch runs block by block."""
+        if not self.fsdp:
+            return None
+        return None if self.offload == "nvme" else self.bucket_mb
+
+    @property
     def shards_optimizer_state(self) -> bool:
         """Optimizer state split over dp (zero >= 1)."""
         return self.zero >= 1

@@ -136,7 +136,8 @@ class LayoutSpec(_Section):
     offload: Literal["none", "cpu", "nvme"] = Field("none", description="Where optimizer state (and master weights) live: on the device, in CPU memory or in files.")
     nvme_path: str = Field("/tmp/workbench-offload", description="Directory for offload=nvme.")
     sequence_parallel: bool = Field(False, description="Shard the residual stream, norms and the column-parallel linears' saved inputs along the sequence between TP regions (Megatron-style).")
-    bucket_mb: float = Field(25.0, gt=0, le=1 << 20, description="DDP gradient bucket size in MiB.")
+    bucket_mb: float = Field(25.0, gt=0, le=1 << 20, description="Gradient bucket size in MiB: DDP's buckets (zero 0/1); "
+                             "at zero 2/3, consecutive blocks share one FSDP2 unit up to this much fp32 gradient.")
 
     @property
     def world_size(self) -> int:

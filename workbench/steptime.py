@@ -30,7 +30,7 @@ from functools import lru_cache, partial
 from typing import TYPE_CHECKING
 
 from workbench.memory.nvme import nvme_transfer_s
-from workbench.memory.params import block_numel
+from workbench.memory.params import block_numel, unit_blocks
 
 if TYPE_CHECKING:
     from workbench.catalog import Device
@@ -122,9 +122,12 @@ class Engine:
     # ZeRO-2 keeps the gathered parameters from one micro-batch to the next where the layout allows
     # (ours: Parallelism.keeps_gathered), so only a step's first micro-batch all-gathers them.
     keep_gathered: bool = False
+    # ZeRO-2/3 shard consecutive blocks as one FSDP2 unit up to `bucket_mb` (ours:
+    # Parallelism.fsdp_unit_mb), not one unit per block (FSDP1/FSDP2 as torchtitan and Composer wrap).
+    fsdp_units: bool = False
 
 
-WORKBENCH = Engine(keep_gathered=True)
+WORKBENCH = Engine(keep_gathered=True, fsdp_units=True)
 
 
 @dataclass(frozen=True)
@@ -663,22 +666,27 @@ def _tp_comm(hw: Hardware, shape, lay, act_bytes: float, blocks: int, re_dense: 
 def _fsdp_comm(hw: Hardware, shape, lay, block_params: float, w: int, blocks: int, fwd_block: _Work,
                bwd_block: _Work, engine: Engine) -> tuple[float, float]:
     """Exposed seconds of ZeRO-2/3 (FSDP) collectives in a step's first micro-batch and in each later
-    one: each block's parameters are all-gathered in forward (and, zero 3, again in backward; in the
-    first micro-batch only where the engine keeps zero 2's gathered weights: `Engine.keep_gathered`)
-    and its gradients reduce-scattered;
-    prefetch hides a block's collectives behind at most one block's compute. With FSDP1's
+    one, per FSDP unit (a block, or k consecutive blocks with `Engine.fsdp_units`): each unit's
+    parameters are all-gathered in forward (and, zero 3, again in backward; in the first micro-batch
+    only where the engine keeps zero 2's gathered weights: `Engine.keep_gathered`) and its gradients
+    reduce-scattered; prefetch hides a unit's collectives behind at most one unit's compute. With FSDP1's
     BACKWARD_POST prefetch (`Engine.backward_prefetch == "post"`) the backward all-gather is not
     hidden: only the reduce-scatter overlaps the next block's gradient computation."""
     if lay.grad_sync != "fsdp":
         return 0.0, 0.0
-    one = partial(_fsdp_micro_comm, hw, shape, lay, block_params, w, blocks, fwd_block, bwd_block, engine)
+    k = 1
+    if engine.fsdp_units and blocks > 1:  # k blocks per unit: one unit's collectives, behind k blocks' compute
+        k = min(blocks, unit_blocks(block_numel(shape, lay.tp), lay.fsdp_unit_mb))
+    one = partial(_fsdp_micro_comm, hw, shape, lay, block_params * k, w, -(-blocks // k), fwd_block * k,
+                  bwd_block * k, engine)
     first = one(gathered=False)
     return first, one(gathered=True) if engine.keep_gathered and lay.keeps_gathered else first
 
 
 def _fsdp_micro_comm(hw: Hardware, shape, lay, block_params: float, w: int, blocks: int, fwd_block: _Work,
                      bwd_block: _Work, engine: Engine, gathered: bool) -> float:
-    """`_fsdp_comm` of one micro-batch, whose weights are already `gathered` or not."""
+    """`_fsdp_comm` of one micro-batch, whose weights are already `gathered` or not (`blocks`,
+    `block_params` and the work: the units')."""
     k = _block_tensor_count(shape) if engine.per_tensor else 1
     gather = 0.0 if gathered else k * hw.collective_s("all_gather", lay.dp, block_params * w / k, lay.tp)
     scatter = k * hw.collective_s("reduce_scatter", lay.dp, block_params * engine.grad_reduce_bytes / k, lay.tp)

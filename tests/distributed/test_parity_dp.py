@@ -19,7 +19,9 @@ BASE = {"model": {"preset": "gpt-tiny"}, "train": {"steps": 5, "global_batch": 8
 CASES = {
     "zero0-every-2": {"zero": 0, "activation_checkpointing": "full", "checkpoint_every": 2},
     "zero1-full": {"zero": 1, "activation_checkpointing": "full"},
-    "zero2": {"zero": 2},
+    "zero2": {"zero": 2},  # gpt-tiny's 4 blocks in one FSDP2 unit (bucket_mb 25)
+    "zero2-unit-per-block": {"zero": 2, "bucket_mb": 0.1},  # a block (0.19 MiB of fp32 gradient) per unit
+    "zero3-two-block-units": {"zero": 3, "bucket_mb": 0.4},
     "zero3-full": {"zero": 3, "activation_checkpointing": "full"},
     "zero1-nvme": {"zero": 1, "offload": "nvme"},
     "zero3-cpu": {"zero": 3, "offload": "cpu"},

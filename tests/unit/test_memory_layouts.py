@@ -229,3 +229,25 @@ def test_fast_balanced_split_equals_the_quadratic_one(n, first, last):
     for stages in range(1, n + 1):
         blocks = tuple([10] * n)
         assert balance_blocks(blocks, first, last, stages) == _balance_reference(blocks, first, last, stages)
+
+
+@pytest.mark.parametrize("preset", ["gpt-tiny", "gpt-mini", "llama-tiny"])
+@pytest.mark.parametrize("unit_mb", [None, 0.1, 0.4, 1.0, 3.1, 25.0])
+def test_fsdp_units_are_the_runtimes(preset, unit_mb):
+    """The runtime groups a model's real blocks into FSDP2 units (parallel/zero.py); the memory and
+    step-time models count them from the shape: the same largest unit."""
+    from workbench.memory.params import block_numel, largest_block_numel, unit_blocks
+    from workbench.models import build_model_meta
+    from workbench.parallel.zero import fsdp_units
+
+    s = load_spec({"model": {"preset": preset}})
+    blocks = list(build_model_meta(s).blocks.values())
+    units = fsdp_units(blocks, unit_mb)
+    sizes = [sum(p.numel() for b in u for p in b.parameters()) for u in units]
+    assert [b for u in units for b in u] == blocks
+    shape = s.model.shape()
+    k = unit_blocks(block_numel(shape, 1), unit_mb)
+    assert [len(u) for u in units[:-1]] == [k] * (len(units) - 1) and 1 <= len(units[-1]) <= k
+    assert max(sizes) <= max(unit_mb * 2**20 / 4, block_numel(shape, 1)) if unit_mb else len(units) == len(blocks)
+    embedding = sum(p.numel() for n, p in build_model_meta(s).named_parameters() if n.startswith(("tok_emb", "pos_emb")))
+    assert largest_block_numel(shape, 1, unit_mb, len(blocks)) == max(max(sizes), embedding)

@@ -128,7 +128,7 @@ def _inert(spec) -> set[str]:
         out.add("train.min_lr")  # a constant rate never decays to it
     if spec.precision.dtype != "fp16":
         out.add("precision.initial_loss_scale")
-    if lay.dp == 1 or lay.zero >= 2:
+    if lay.dp == 1 or (lay.zero >= 2 and lay.offload == "nvme"):  # Parallelism.fsdp_unit_mb
         out.add("layout.bucket_mb")
     return out
 

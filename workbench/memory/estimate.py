@@ -178,7 +178,7 @@ def _recomputed_buffers(shape, lay: Layout) -> tuple[float, list[str]]:
     return 0.0, []
 
 
-def _state_buffers(shape, lay: Layout, p: int, w: int) -> tuple[list[float], list[str]]:
+def _state_buffers(shape, lay: Layout, p: int, w: int, pp_index: int) -> tuple[list[float], list[str]]:
     """Transient bytes of the sharded states, added after the recomputed ones (in this order, so the
     sum is the same float whichever way it is assembled): master-step and staging chunks, ZeRO gathers."""
     terms: list[float] = []
@@ -191,15 +191,23 @@ def _state_buffers(shape, lay: Layout, p: int, w: int) -> tuple[list[float], lis
         terms.append(lay.dp * chunk * w)  # all-gather of one chunk per rank
     if lay.offload == "nvme" and not lay.fsdp:
         terms.append(3 * chunk * 4)  # staging: master, moment 1, moment 2 of one chunk
-    if lay.fsdp and not lay.reshard_after_forward:
-        terms.append(p * w + 4 * prm.largest_block_numel(shape, lay.tp))
+    if not lay.fsdp:
+        return terms, notes
+    unit = prm.largest_block_numel(shape, lay.tp, lay.fsdp_unit_mb, _stage_block_count(shape, lay, pp_index))
+    if not lay.reshard_after_forward:
+        terms.append(p * w + 4 * unit)
         notes.append("zero=2 (FSDP2, no reshard after forward): the unsharded weights from forward to the end "
-                     "of backward, and one block's fp32 unsharded gradient")
-    if lay.reshard_after_forward:
-        block = prm.largest_block_numel(shape, lay.tp)
-        terms.append(2 * block * w + 4 * block)
-        notes.append("zero=3: two gathered blocks (running + prefetched) and one block's fp32 unsharded gradient")
+                     "of backward, and one FSDP2 unit's fp32 unsharded gradient")
+    else:
+        terms.append(2 * unit * w + 4 * unit)
+        notes.append("zero=3: two gathered FSDP2 units (running + prefetched) and one unit's fp32 unsharded gradient")
     return terms, notes
+
+
+def _stage_block_count(shape, lay: Layout, pp_index: int) -> int:
+    """Blocks of the largest stage module pipeline rank `pp_index` holds (each is sharded apart)."""
+    stages = prm.stage_blocks(shape, lay.num_stages)
+    return max(len(stages[i]) for i in lay.stage_indices(pp_index))
 
 
 def _runtime_details(shape, lay: Layout, pp_index: int, states, notes: list[str]):
@@ -265,7 +273,7 @@ def stage_fixed(shape, lay: Layout, pp_index: int, convention: str = "workbench"
     else:
         p, shard = _stage_params(shape, lay.tp, lay.pp, pp_index, lay.chunks, lay.dp)
         held = _held_buffers(shape, lay, pp_index, w)
-        terms, notes = _state_buffers(shape, lay, p, w)
+        terms, notes = _state_buffers(shape, lay, p, w, pp_index)
     states = model_states(p, shard, lay, lay.optimizer, convention)
     if not isinstance(shape, (int, float)):
         states = _runtime_details(shape, lay, pp_index, states, notes)

@@ -266,7 +266,21 @@ def block_numel(shape, tp: int) -> int:
     return sum(numel(t) for t in block_tensors(shape, tp))
 
 
+def unit_blocks(block_elements: int, unit_mb: float | None) -> int:
+    """Blocks per FSDP2 unit (Parallelism.fsdp_unit_mb): as many blocks of `block_elements` as fit
+    `unit_mb` MiB of fp32 gradient, at least one; one for None. The runtime's grouping
+    (parallel/zero.py `fsdp_units`) gives the same count for equal blocks."""
+    if unit_mb is None or block_elements <= 0:
+        return 1
+    return max(1, int(unit_mb * 2**20 // (4 * block_elements)))
+
+
 @lru_cache(maxsize=1024)
-def largest_block_numel(shape, tp: int) -> int:
-    """Elements of the largest unit FSDP gathers at once (one block, or the embedding/head)."""
-    return max(block_numel(shape, tp), sum(numel(t) for t in embedding_tensors(shape, tp)))
+def largest_block_numel(shape, tp: int, unit_mb: float | None = None, stage_blocks: int | None = None) -> int:
+    """Elements of the largest unit FSDP gathers at once: `unit_blocks` blocks (no more than the
+    stage's `stage_blocks`), or the embedding/head."""
+    block = block_numel(shape, tp)
+    k = unit_blocks(block, unit_mb)
+    if stage_blocks is not None:
+        k = max(1, min(k, stage_blocks))
+    return max(k * block, sum(numel(t) for t in embedding_tensors(shape, tp)))

@@ -126,7 +126,7 @@ def _apply_fsdp(out: Parallelized, dp_mesh: DeviceMesh | None, par: Parallelism,
         offload = CPUOffloadPolicy(pin_memory=False)
     for m in out.modules:
         apply_fsdp(m, dp_mesh, reshard_after_forward=par.reshard_after_forward,
-                   mp_policy=mixed_precision_policy(par.dtype), offload_policy=offload)
+                   mp_policy=mixed_precision_policy(par.dtype), offload_policy=offload, unit_mb=par.fsdp_unit_mb)
     # CPUOffloadPolicy wants the shards in host memory.
     return torch.device("cpu") if host else device
 

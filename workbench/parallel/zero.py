@@ -12,9 +12,27 @@ from torch.distributed.device_mesh import DeviceMesh
 from workbench.parallel.master import MasterOptimizer, MemoryStore
 
 
+def fsdp_units(blocks: list[nn.Module], unit_mb: float | None) -> list[list[nn.Module]]:
+    """Consecutive blocks grouped into FSDP2 units of at most `unit_mb` MiB of fp32 gradient (a
+    larger block is a unit alone); None: one block per unit (Parallelism.fsdp_unit_mb)."""
+    from workbench.parallel.local import local
+
+    units: list[list[nn.Module]] = []
+    size = 0
+    for block in blocks:
+        n = 4 * sum(local(p).numel() for p in block.parameters() if p.requires_grad)
+        if not units or unit_mb is None or size + n > unit_mb * 2**20:
+            units.append([])
+            size = 0
+        units[-1].append(block)
+        size += n
+    return units
+
+
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool, mp_policy=None,
-               offload_policy=None) -> nn.Module:
-    """FSDP2 `fully_shard` on each block of `model.blocks` (if any), then on the root.
+               offload_policy=None, unit_mb: float | None = None) -> nn.Module:
+    """FSDP2 `fully_shard` on each unit of consecutive blocks of `model.blocks` (if any; `fsdp_units`),
+    then on the root (embeddings, final norm, head).
 
     Call on the meta model (before materialize). The root is not resharded after forward: backward
     starts with it (head, final norm), so freeing it would only gather it again at once.
@@ -24,6 +42,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: 
             forward), False for zero=2 (keep them until backward is done).
         mp_policy: FSDP2 MixedPrecisionPolicy (None: fp32).
         offload_policy: FSDP2 CPUOffloadPolicy for offload=cpu (None: keep on the device).
+        unit_mb: blocks per unit (`fsdp_units`; None: one block per unit).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -31,8 +50,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: 
               offload_policy=offload_policy or OffloadPolicy())
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, nn.ModuleDict):
-        for block in blocks.values():
-            fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
+        for unit in fsdp_units(list(blocks.values()), unit_mb):
+            fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, reshard_after_forward=False, **kw)
     return model
 
