@@ -30,7 +30,7 @@ from functools import lru_cache, partial
 from typing import TYPE_CHECKING
 
 from workbench.memory.nvme import nvme_transfer_s
-from workbench.memory.params import block_numel, unit_blocks
+from workbench.memory.params import block_numel, unit_blocks, whole_unit
 
 if TYPE_CHECKING:
     from workbench.catalog import Device
@@ -674,23 +674,25 @@ def _fsdp_comm(hw: Hardware, shape, lay, block_params: float, w: int, blocks: in
     hidden: only the reduce-scatter overlaps the next block's gradient computation."""
     if lay.grad_sync != "fsdp":
         return 0.0, 0.0
-    k = 1
+    k, reshard = 1, lay.reshard_after_forward
     if engine.fsdp_units and blocks > 1:  # k blocks per unit: one unit's collectives, behind k blocks' compute
         k = min(blocks, unit_blocks(block_numel(shape, lay.tp), lay.fsdp_unit_mb))
+        if whole_unit(block_params * blocks / lay.chunks, lay.fsdp_unit_mb):  # one unit per stage, kept to backward's end
+            k, reshard = blocks, False
     one = partial(_fsdp_micro_comm, hw, shape, lay, block_params * k, w, -(-blocks // k), fwd_block * k,
-                  bwd_block * k, engine)
+                  bwd_block * k, engine, reshard)
     first = one(gathered=False)
     return first, one(gathered=True) if engine.keep_gathered and lay.keeps_gathered else first
 
 
 def _fsdp_micro_comm(hw: Hardware, shape, lay, block_params: float, w: int, blocks: int, fwd_block: _Work,
-                     bwd_block: _Work, engine: Engine, gathered: bool) -> float:
+                     bwd_block: _Work, engine: Engine, reshard: bool, gathered: bool) -> float:
     """`_fsdp_comm` of one micro-batch, whose weights are already `gathered` or not (`blocks`,
     `block_params` and the work: the units')."""
     k = _block_tensor_count(shape) if engine.per_tensor else 1
     gather = 0.0 if gathered else k * hw.collective_s("all_gather", lay.dp, block_params * w / k, lay.tp)
     scatter = k * hw.collective_s("reduce_scatter", lay.dp, block_params * engine.grad_reduce_bytes / k, lay.tp)
-    regather = gather if lay.reshard_after_forward else 0.0
+    regather = gather if reshard else 0.0
     hide_f = hw.overlap * fwd_block.device_s if engine.prefetch else 0.0
     hide_b = hw.overlap * bwd_block.device_s if engine.prefetch and engine.grad_reduce else 0.0
     if engine.backward_prefetch == "post":  # the next block's gather is issued after this block's gradients

@@ -20,6 +20,8 @@ CASES = {
     "dp2-zero1-bf16": (2, TINY, "bf16", {"dp": 2, "zero": 1}),
     "dp2-zero2-bf16": (2, TINY, "bf16", {"dp": 2, "zero": 2}),
     "dp2-zero3-full": (2, TINY, "fp32", {"dp": 2, "zero": 3, "activation_checkpointing": "full"}),
+    # 0.4 MiB: gpt-tiny's blocks (0.19 MiB of fp32 gradient each) two to an FSDP2 unit, not one unit in all.
+    "dp2-zero3-units": (2, TINY, "fp32", {"dp": 2, "zero": 3, "bucket_mb": 0.4}),
     "tp2-fp16": (2, TINY, "fp16", {"tp": 2}),
     "pp2-interleaved-bf16-tied": (2, TIED, "bf16", {"pp": 2, "pp_schedule": "interleaved-1f1b"}),
     "dp2-tp2-sp-zero3-bf16": (4, TINY, "bf16", {"dp": 2, "tp": 2, "zero": 3, "sequence_parallel": True}),
@@ -60,12 +62,13 @@ def observe(spec: dict, sink) -> None:
     weight = next(w for w in blocks[0].parameters() if w.ndim == 2)
     if isinstance(out.model, DistributedDataParallel):
         sync = "ddp"
-    elif any(isinstance(b, FSDPModule) for b in blocks):
+    elif isinstance(out.modules[0], FSDPModule):
         sync = "fsdp"
     else:
         sync = "all-reduce" if p.dp > 1 else "none"
+    root = out.modules[0]
     seen = {
-        "fsdp": all(isinstance(b, FSDPModule) for b in blocks) and _dp_sharded(weight),
+        "fsdp": isinstance(root, FSDPModule) and _dp_sharded(weight),
         "needs_master": out.master is not None,
         "master_sharded": out.master is not None and out.master.group is not None,
         "param_dtype": DTYPES[local(weight).dtype],
@@ -75,6 +78,8 @@ def observe(spec: dict, sink) -> None:
         "loss_parallel": out.loss_context is not contextlib.nullcontext,
         "checkpointing": any(isinstance(b, CheckpointWrapper) for b in blocks),
     }
+    if seen["fsdp"]:
+        seen["units"] = len({id(m._get_fsdp_state()) for m in root.modules() if isinstance(m, FSDPModule)})
     if seen["fsdp"] and p.pp == 1:
         torch.manual_seed(1)  # the same tokens on every rank (tp ranks need the same input)
         out.model(torch.randint(0, spec.model.shape().vocab, (1, 16), device=ctx.device))
@@ -91,11 +96,26 @@ def observe(spec: dict, sink) -> None:
     sink({"event": "seen", "rank": ctx.rank, "seen": seen})
 
 
+def _units(spec, par: Parallelism) -> dict:
+    """What the memory and step-time models count (pp = 1): FSDP2 units (the root is one), and
+    whether a block is freed after forward (not where the whole model is the root's one unit)."""
+    from workbench.memory.params import block_numel, unit_blocks, whole_unit
+
+    if not par.fsdp:
+        return {}
+    shape = spec.model.shape()
+    if whole_unit(shape.num_params() / par.tp, par.fsdp_unit_mb):
+        return {"units": 1, "reshard_after_forward": False}
+    k = unit_blocks(block_numel(shape, par.tp), par.fsdp_unit_mb)
+    return {"units": 1 + -(-(shape.layers // par.pp) // k)}
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_runtime_builds_what_parallelism_says(spawn_pools, name):
     world, model, dtype, layout = CASES[name]
     spec = _spec(world, model, dtype, layout)
-    facts = Parallelism.from_spec(load_spec(spec)).facts()
+    par = Parallelism.from_spec(load_spec(spec))
+    facts = {**par.facts(), **_units(load_spec(spec), par)}
     events = spawn_pools.get(world).run(spec, fn=observe, timeout_s=120)
     seen = [e["seen"] for e in events if e["event"] == "seen"]
     assert len(seen) == world

@@ -235,19 +235,25 @@ def test_fast_balanced_split_equals_the_quadratic_one(n, first, last):
 @pytest.mark.parametrize("unit_mb", [None, 0.1, 0.4, 1.0, 3.1, 25.0])
 def test_fsdp_units_are_the_runtimes(preset, unit_mb):
     """The runtime groups a model's real blocks into FSDP2 units (parallel/zero.py); the memory and
-    step-time models count them from the shape: the same largest unit."""
-    from workbench.memory.params import block_numel, largest_block_numel, unit_blocks
+    step-time models count them from the shape: the same units, and the same whole-model unit."""
+    from workbench.memory.params import block_numel, largest_block_numel, unit_blocks, whole_unit
     from workbench.models import build_model_meta
     from workbench.parallel.zero import fsdp_units
 
     s = load_spec({"model": {"preset": preset}})
-    blocks = list(build_model_meta(s).blocks.values())
+    model = build_model_meta(s)
+    blocks = list(model.blocks.values())
     units = fsdp_units(blocks, unit_mb)
-    sizes = [sum(p.numel() for b in u for p in b.parameters()) for u in units]
     assert [b for u in units for b in u] == blocks
     shape = s.model.shape()
     k = unit_blocks(block_numel(shape, 1), unit_mb)
     assert [len(u) for u in units[:-1]] == [k] * (len(units) - 1) and 1 <= len(units[-1]) <= k
-    assert max(sizes) <= max(unit_mb * 2**20 / 4, block_numel(shape, 1)) if unit_mb else len(units) == len(blocks)
-    embedding = sum(p.numel() for n, p in build_model_meta(s).named_parameters() if n.startswith(("tok_emb", "pos_emb")))
+    sizes = [sum(p.numel() for b in u for p in b.parameters()) for u in units]
+    if unit_mb is None:
+        assert len(units) == len(blocks)
+    else:
+        assert max(sizes) <= max(unit_mb * 2**20 / 4, block_numel(shape, 1))
+    embedding = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("tok_emb", "pos_emb")))
     assert largest_block_numel(shape, 1, unit_mb, len(blocks)) == max(max(sizes), embedding)
+    total = sum(p.numel() for p in model.parameters())
+    assert whole_unit(shape.num_params(), unit_mb) == (unit_mb is not None and 4 * total <= unit_mb * 2**20)

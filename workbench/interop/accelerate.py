@@ -19,7 +19,7 @@ from workbench.spec import TrainSpec
 _NEUTRAL = {"compute_environment": "LOCAL_MACHINE", "machine_rank": 0, "main_training_function": "main",
             "rdzv_backend": "static", "same_network": True, "downcast_bf16": "no", "gpu_ids": "all",
             "fsdp_config.fsdp_state_dict_type": "SHARDED_STATE_DICT",
-            "fsdp_config.fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # ours shards block by block
+            "fsdp_config.fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # ours: a block per unit above bucket_mb
             "parallelism_config.parallelism_config_cp_size": 1,  # context parallelism off
             "deepspeed_config.zero3_init_flag": False}
 _DTYPES = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}

@@ -193,6 +193,11 @@ def _state_buffers(shape, lay: Layout, p: int, w: int, pp_index: int) -> tuple[l
         terms.append(3 * chunk * 4)  # staging: master, moment 1, moment 2 of one chunk
     if not lay.fsdp:
         return terms, notes
+    if prm.whole_unit(p / lay.chunks, lay.fsdp_unit_mb):  # per stage module (interleaved: the rank's mean)
+        terms.append(p * w + 4 * p)
+        notes.append(f"zero={lay.zero}: the stage is one FSDP2 unit (within bucket_mb): its unsharded weights from "
+                     "forward to the end of backward and its fp32 unsharded gradient")
+        return terms, notes
     unit = prm.largest_block_numel(shape, lay.tp, lay.fsdp_unit_mb, _stage_block_count(shape, lay, pp_index))
     if not lay.reshard_after_forward:
         terms.append(p * w + 4 * unit)

@@ -275,6 +275,12 @@ def unit_blocks(block_elements: int, unit_mb: float | None) -> int:
     return max(1, int(unit_mb * 2**20 // (4 * block_elements)))
 
 
+def whole_unit(stage_elements: float, unit_mb: float | None) -> bool:
+    """A stage module whose whole fp32 gradient fits `unit_mb` MiB is one FSDP2 unit, its root
+    (parallel/zero.py `apply_fsdp`): gathered once per micro-batch and kept to the end of backward."""
+    return unit_mb is not None and 4 * stage_elements <= unit_mb * 2**20
+
+
 @lru_cache(maxsize=1024)
 def largest_block_numel(shape, tp: int, unit_mb: float | None = None, stage_blocks: int | None = None) -> int:
     """Elements of the largest unit FSDP gathers at once: `unit_blocks` blocks (no more than the

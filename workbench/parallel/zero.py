@@ -32,7 +32,8 @@ def fsdp_units(blocks: list[nn.Module], unit_mb: float | None) -> list[list[nn.M
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool, mp_policy=None,
                offload_policy=None, unit_mb: float | None = None) -> nn.Module:
     """FSDP2 `fully_shard` on each unit of consecutive blocks of `model.blocks` (if any; `fsdp_units`),
-    then on the root (embeddings, final norm, head).
+    then on the root (embeddings, final norm, head); a model whose whole fp32 gradient fits
+    `unit_mb` is one unit, the root alone.
 
     Call on the meta model (before materialize). The root is not resharded after forward: backward
     starts with it (head, final norm), so freeing it would only gather it again at once.
@@ -48,8 +49,11 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: 
 
     kw = dict(mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
               offload_policy=offload_policy or OffloadPolicy())
+    from workbench.memory.params import whole_unit
+    from workbench.parallel.local import local
+
     blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleDict):
+    if isinstance(blocks, nn.ModuleDict) and not whole_unit(sum(local(p).numel() for p in model.parameters()), unit_mb):
         for unit in fsdp_units(list(blocks.values()), unit_mb):
             fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, reshard_after_forward=False, **kw)
