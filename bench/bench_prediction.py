@@ -1,5 +1,7 @@
-"""Predicted vs measured step time on this machine (#28 item 3): calibrate once (CPU, gloo, 2 ranks),
-then for each layout of gpt-mini / gpt-tiny take the planner's prediction for the spec's own layout
+"""Predicted vs measured step time on this machine (#28 item 3): calibrate once per model (CPU, gloo,
+2 ranks; what `workbench calibrate` on the user's spec measures: its own GEMM and attention shapes,
+and the runtime's step on its model), then for each layout of gpt-mini / gpt-tiny take the planner's
+prediction for the spec's own layout from its model's profile
 (`plan(spec, profile=profile).given.step_time_s`) and run it for real through `workbench.run` (local
 Ray, as `workbench run`), the median step_time_s of the metrics after warm-up. Prints per layout
 predicted, measured and their ratio, and how well the predicted order matches the measured one
@@ -7,7 +9,7 @@ predicted, measured and their ratio, and how well the predicted order matches th
 
     python bench/bench_prediction.py                   # calibrate (full), run every layout
     python bench/bench_prediction.py --quick           # calibrate --quick, fewer steps
-    python bench/bench_prediction.py --reuse-measured  # keep the last run's measurements and profile;
+    python bench/bench_prediction.py --reuse-measured  # keep the last run's measurements and profiles;
                                                        # only predict again (after a step-time change)
     python bench/bench_prediction.py --profile P --only tp2,zero3   # measure these again, keep the rest
 
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from bench.common import RESULTS, machine  # noqa: E402
 from workbench.hwprofile import OVERHEAD_KEYS  # noqa: E402
 
-PROFILE = RESULTS / "prediction_profile.yaml"
+PROFILE = RESULTS / "prediction_profile.yaml"  # gpt-mini's; another model's: profile_path(model)
 LATEST = Path("/tmp/bench_prediction_latest.txt")
 GOAL = 0.25  # every layout within +-25%
 # A layout runs at least this long after warm-up: gpt-tiny's steps settle over its first ~10 (25 ms each:
@@ -69,12 +71,17 @@ LAYOUTS = {
 }
 
 
-def calibrate_once(quick: bool):
+def profile_path(model: str) -> Path:
+    """Where the profile calibrated on `model`'s spec is kept."""
+    return PROFILE if model == "gpt-mini" else RESULTS / f"prediction_profile_{model}.yaml"
+
+
+def calibrate_once(quick: bool, model: str = "gpt-mini"):
     from workbench.calibrate import calibrate, summary
 
-    spec = _spec("calibrate")
+    spec = _spec("calibrate", model=model)
     t0 = time.perf_counter()
-    profile, path = calibrate(spec, out=PROFILE, quick=quick)
+    profile, path = calibrate(spec, out=profile_path(model), quick=quick)
     print(summary(profile))
     print(f"calibrated in {time.perf_counter() - t0:.0f} s; profile {path}\n", flush=True)
     return profile
@@ -189,8 +196,10 @@ def section(result: dict, doc=None, img=None, profile=None) -> str:
 
     rows = result["rows"]
     out = ["## j) Predicted against measured step time (`workbench calibrate`)",
-           "`python bench/bench_prediction.py` calibrates this machine once (`workbench calibrate`: 2 CPU ranks "
-           "through local Ray, gloo), then for each layout takes the planner's prediction for the spec's own layout "
+           "`python bench/bench_prediction.py` calibrates this machine once per model, as a user calibrates on "
+           "the spec they will run (`workbench calibrate`: 2 CPU ranks through local Ray, gloo; the model's own "
+           "GEMM and attention shapes and the runtime's step on it), then for each layout takes the planner's "
+           "prediction for the spec's own layout from its model's profile "
            "(`plan(spec, profile=profile).given.step_time_s`) and runs the layout through `workbench.run` (what "
            "`workbench run` calls), taking the median `step_time_s` of the metrics after warm-up: the first third "
            f"of the steps (at least {result['warmup']}), with at least {MIN_MEASURED_S:.0f} s of predicted steps "
@@ -199,8 +208,8 @@ def section(result: dict, doc=None, img=None, profile=None) -> str:
            "±25%, the order preserved. `--reuse-measured` predicts again against the stored measurements (after a "
            "change to the step-time model) in seconds."]
     if profile is not None:
-        out.append("The profile it predicted from (`bench/results/prediction_profile.yaml`):\n\n```\n"
-                   + summary(profile) + "\n```")
+        out.append("The gpt-mini layouts' profile (`bench/results/prediction_profile.yaml`; gpt-tiny's, taken "
+                   "the same way, is `prediction_profile_gpt-tiny.yaml`):\n\n```\n" + summary(profile) + "\n```")
     out.append(table(rows, result["source"]).split("\n", 2)[2])
     load = result.get("load_average")
     if load:
@@ -209,16 +218,19 @@ def section(result: dict, doc=None, img=None, profile=None) -> str:
     return "\n\n".join(out)
 
 
-def _write(rows: list, source: str, profile, args, partial: bool) -> str:
+def _profile_facts(profile, path) -> dict:
+    return {"path": str(path), "label": profile.label(), "gemm_fp32_flops": profile.gemm_flops("fp32"),
+            "memory_bw": profile.memory_bw, "op_overhead_s": profile.op_overhead_s,
+            "overheads": {f: dict(zip(OVERHEAD_KEYS, costs)) for f, *costs in profile.overheads}}
+
+
+def _write(rows: list, source: str, profiles: dict, args, partial: bool) -> str:
     """Write prediction.json / .md and /tmp/bench_prediction_latest.txt (after each layout too, so the
     table so far is there while the rest run); return the table."""
     text = table(rows, source)
     scored = [r for r in rows if r["ratio"] is not None]
     pred, meas = [r["predicted_s"] for r in scored], [r["measured"]["median_s"] for r in scored]
-    result = {"profile": {"path": str(args.profile or PROFILE), "label": profile.label(),
-                          "gemm_fp32_flops": profile.gemm_flops("fp32"), "memory_bw": profile.memory_bw,
-                          "op_overhead_s": profile.op_overhead_s,
-            "overheads": {f: dict(zip(OVERHEAD_KEYS, costs)) for f, *costs in profile.overheads}},
+    result = {"profiles": {m: _profile_facts(p, args.profile or profile_path(m)) for m, p in profiles.items()},
               "source": source, "warmup": args.warmup, "partial": partial, "rows": rows,
               "spearman": spearman(pred, meas) if len(scored) >= 2 else None,
               "discordant": discordant([r["layout"] for r in scored], pred, meas),
@@ -253,15 +265,17 @@ def main(argv=None) -> int:
     if args.reuse_measured and previous is None:
         print("no previous bench/results/prediction.json to reuse: run without --reuse-measured first", file=sys.stderr)
         return 2
-    if args.profile or args.reuse_measured:
-        profile = load_profile(args.profile or PROFILE)
-    else:
-        profile = calibrate_once(args.quick)
     names = args.only.split(",") if args.only else list(LAYOUTS)  # measured now; the others keep the last run's
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown:
         print(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}", file=sys.stderr)
         return 2
+    profiles = {}
+    for model in dict.fromkeys(spec["model"]["preset"] for spec in LAYOUTS.values()):
+        if args.profile or args.reuse_measured:
+            profiles[model] = load_profile(args.profile or profile_path(model))
+        else:
+            profiles[model] = calibrate_once(args.quick, model)
     steps = args.steps or (8 if args.quick else 12)
     measured_before = {r["layout"]: r["measured"] for r in previous["rows"]} if previous else {}
     rows, source = [], "catalog defaults"
@@ -269,7 +283,7 @@ def main(argv=None) -> int:
         run_now = name in names and not args.reuse_measured
         if not run_now and name not in measured_before:
             continue
-        predicted, note = predict(spec, profile)
+        predicted, note = predict(spec, profiles[spec["model"]["preset"]])
         if run_now:
             n = max(steps, math.ceil(MIN_MEASURED_S / predicted)) if predicted else steps
             measured = measure(spec, n, max(args.warmup, n // 3))
@@ -283,12 +297,12 @@ def main(argv=None) -> int:
                      "global_batch": spec["train"]["global_batch"], "micro_batch": spec["train"]["micro_batch"],
                      "dtype": spec["precision"]["dtype"], "predicted_s": predicted, "measured": measured,
                      "ratio": ratio, "note": "" if predicted is not None else note})
-        _write(rows, source, profile, args, partial=True)
+        _write(rows, source, profiles, args, partial=True)
         shown = f"{predicted:.4f}" if predicted is not None else "n/a"
         print(f"{name:>18}: predicted {shown} s, measured {measured['median_s']:.4f} s "
               f"(min {measured['min_s']:.4f}, max {measured['max_s']:.4f})"
               + (f", ratio {ratio:.2f}" if ratio else f" ({note})"), flush=True)
-    text = _write(rows, source, profile, args, partial=False)
+    text = _write(rows, source, profiles, args, partial=False)
     print("\n" + text + f"\n\nwrote {RESULTS / 'prediction.json'}, {RESULTS / 'prediction.md'}, {LATEST}")
     return 0
 

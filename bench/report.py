@@ -418,16 +418,15 @@ file for that read only. Reproduce: `python bench/bench_hf_load.py` (about 10 mi
 
 PREDICTION_MISSES = """
 
-How this table was taken (2026-12-04 20:41, on a host whose bf16 GEMMs run 3x its fp32 ones where
-the 3 December host's ran at a seventh; load 4-5 is the run itself, two ranks, the driver and Ray's
-daemons on two cores): one run, calibration included, each layout at least 3 s of steps after a
-warm-up of a third of them. The miss is tiny-dp2 (0.56): a 38 ms median step whose steps ranged
-27-56 ms within the run (0.79 at its fastest), where tiny-1rank's ranged 22-34 ms. Not Ray's: in a
-spawn pool without Ray (150 steps, the last 100 timed, twice each) tiny-1rank took 23.3-23.5 ms and
-tiny-dp2 31-38 ms, each rank's own CPU time 27-49 ms a step against 23 ms alone. The two ranks slow
-each other's work down on two logical CPUs by 30-70% at gpt-tiny's size, where the near-empty probes
-show 13% (6 blocks: 17.4 ms alone, 19.7 ms with dp 2) and gpt-mini ~18%. The three pairs out of order are within each other's
-measured ranges; among the 97 pairs whose ranges do not overlap, none is out of order.
+How this table was taken (2026-12-05 08:08 UTC; load 3-5 is the run itself, two ranks, the driver
+and Ray's daemons on two cores): one run, each model's calibration included, each layout at least
+3 s of steps after a warm-up of a third of them. The miss is tiny-dp2 (0.73): a 31 ms median step
+whose steps ranged 24-46 ms within the run (0.93 at its fastest, which is what the calibration's
+probes take), where tiny-1rank's ranged 19-26 ms. In a spawn pool without Ray (4 December)
+tiny-1rank took 23.3-23.5 ms and tiny-dp2 31-38 ms, each rank's own CPU time 27-49 ms a step against
+23 ms alone: the two ranks slow each other's work down on two logical CPUs, and every step waits for
+the slower one, which no profile figure (each the least disturbed of its runs) scales with. The one
+pair out of order (pp2-interleaved, dp2-ac-full) is within each other's measured ranges.
 
 History of the model on this bench:
 
@@ -454,6 +453,14 @@ History of the model on this bench:
   3x fp32's (9.9 against 2.2 ms per gpt-mini block and micro-batch) while its GEMMs run 2-3x faster,
   so bf16 came out 0.65-0.69 in three runs. calibrate now times the kernel itself at the model's
   shapes (`attention` in the profile): 15 of 16 within ±25%, Spearman 0.985.
+- **Each model on its own profile** (5 December): the bench calibrated once, on gpt-mini's spec, and
+  priced gpt-tiny from it: gpt-tiny's GEMM and attention shapes were never timed, and the fits
+  extrapolated them (tiny-1rank 0.75, tiny-dp2 0.72). A user calibrates on the spec they will run, so
+  the bench now calibrates once per model (`prediction_profile_gpt-tiny.yaml` beside gpt-mini's):
+  tiny-1rank 0.86. The other way round, gpt-mini from gpt-tiny's profile, was worse: tp2 0.74 and
+  bf16 1.59. `plan` now says when the profile did not time the model's own matmul shapes.
+- **FSDP2 units** (5 December): zero 2/3 now gather gpt-mini's whole model as one unit (docs/strategies.md);
+  calibrate's zero2/zero3 probes measure the new runtime, and zero2 and zero3 came out 0.95 and 0.91.
 
 #28 stays open: the goal is every layout within ±25% with the order kept."""
 

@@ -20,6 +20,7 @@ from workbench.errors import ConfigError, WorkerError
 from workbench.hwprofile import HardwareProfile, default_profile_path, profile_from_dict, save_profile
 from workbench.memory.params import block_numel
 from workbench.parallelism import Parallelism
+from workbench.shapes import forward_gemm_shapes
 from workbench.spec import JobSpec, load_spec
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -216,12 +217,7 @@ def model_forward_shapes(spec: JobSpec) -> list[list[int]]:
         s = spec.model.shape()
     except ConfigError:
         return []
-    m = spec.train.micro_batch * s.seq_len
-    out = set()
-    for tp in sorted({1, spec.layout.tp if spec.layout.tp else 1}):
-        h, kv, f, v = s.hidden, s.kv_dim // tp or 1, s.ffn_hidden // tp or 1, s.vocab // tp or 1
-        out |= {(m, n, k) for n, k in [(h // tp or 1, h), (kv, h), (h, h // tp or 1), (f, h), (h, f), (v, h)]}
-    return [list(x) for x in sorted(out)]
+    return forward_gemm_shapes(s, spec.train.micro_batch * s.seq_len, spec.layout.tp or 1)
 
 
 def model_attention_shapes(spec: JobSpec) -> list[list[int]]:

@@ -238,6 +238,12 @@ def plan(spec, prices=None, top: int | None = None, profile=None) -> PlanResult:
         notes.append("nothing fits: these are the smallest peaks; add GPUs, lower micro_batch or seq_len")
     if not dev_prices:
         notes.append(f"no price known for {dev.name}: pass prices= or set WORKBENCH_PRICES")
+    missing = _unmeasured_shapes(spec, hw.profile) if hw.profile is not None else []
+    if missing:
+        notes.append(f"the hardware profile did not time {len(missing)} of this model's forward matmul shapes "
+                     f"(e.g. {' x '.join(map(str, missing[0]))}; calibrated on another model, micro-batch or tp): "
+                     "its step times extrapolate the profile's fits. `workbench calibrate SPEC` with this spec "
+                     "times the model's own GEMMs, attention and runtime step")
     result = fitting[:top] if top else fitting
     for c in result[:max(top or 0, 20)]:
         _check_runnable(spec, c)
@@ -304,6 +310,16 @@ def _notes(dev, fitting: list[Candidate], truncated: bool) -> list[str]:
                      "micro-batch sizes are searched in ascending order): fewer GPUs or a global_batch with fewer "
                      "divisors search everything")
     return notes
+
+
+def _unmeasured_shapes(spec, profile) -> list:
+    """The (m, n, k) forward GEMMs of `spec`'s model at its micro-batch and tp that `profile` did not time."""
+    from workbench.shapes import forward_gemm_shapes
+
+    shape = spec.model.shape()
+    measured = {tuple(int(x) for x in p[1:4]) for p in profile.gemm}
+    return [s for s in forward_gemm_shapes(shape, spec.train.micro_batch * shape.seq_len, spec.layout.tp or 1)
+            if tuple(s) not in measured]
 
 
 def hardware(dev, gpus_per_node: int, profile=None) -> Hardware:

@@ -332,3 +332,13 @@ def divisors(n: int) -> list[int]:
 
 def _divisor_near(n: int, target: int) -> int:
     return min(divisors(n), key=lambda d: abs(d - target))
+
+
+def forward_gemm_shapes(shape: ModelShape, tokens: int, tp: int) -> list[list[int]]:
+    """(m, n, k) of a micro-batch's forward matmuls over `tokens` rows, as (tokens x in) @ (in x out):
+    the q/k/v, output, MLP and head projections at tp = 1 and at `tp` (columns split)."""
+    out = set()
+    for t in sorted({1, tp}):
+        h, kv, f, v = shape.hidden, shape.kv_dim // t or 1, shape.ffn_hidden // t or 1, shape.vocab // t or 1
+        out |= {(tokens, n, k) for n, k in [(h // t or 1, h), (kv, h), (h, h // t or 1), (f, h), (h, f), (v, h)]}
+    return [list(x) for x in sorted(out)]

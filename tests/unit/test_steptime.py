@@ -413,3 +413,19 @@ def test_the_fused_attention_core_at_its_measured_time_where_the_profile_has_it(
     fp32 = {**spec, "precision": {"dtype": "fp32"}}
     assert plan(fp32, profile=_cpu_profile(attention=rows)).given.step_time_s == \
         plan(fp32, profile=_cpu_profile()).given.step_time_s  # no fp32 rows: priced as GEMMs, as before
+
+
+def test_plan_says_when_the_profile_did_not_time_the_models_own_matmuls():
+    """A profile calibrated on another model extrapolates its fits (on this 2-core host gpt-tiny came
+    out 0.72-0.75 from gpt-mini's profile, 0.80-0.82 from its own): plan says so, and names a shape."""
+    from workbench.calibrate import model_forward_shapes
+    from workbench.planner import plan
+    from workbench.spec import load_spec
+
+    spec = {**MINI, "layout": {"dp": 2}}
+    other = plan(spec, profile=_cpu_profile())
+    assert any("did not time 2 of this model's forward matmul shapes (e.g. 512 x 256 x 256" in n and "workbench calibrate" in n
+               for n in other.notes), other.notes
+    own = tuple((d, m, n, k, 2 * m * n * k / 50e9) for d in ("fp32", "bf16") for m, n, k in model_forward_shapes(load_spec(spec)))
+    timed = plan(spec, profile=_cpu_profile(gemm=_cpu_profile().gemm + own))
+    assert not any("matmul shapes" in n for n in timed.notes), timed.notes

@@ -47,11 +47,11 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: 
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    kw = dict(mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
-              offload_policy=offload_policy or OffloadPolicy())
     from workbench.memory.params import whole_unit
     from workbench.parallel.local import local
 
+    kw = dict(mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
+              offload_policy=offload_policy or OffloadPolicy())
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, nn.ModuleDict) and not whole_unit(sum(local(p).numel() for p in model.parameters()), unit_mb):
         for unit in fsdp_units(list(blocks.values()), unit_mb):
