@@ -236,7 +236,7 @@ def test_fast_balanced_split_equals_the_quadratic_one(n, first, last):
 def test_fsdp_units_are_the_runtimes(preset, unit_mb):
     """The runtime groups a model's real blocks into FSDP2 units (parallel/zero.py); the memory and
     step-time models count them from the shape: the same units, and the same whole-model unit."""
-    from workbench.memory.params import block_numel, largest_block_numel, unit_blocks, whole_unit
+    from workbench.memory.params import block_numel, largest_unit_numel, unit_blocks, whole_unit
     from workbench.models import build_model_meta
     from workbench.parallel.zero import fsdp_units
 
@@ -254,6 +254,6 @@ def test_fsdp_units_are_the_runtimes(preset, unit_mb):
     else:
         assert max(sizes) <= max(unit_mb * 2**20 / 4, block_numel(shape, 1))
     embedding = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("tok_emb", "pos_emb")))
-    assert largest_block_numel(shape, 1, unit_mb, len(blocks)) == max(max(sizes), embedding)
+    assert largest_unit_numel(shape, 1, unit_mb, len(blocks)) == max(max(sizes), embedding)
     total = sum(p.numel() for p in model.parameters())
     assert whole_unit(shape.num_params(), unit_mb) == (unit_mb is not None and 4 * total <= unit_mb * 2**20)

@@ -416,8 +416,8 @@ def test_the_fused_attention_core_at_its_measured_time_where_the_profile_has_it(
 
 
 def test_plan_says_when_the_profile_did_not_time_the_models_own_matmuls():
-    """A profile calibrated on another model extrapolates its fits (on this 2-core host gpt-tiny came
-    out 0.72-0.75 from gpt-mini's profile, 0.80-0.82 from its own): plan says so, and names a shape."""
+    """A profile calibrated on another model extrapolates its fits (docs/planning.md, "Each model on
+    its own profile"): plan says so, and names a shape it did not time."""
     from workbench.calibrate import model_forward_shapes
     from workbench.planner import plan
     from workbench.spec import load_spec

@@ -198,7 +198,7 @@ def _state_buffers(shape, lay: Layout, p: int, w: int, pp_index: int) -> tuple[l
         notes.append(f"zero={lay.zero}: the stage is one FSDP2 unit (within bucket_mb): its unsharded weights from "
                      "forward to the end of backward and its fp32 unsharded gradient")
         return terms, notes
-    unit = prm.largest_block_numel(shape, lay.tp, lay.fsdp_unit_mb, _stage_block_count(shape, lay, pp_index))
+    unit = prm.largest_unit_numel(shape, lay.tp, lay.fsdp_unit_mb, _stage_block_count(shape, lay, pp_index))
     if not lay.reshard_after_forward:
         terms.append(p * w + 4 * unit)
         notes.append("zero=2 (FSDP2, no reshard after forward): the unsharded weights from forward to the end "

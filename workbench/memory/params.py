@@ -282,7 +282,7 @@ def whole_unit(stage_elements: float, unit_mb: float | None) -> bool:
 
 
 @lru_cache(maxsize=1024)
-def largest_block_numel(shape, tp: int, unit_mb: float | None = None, stage_blocks: int | None = None) -> int:
+def largest_unit_numel(shape, tp: int, unit_mb: float | None = None, stage_blocks: int | None = None) -> int:
     """Elements of the largest unit FSDP gathers at once: `unit_blocks` blocks (no more than the
     stage's `stage_blocks`), or the embedding/head."""
     block = block_numel(shape, tp)
