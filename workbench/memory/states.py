@@ -69,7 +69,7 @@ def zero3_fsdp2(p: float, shard: float, par: Parallelism, optimizer: str) -> Sta
         return States(4 * shard, 4 * shard, 0, o * shard, f"FSDP2: sharded fp32 params, grads, optimizer / dp({n})")
     return States(0, 4 * shard, 4 * shard, o * shard,
                   f"FSDP2 + MixedPrecisionPolicy: the fp32 shard is the master copy; {par.dtype} weights are "
-                  "gathered per block (buffers)")
+                  "gathered per FSDP2 unit (buffers)")
 
 
 def zero2_fsdp2(p: float, shard: float, par: Parallelism, optimizer: str) -> States:
