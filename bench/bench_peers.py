@@ -185,13 +185,25 @@ def _pair_result(runs: dict[str, list[dict]], tokens: int, skip: int, failures: 
             "loss_rel_diff": rel, "losses": {"workbench": a, "peer": b}, "rounds": n, "failed": failures}
 
 
+def _why(p: dict) -> str:
+    """The last error line of a pair's failed runs ("?" when none names an error)."""
+    why = [line for f in p.get("failed", []) for line in f.splitlines() if "Error" in line][-1:]
+    return why[0].strip()[:160] if why else "?"
+
+
+def _lost(p: dict) -> str:
+    """"", or how many arm runs of a measured pair failed and why: its ratio rests on fewer rounds."""
+    n = len(p.get("failed", []))
+    return f"{n} arm run{'s' * (n > 1)} failed ({_why(p)}), {p['rounds']} rounds measured" if n else ""
+
+
 def _line(p: dict) -> str:
     if "ratio" not in p:
         return "failed: " + "; ".join(p["failed"])[-300:]
     lo, hi = p["ratio_ci95"]
     return (f"workbench/peer tokens/s {p['ratio']['median']:.3f} ({p['ratio']['min']:.3f}..{p['ratio']['max']:.3f}, "
             f"95% {lo:.3f}..{hi:.3f}), peer/workbench CPU per step {p['cpu_ratio']['median']:.3f}, "
-            f"losses within {p['loss_rel_diff']:.1e}")
+            f"losses within {p['loss_rel_diff']:.1e}" + (f"; {_lost(p)}" if _lost(p) else ""))
 
 
 def summary_rows(result: dict) -> list[list]:
@@ -227,8 +239,7 @@ def section(r, doc, img) -> str:
     for name, p in r["pairs"].items():
         label = r["peer_labels"].get(name, "")
         if "ratio" not in p:
-            why = [line for f in p.get("failed", []) for line in f.splitlines() if "Error" in line][-1:]
-            rows.append([f"`{name}`", label, "failed: " + (why[0].strip()[:160] if why else "?"), "", "", "", "", "", ""])
+            rows.append([f"`{name}`", label, "failed: " + _why(p), "", "", "", "", "", ""])
             continue
         lo, hi = p["ratio_ci95"]
         goal = 1 / r.get("sp_goal", SP_GOAL) if name == "sp/tp" else r["goal"]
@@ -237,7 +248,7 @@ def section(r, doc, img) -> str:
                      f"{p['tokens_per_s']['peer']['median']:,.0f}", f"**{p['ratio']['median']:.3f}**",
                      f"{p['ratio']['min']:.3f}..{p['ratio']['max']:.3f}", f"{lo:.3f}..{hi:.3f}",
                      f"{p['cpu_ratio']['median']:.3f}" if "cpu_ratio" in p else "-",
-                     f"{p['loss_rel_diff']:.1e}", f"{met} (>= {goal:.2f})"])
+                     f"{p['loss_rel_diff']:.1e}", f"{met} (>= {goal:.2f})" + (f"; {_lost(p)}" if _lost(p) else "")])
     head = ["pair", "peer", "tokens/s workbench / peer", "ratio", "spread", "95% interval",
             "CPU/step peer / workbench", "loss rel. diff", "goal"]
     out.append("| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n"

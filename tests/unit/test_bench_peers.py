@@ -34,3 +34,18 @@ def test_every_pair_names_its_peer():
     for name, (layout, peer, _options) in bench_peers.PAIRS.items():
         assert peer in bench_peers.PEER_LABEL, name
         assert layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1) == 2, name
+
+
+def test_a_pair_that_lost_runs_says_so_beside_its_ratio():
+    """A ratio over fewer rounds than asked is still printed; the line and the docs row say how many
+    arm runs failed and why (DeepSpeed's peer once lost 3 of 6 rounds and nothing showed it)."""
+    ok = {"n": 3, "median": 1.0, "min": 0.9, "max": 1.1, "q1": 1.0, "q3": 1.0}
+    error = "\n".join(["peer: Traceback", "  File x", "ValueError: Group <ProcessGroup> is not registered"])
+    pair = {"tokens_per_s": {"workbench": ok, "peer": ok}, "ratio": ok, "ratio_ci95": [0.9, 1.1], "cpu_ratio": ok,
+            "loss_rel_diff": 1e-7, "rounds": 3, "failed": [error] * 3}
+    line = bench_peers._line(pair)
+    assert "3 arm runs failed (ValueError: Group <ProcessGroup> is not registered), 3 rounds measured" in line
+    result = {"pairs": {"zero2-ds": pair}, "peer_labels": {"zero2-ds": "DeepSpeed ZeRO"}, "goal": 0.95,
+              "config": {"preset": "gpt-tiny", "global_batch": 8, "micro_batch": 2, "steps": 10, "skip": 3, "reps": 6}}
+    assert "3 arm runs failed" in bench_peers.section(result, None, None)
+    assert "failed" not in bench_peers._line({**pair, "failed": []})
