@@ -192,9 +192,9 @@ def _why(p: dict) -> str:
 
 
 def _lost(p: dict) -> str:
-    """"", or how many arm runs of a measured pair failed and why: its ratio rests on fewer rounds."""
+    """"", or "; " and how many arm runs of a measured pair failed and why: its ratio rests on fewer rounds."""
     n = len(p.get("failed", []))
-    return f"{n} arm run{'s' * (n > 1)} failed ({_why(p)}), {p['rounds']} rounds measured" if n else ""
+    return f"; {n} arm run{'s' * (n > 1)} failed ({_why(p)}), {p['rounds']} rounds measured" if n else ""
 
 
 def _line(p: dict) -> str:
@@ -203,7 +203,7 @@ def _line(p: dict) -> str:
     lo, hi = p["ratio_ci95"]
     return (f"workbench/peer tokens/s {p['ratio']['median']:.3f} ({p['ratio']['min']:.3f}..{p['ratio']['max']:.3f}, "
             f"95% {lo:.3f}..{hi:.3f}), peer/workbench CPU per step {p['cpu_ratio']['median']:.3f}, "
-            f"losses within {p['loss_rel_diff']:.1e}" + (f"; {_lost(p)}" if _lost(p) else ""))
+            f"losses within {p['loss_rel_diff']:.1e}" + _lost(p))
 
 
 def summary_rows(result: dict) -> list[list]:
@@ -248,7 +248,7 @@ def section(r, doc, img) -> str:
                      f"{p['tokens_per_s']['peer']['median']:,.0f}", f"**{p['ratio']['median']:.3f}**",
                      f"{p['ratio']['min']:.3f}..{p['ratio']['max']:.3f}", f"{lo:.3f}..{hi:.3f}",
                      f"{p['cpu_ratio']['median']:.3f}" if "cpu_ratio" in p else "-",
-                     f"{p['loss_rel_diff']:.1e}", f"{met} (>= {goal:.2f})" + (f"; {_lost(p)}" if _lost(p) else "")])
+                     f"{p['loss_rel_diff']:.1e}", f"{met} (>= {goal:.2f})" + _lost(p)])
     head = ["pair", "peer", "tokens/s workbench / peer", "ratio", "spread", "95% interval",
             "CPU/step peer / workbench", "loss rel. diff", "goal"]
     out.append("| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n"

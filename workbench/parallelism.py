@@ -145,9 +145,7 @@ class Parallelism:
         up to `bucket_mb` MiB of fp32 gradient, as DDP's buckets and DeepSpeed's bucket sizes group
         small tensors; a larger block is a unit alone. None (one block per unit) with offload=nvme,
         whose file prefetch runs block by block."""
-        if not self.fsdp:
-            return None
-        return None if self.offload == "nvme" else self.bucket_mb
+        return self.bucket_mb if self.fsdp and self.offload != "nvme" else None
 
     @property
     def shards_optimizer_state(self) -> bool:

@@ -675,9 +675,10 @@ def _fsdp_comm(hw: Hardware, shape, lay, block_params: float, w: int, blocks: in
     if lay.grad_sync != "fsdp":
         return 0.0, 0.0
     k, reshard = 1, lay.reshard_after_forward
-    if engine.fsdp_units and blocks > 1:  # k blocks per unit: one unit's collectives, behind k blocks' compute
+    if engine.fsdp_units and blocks > 0:  # k blocks per unit: one unit's collectives, behind k blocks' compute
         k = min(blocks, unit_blocks(block_numel(shape, lay.tp), lay.fsdp_unit_mb))
-        if whole_unit(block_params * blocks / lay.chunks, lay.fsdp_unit_mb):  # one unit per stage, kept to backward's end
+        stage_params = block_params * blocks / lay.chunks  # the runtime's test, per stage module (parallel/zero.py)
+        if whole_unit(stage_params, lay.fsdp_unit_mb):  # one unit per stage, kept to backward's end
             k, reshard = blocks, False
     one = partial(_fsdp_micro_comm, hw, shape, lay, block_params * k, w, -(-blocks // k), fwd_block * k,
                   bwd_block * k, engine, reshard)
