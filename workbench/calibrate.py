@@ -20,7 +20,7 @@ from workbench.errors import ConfigError, WorkerError
 from workbench.hwprofile import HardwareProfile, default_profile_path, profile_from_dict, save_profile
 from workbench.memory.params import block_numel
 from workbench.parallelism import Parallelism
-from workbench.shapes import forward_gemm_shapes
+from workbench.shapes import elementwise_shapes, forward_gemm_shapes
 from workbench.spec import JobSpec, load_spec
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -69,7 +69,7 @@ def _options(spec: JobSpec, quick: bool) -> dict:
         dtypes.append(spec.precision.dtype)
     return {"mode": mode, **_PLANS[mode], "dtypes": dtypes, "model_shapes": model_gemm_shapes(spec),
             "device": spec.resources.gpu, "probes": probe_specs(spec), "forward_shapes": model_forward_shapes(spec),
-            "attention_shapes": model_attention_shapes(spec)}
+            "attention_shapes": model_attention_shapes(spec), "elementwise_shapes": model_elementwise_shapes(spec)}
 
 
 def probe_specs(spec: JobSpec) -> list[list]:
@@ -235,6 +235,23 @@ def model_attention_shapes(spec: JobSpec) -> list[list[int]]:
     return [list(x) for x in sorted(out)]
 
 
+def model_elementwise_shapes(spec: JobSpec) -> list[list]:
+    """(op, rows, columns) of a block's norm and activation (workbench/shapes.py ELEMENTWISE) at the
+    spec's micro-batch, at tp = 1 and at the spec's tp (with its sequence parallelism), and at the
+    strategy probes' near-empty model (their modelled time prices it too); only the probes' without
+    a model shape."""
+    probe = load_spec({"model": {**PROBE_MODEL, "layers": 1}}, layout=False).model.shape()
+    out = {tuple(x) for x in elementwise_shapes(probe, PROBE_MICRO_BATCH * probe.seq_len, 1)}
+    try:
+        s = spec.model.shape()
+    except ConfigError:
+        return [list(x) for x in sorted(out)]
+    for tp in sorted({1, spec.layout.tp or 1}):
+        sp = tp > 1 and spec.layout.sequence_parallel
+        out |= {tuple(x) for x in elementwise_shapes(s, spec.train.micro_batch * s.seq_len, tp, sp)}
+    return [list(x) for x in sorted(out)]
+
+
 def calibrate(spec: JobSpec | dict | str, out: str | Path | None = None, quick: bool = False,
               note: Callable[[str], None] | None = None) -> tuple[HardwareProfile, Path]:
     """Measure the spec's resources and write the hardware profile.
@@ -353,6 +370,15 @@ def summary(profile: HardwareProfile, model_shapes: list | None = None) -> str:
             lines.append(f"  {dtype:<23} {' x '.join(map(str, dims)):>32}  {t.get('fwd', 0) * 1e3:7.3f} ms  "
                          f"{t.get('bwd', 0) * 1e3:8.3f} ms")
         lines.append("")
+    if profile.elementwise:
+        lines.append("norms and activations      rows x columns    forward     backward")
+        timed = {(r[0], r[2], r[3], r[4]): {} for r in profile.elementwise}
+        for op, kind, dtype, rows, cols, t in profile.elementwise:
+            timed[(op, dtype, rows, cols)][kind] = t
+        for (op, dtype, rows, cols), t in timed.items():
+            lines.append(f"  {op + ' ' + dtype:<23} {f'{rows} x {cols}':>15}  {t.get('fwd', 0) * 1e3:7.3f} ms  "
+                         f"{t.get('bwd', 0) * 1e3:8.3f} ms")
+        lines.append("")
     if profile.overheads:
         lines += ["runtime step beyond the modelled work (a near-empty model and the spec's through the runtime's "
                   "own step)",
@@ -405,6 +431,7 @@ def calibrate_rank(spec: dict, sink, *, options: dict, should_stop=lambda: False
     gemm = bench.gemms(options["dtypes"], options["model_shapes"], options["cubes"])
     gemm_grad = bench.grad_gemms(options["dtypes"], options.get("forward_shapes", []), options["cubes"])
     attention = bench.attention(options["dtypes"], options.get("attention_shapes", []))
+    elementwise = bench.elementwise(options["dtypes"], options.get("elementwise_shapes", []))
     memory_bw = bench.memory_bw(options["elements"] if ctx.device.type == "cpu" else _GPU_ELEMENTS)
     overhead = bench.op_overhead()
     bw_dtype = {d: bench.memory_bw(options["elements"] if ctx.device.type == "cpu" else _GPU_ELEMENTS, d)
@@ -418,7 +445,7 @@ def calibrate_rank(spec: dict, sink, *, options: dict, should_stop=lambda: False
             "threads_per_rank": torch.get_num_threads(), "gemm": gemm, "memory_bw": memory_bw,
             "op_overhead_s": overhead, "collectives": collectives, "memory_bw_dtype": bw_dtype,
             "cpu_cores": os.cpu_count() or 0, "probe_seconds": probe_seconds,
-            "gemm_grad": gemm_grad, "attention": attention}})
+            "gemm_grad": gemm_grad, "attention": attention, "elementwise": elementwise}})
         sink({"event": "end", "status": "completed", "step": 0})
 
 
@@ -551,6 +578,33 @@ class _Bench:
                 both = self.time(lambda q=q, k=k, v=v, dy=dy: torch.autograd.grad(sdpa(q, k, v, is_causal=True),
                                                                                     (q, k, v), dy))
                 out += [["fwd", dtype, b, h, s, d, fwd], ["bwd", dtype, b, h, s, d, max(both - fwd, 0.05 * both)]]
+        return out
+
+    def elementwise(self, dtypes: list, shapes: list) -> list:
+        """(op, pass, dtype, rows, columns, seconds) of a block's norm and activation as
+        workbench/models.py calls them (with the weights the norms train): the forward, recorded as
+        training does, and the backward alone (forward + backward less the forward)."""
+        from workbench.parallel.precision import DTYPES
+
+        torch = self.torch
+        F = torch.nn.functional
+        ops = {"layer_norm": (3, lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b)),
+               "rms_norm": (2, lambda x, w: F.rms_norm(x, x.shape[-1:], w)),
+               "gelu_tanh": (1, lambda x: F.gelu(x, approximate="tanh")),
+               "swiglu": (2, lambda a, b: F.silu(a) * b)}
+        self.note(f"norms and activations: {len(shapes)} shapes x {', '.join(dtypes)}")
+        out: list = []
+        for dtype in dtypes:
+            for op, rows, cols in shapes:
+                n, fn = ops[op]
+                dt = DTYPES[dtype]
+                args = [torch.randn(rows, cols, device=self.dev).to(dt).requires_grad_()]
+                args += [(torch.randn(rows, cols, device=self.dev) if op == "swiglu" else
+                          torch.ones(cols, device=self.dev)).to(dt).requires_grad_() for _ in range(n - 1)]
+                dy = torch.randn(rows, cols, device=self.dev).to(dt)
+                fwd = self.time(lambda fn=fn, args=args: fn(*args))
+                both = self.time(lambda fn=fn, args=args, dy=dy: torch.autograd.grad(fn(*args), args, dy))
+                out += [[op, "fwd", dtype, rows, cols, fwd], [op, "bwd", dtype, rows, cols, max(both - fwd, 0.05 * both)]]
         return out
 
     def memory_bw(self, elements: int, dtype: str = "fp32") -> float:

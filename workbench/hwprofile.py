@@ -31,6 +31,7 @@ LINKS = ("intra", "inter")
 # the first runs ~5x slower than the forward's F.linear in bf16, so they are measured apart.
 GRAD_KINDS = ("dgrad", "wgrad")
 ATTENTION_PASSES = ("fwd", "bwd")  # the attention core's forward, and its backward alone
+ELEMENTWISE_OPS = ("layer_norm", "rms_norm", "gelu_tanh", "swiglu")  # workbench/shapes.py ELEMENTWISE
 BACKENDS = ("local", "ray")
 # Strategy families whose fixed per-step and per-block costs `workbench calibrate` measures by running
 # the runtime's own step on a near-empty model (workbench/calibrate.py, strategy_probes), in the order
@@ -170,6 +171,10 @@ class HardwareProfile:
     # (scaled_dot_product_attention) at the model's shapes: its kernels are not GEMMs (on a CPU,
     # bf16's backward ran 3x fp32's, where bf16 GEMMs ran 2x faster than fp32's)
     attention: tuple = ()
+    # (op, pass, dtype, rows, columns, seconds) of a block's norm and activation (ELEMENTWISE_OPS) at
+    # the model's shapes, forward and backward alone: on a CPU their transcendental math, not their
+    # bytes, sets the time (tanh GELU at 256 x 256 fp32 ran 4x its bytes at the measured bandwidth)
+    elementwise: tuple = ()
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self):
@@ -250,6 +255,17 @@ class HardwareProfile:
         _, _, b, h, s, d, t = min(rows, key=lambda r: (abs(math.log(r[4] / seq)) + abs(math.log(r[5] / head_dim)),
                                                         -r[2] * r[3]))
         return t * (batch_heads * seq * seq * head_dim) / (b * h * s * s * d)
+
+    def elementwise_s(self, op: str, kind: str, dtype: str, rows: float, cols: int) -> float | None:
+        """Seconds of `op`'s `kind` pass (ATTENTION_PASSES) over `rows` x `cols` elements: the measured
+        row of `dtype` nearest in element count (the same width first), scaled by the elements;
+        None when `op` was not measured in `dtype`."""
+        found = [r for r in self.elementwise if r[:3] == (op, kind, dtype)]
+        if not found:
+            return None
+        n = rows * cols
+        *_, r, c, t = min(found, key=lambda r: (r[4] != cols, abs(math.log(r[3] * r[4] / n))))
+        return t * n / (r * c)
 
     def gemm_flops(self, dtype: str) -> float:
         """FLOP/s a large GEMM reaches (the fit's rate)."""
@@ -350,7 +366,8 @@ class HardwareProfile:
                 "overheads": {f: {k: v for i, (k, v) in enumerate(zip(OVERHEAD_KEYS, costs)) if v or i < 2}
                               for f, *costs in self.overheads},
                 "probes": [list(p) for p in self.probes], "cpu_cores": self.cpu_cores,
-                "gemm_grad": [list(p) for p in self.gemm_grad], "attention": [list(p) for p in self.attention]}
+                "gemm_grad": [list(p) for p in self.gemm_grad], "attention": [list(p) for p in self.attention],
+                "elementwise": [list(p) for p in self.elementwise]}
 
 
 def _interp(series: list, x: float) -> float:
@@ -429,8 +446,9 @@ def profile_from_dict(raw, where: str = "(dict)") -> HardwareProfile:
     cores = raw.get("cpu_cores", 0)
     grad = _grad_rows(raw["gemm_grad"], where) if raw.get("gemm_grad") else ()
     attention = _attention_rows(raw["attention"], where) if raw.get("attention") else ()
+    elementwise = _elementwise_rows(raw["elementwise"], where) if raw.get("elementwise") else ()
     return HardwareProfile(
-        gemm_grad=grad, attention=attention,
+        gemm_grad=grad, attention=attention, elementwise=elementwise,
         memory_bw_dtype=bw_pairs, overheads=overheads, probes=probes,
         cpu_cores=_int(cores, "cpu_cores", where, 0, 1 << 20),
         device=device, created=created, host=_text(raw["host"], "host", where),
@@ -444,7 +462,8 @@ def profile_from_dict(raw, where: str = "(dict)") -> HardwareProfile:
 
 _REQUIRED = {"format", "device", "created", "host", "backend", "nodes", "ranks_per_node", "threads_per_rank",
              "gemm", "memory_bw", "op_overhead_s", "collectives"}
-_KNOWN = _REQUIRED | {"memory_bw_dtype", "overheads", "probes", "cpu_cores", "gemm_grad", "attention"}
+_KNOWN = _REQUIRED | {"memory_bw_dtype", "overheads", "probes", "cpu_cores", "gemm_grad", "attention",
+                       "elementwise"}
 
 
 def _check_fields(raw, where: str) -> None:
@@ -544,6 +563,16 @@ def _attention_rows(raw, where: str) -> tuple:
                      *(_int(x, f"{name} {what}", where, 1, MAX_DIM) for x, what in zip(dims, ("batch", "heads", "seq",
                                                                                                "head_dim"))),
                      _pos(t, f"{name} seconds", where)))
+    return tuple(rows)
+
+
+def _elementwise_rows(raw, where: str) -> tuple:
+    rows = []
+    for i, (op, kind, dtype, r, c, t) in enumerate(_rows(raw, "elementwise", where, 6)):
+        name = f"elementwise[{i}]"
+        rows.append((_choice(op, f"{name} op", where, ELEMENTWISE_OPS), _choice(kind, f"{name} pass", where, ATTENTION_PASSES),
+                     _choice(dtype, f"{name} dtype", where, DTYPES), _int(r, f"{name} rows", where, 1, MAX_DIM),
+                     _int(c, f"{name} columns", where, 1, MAX_DIM), _pos(t, f"{name} seconds", where)))
     return tuple(rows)
 
 

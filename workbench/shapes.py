@@ -342,3 +342,16 @@ def forward_gemm_shapes(shape: ModelShape, tokens: int, tp: int) -> list[list[in
         h, kv, f, v = shape.hidden, shape.kv_dim // t or 1, shape.ffn_hidden // t or 1, shape.vocab // t or 1
         out |= {(tokens, n, k) for n, k in [(h // t or 1, h), (kv, h), (h, h // t or 1), (f, h), (h, f), (v, h)]}
     return [list(x) for x in sorted(out)]
+
+
+# The non-matmul ops of a block whose time calibrate measures (hwprofile.ELEMENTWISE_OPS): the norm
+# and the MLP's activation of each family, as workbench/models.py computes them.
+ELEMENTWISE = {"gpt": ("layer_norm", "gelu_tanh"), "llama": ("rms_norm", "swiglu")}
+
+
+def elementwise_shapes(shape: ModelShape, tokens: int, tp: int, sp: bool = False) -> list[list]:
+    """(op, rows, columns) of a block's norm and activation on one tp rank over `tokens` rows: the
+    norm over the hidden width (with sequence parallelism, over this rank's `tokens / tp` rows), the
+    activation over the MLP's columns on the rank (`ffn_hidden / tp`)."""
+    norm, act = ELEMENTWISE[shape.family]
+    return [[norm, max(1, tokens // tp) if sp else tokens, shape.hidden], [act, tokens, max(1, shape.ffn_hidden // tp)]]

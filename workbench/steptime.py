@@ -197,6 +197,13 @@ class Hardware:
             return nbytes / self.profile.elementwise_bw(dtype)
         return nbytes / (self.dev.hbm_bw * HBM_EFFICIENCY)
 
+    def elementwise_s(self, op: str, kind: str, dtype: str, rows: float, cols: int, nbytes: float) -> float:
+        """Seconds of a block's norm or activation (`op`, workbench/shapes.py ELEMENTWISE) in its `kind`
+        pass over `rows` x `cols`: as the profile measured it at the model's shapes, else its `nbytes`
+        at the memory bandwidth (a GPU's are bound by bandwidth; a CPU's by their math)."""
+        measured = self.profile.elementwise_s(op, kind, dtype, rows, cols) if self.profile is not None else None
+        return measured if measured is not None else self.memory_s(nbytes, dtype)
+
     def overhead(self, lay, block_params: float) -> tuple[float, float, float]:
         """(seconds per step, per block and micro-batch, per block once a step) that the runtime's
         step for this layout's strategy family costs beyond the modelled work, for blocks of
@@ -474,26 +481,32 @@ def _gemm_work(hw: Hardware, gemms, dtype: str, backward: bool) -> _Work:
     return _Work(s, len(gemms) * (2 if backward else 1))
 
 
-def _block_bytes(shape, tokens: int, tp: int, sp: bool, w: int) -> tuple[float, float]:
-    """Bytes the memory-bound ops of one block move per micro-batch (forward, backward).
+def _block_memory_s(hw: Hardware, shape, tokens: int, tp: int, sp: bool, dtype: str) -> tuple[float, float]:
+    """Seconds of the memory-bound ops of one block per micro-batch (forward, backward).
 
-    Per token, in elements: each norm reads and writes h (backward: reads x and dy, writes dx);
-    each residual add reads 2h and writes h; gpt's GELU reads and writes f (backward 3f); llama's
-    SwiGLU reads 2f and writes f, with silu's own pass 2f (backward 8f) and rotary reads and
-    writes q and k three times (sin and cos products, the sum). Norms and residuals are split by
-    tp only with sequence parallelism; what is inside the column/row-parallel regions always is.
+    The two norms and the MLP's activation at their measured time where the profile has it
+    (`Hardware.elementwise_s`), else at their bytes; the rest at their bytes. Per token, in
+    elements: each norm reads and writes h (backward: reads x and dy, writes dx); each residual add
+    reads 2h and writes h; gpt's GELU reads and writes f (backward 3f); llama's SwiGLU reads 2f and
+    writes f, with silu's own pass 2f (backward 8f) and rotary reads and writes q and k three times
+    (sin and cos products, the sum). Norms and residuals are split by tp only with sequence
+    parallelism; what is inside the column/row-parallel regions always is.
     """
-    h, kv, f = shape.hidden, shape.kv_dim, shape.ffn_hidden
-    outer = 1 / tp if sp else 1.0
-    fwd = (2 * 2 * h + 2 * 3 * h) * outer
-    bwd = (2 * 3 * h + 2 * 3 * h) * outer
-    if shape.family == "llama":
-        fwd += (5 * f + 6 * (h + kv)) / tp
-        bwd += (8 * f + 6 * (h + kv)) / tp
-    else:
-        fwd += 2 * f / tp
-        bwd += 3 * f / tp
-    return fwd * tokens * w, bwd * tokens * w
+    from workbench.memory.activations import DTYPE_BYTES
+    from workbench.shapes import elementwise_shapes
+
+    w = DTYPE_BYTES[dtype]
+    h, kv = shape.hidden, shape.kv_dim
+    (norm, norm_rows, _), (act, _, f) = elementwise_shapes(shape, tokens, tp, sp)
+    llama = shape.family == "llama"
+    act_bytes = (5 * f, 8 * f) if llama else (2 * f, 3 * f)
+    rest = 2 * 3 * h * (1 / tp if sp else 1.0) * tokens + (6 * (h + kv) / tp * tokens if llama else 0.0)
+    out = []
+    for i, kind in enumerate(("fwd", "bwd")):
+        s = 2 * hw.elementwise_s(norm, kind, dtype, norm_rows, h, (2, 3)[i] * h * norm_rows * w)
+        s += hw.elementwise_s(act, kind, dtype, tokens, f, act_bytes[i] * tokens * w)
+        out.append(s + hw.memory_s(rest * w, dtype))
+    return out[0], out[1]
 
 
 @lru_cache(maxsize=4096)
@@ -504,17 +517,15 @@ def _block_work(hw: Hardware, shape, tokens: int, tp: int, sp: bool, dtype: str,
     token and recomputes the scores in backward: 2.5x the forward; unfused computes the whole
     s x s and its backward twice); the memory-bound ops.
     """
-    from workbench.memory.activations import DTYPE_BYTES
-
     s = shape.seq_len
     gemms = _block_gemms(shape, tokens, tp)
     attn_flops = 4 * shape.hidden / tp * s * tokens
     executed = (0.5, 1.25) if fused else (1.0, 2.0)
     attn = [_Work(hw.attention_s(attn_flops * x, dtype, tokens, shape.hidden / tp, fused, s, shape.head_dim,
                                  backward=i == 1), 1 + 2 * i) for i, x in enumerate(executed)]
-    fwd_bytes, bwd_bytes = _block_bytes(shape, tokens, tp, sp, DTYPE_BYTES[dtype])
+    mem_fwd, mem_bwd = _block_memory_s(hw, shape, tokens, tp, sp, dtype)
     mem_ops = OPS_PER_BLOCK.get(shape.family, 16) - len(gemms) - 1
-    mem_f, mem_b = _Work(hw.memory_s(fwd_bytes, dtype), mem_ops), _Work(hw.memory_s(bwd_bytes, dtype), 2 * mem_ops)
+    mem_f, mem_b = _Work(mem_fwd, mem_ops), _Work(mem_bwd, 2 * mem_ops)
     fwd = _gemm_work(hw, gemms, dtype, False) + attn[0] + mem_f
     bwd = _gemm_work(hw, gemms, dtype, True) + attn[1] + mem_b
     return fwd, bwd, attn[0], mem_f.device_s + mem_b.device_s

@@ -67,6 +67,10 @@ def test_calibrate_quick_on_two_local_ranks(tmp_path):
     # the fused attention core at gpt-tiny's shape (4 sequences, 4 heads of 16, 64 tokens) and the probes'
     assert {p[:6] for p in profile.attention} >= {(k, "fp32", 4, 4, 64, 16) for k in ("fwd", "bwd")}
     assert all(1e-7 < p[6] < 1 for p in profile.attention) and "attention core (causal)" in proc.stdout
+    # gpt-tiny's norm and activation (256 tokens, 64 wide, MLP 256) and the probes' (64 tokens)
+    assert {p[:5] for p in profile.elementwise} >= {("layer_norm", k, "fp32", 256, 64) for k in ("fwd", "bwd")} | \
+        {("gelu_tanh", k, "fp32", 256, 256) for k in ("fwd", "bwd")}
+    assert all(1e-8 < p[5] < 1 for p in profile.elementwise) and "norms and activations" in proc.stdout
 
 
 def test_calibrate_refuses_before_any_worker(tmp_path):
@@ -109,6 +113,9 @@ def test_calibrate_ranks_measure_every_figure_of_the_profile(pool2, tmp_path):
     assert {(p[0], p[1]) for p in profile.gemm_grad} == {("dgrad", "fp32"), ("wgrad", "fp32")}
     assert {(p[0], p[1], *p[4:6]) for p in profile.attention} == {(k, "fp32", s, d) for k in ("fwd", "bwd")
                                                                      for s, d in ((64, 16), (32, 8))}
+    assert {(p[0], p[1], *p[3:5]) for p in profile.elementwise} == {
+        (op, k, rows, cols) for k in ("fwd", "bwd") for op, rows, cols in
+        (("layer_norm", 256, 64), ("gelu_tanh", 256, 256), ("layer_norm", 64, 64), ("gelu_tanh", 64, 256))}
     text = C.summary(profile)
     assert "bus bandwidth" in text and "all_reduce intra x2" in text and "runtime step beyond the modelled work" in text
     save_profile(profile, tmp_path / "cpu.yaml")

@@ -333,6 +333,26 @@ def test_a_measured_shape_is_priced_as_measured_where_the_smooth_fit_cannot_foll
     assert again.gemm_s(*odd, "fp32") == pytest.approx(3 * law)
 
 
+def test_elementwise_rows_round_trip_and_scale_with_the_elements_from_the_nearest_measured_shape(tmp_path):
+    rows = (("gelu_tanh", "fwd", "fp32", 256, 256, 1e-4), ("gelu_tanh", "fwd", "fp32", 64, 256, 3e-5),
+            ("gelu_tanh", "fwd", "fp32", 512, 1024, 9e-4), ("layer_norm", "bwd", "fp32", 256, 64, 4e-5))
+    p = _profile(elementwise=rows)
+    save_profile(p, tmp_path / "cpu.yaml")
+    back = load_profile(tmp_path / "cpu.yaml")
+    assert back == p
+    assert back.elementwise_s("gelu_tanh", "fwd", "fp32", 64, 256) == pytest.approx(3e-5)  # the measured row itself
+    # twice the rows of the nearest row of the same width: twice its time
+    assert back.elementwise_s("gelu_tanh", "fwd", "fp32", 512, 256) == pytest.approx(2e-4)
+    # a width never measured: the row nearest in elements (512 x 1024, twice as many), scaled
+    assert back.elementwise_s("gelu_tanh", "fwd", "fp32", 512, 512) == pytest.approx(4.5e-4)
+    assert back.elementwise_s("gelu_tanh", "bwd", "fp32", 256, 256) is None  # not measured: the caller falls back
+    assert back.elementwise_s("rms_norm", "fwd", "fp32", 256, 64) is None
+    with pytest.raises(ConfigError, match=r"elementwise\[0\] op"):
+        profile_from_dict({**p.to_dict(), "elementwise": [["softmax", "fwd", "fp32", 4, 8, 1e-3]]})
+    with pytest.raises(ConfigError, match=r"elementwise\[0\] rows"):
+        profile_from_dict({**p.to_dict(), "elementwise": [["gelu_tanh", "fwd", "fp32", 0, 8, 1e-3]]})
+
+
 def test_attention_rows_round_trip_and_scale_with_the_work_from_the_nearest_measured_shape(tmp_path):
     rows = (("fwd", "fp32", 4, 8, 128, 32, 1e-3), ("bwd", "fp32", 4, 8, 128, 32, 3e-3),
             ("fwd", "fp32", 2, 8, 32, 8, 2e-5), ("bwd", "bf16", 4, 8, 128, 32, 9e-3))

@@ -415,6 +415,26 @@ def test_the_fused_attention_core_at_its_measured_time_where_the_profile_has_it(
         plan(fp32, profile=_cpu_profile()).given.step_time_s  # no fp32 rows: priced as GEMMs, as before
 
 
+def test_the_norms_and_activation_at_their_measured_time_where_the_profile_has_it():
+    """On this CPU the tanh GELU ran 4x its bytes at the measured bandwidth (256 x 256 fp32, 5 December):
+    calibrate times a block's norm and activation at the model's shapes, and the model prices them so."""
+    from workbench.planner import plan
+
+    spec = {**MINI, "layout": {"dp": 2}}  # gpt-mini: 512 tokens a micro-batch, 256 wide, MLP 1024; 6 blocks, 2 micro-batches
+    base = plan(spec, profile=_cpu_profile()).given.step_time_s
+
+    def timed(gelu_bwd: float) -> float:
+        rows = (("gelu_tanh", "fwd", "fp32", 512, 1024, 1e-3), ("gelu_tanh", "bwd", "fp32", 512, 1024, gelu_bwd),
+                ("layer_norm", "fwd", "fp32", 512, 256, 1e-4), ("layer_norm", "bwd", "fp32", 512, 256, 2e-4))
+        return plan(spec, profile=_cpu_profile(elementwise=rows)).given.step_time_s
+
+    assert timed(2e-3) > base  # 8 GB/s prices the GELU's forward at 0.5 ms: measured, 1 ms
+    assert timed(3e-3) - timed(2e-3) == pytest.approx(6 * 2 * 1e-3, rel=1e-6)  # each block's, each micro-batch
+    bf16 = {**spec, "precision": {"dtype": "bf16"}}
+    assert plan(bf16, profile=_cpu_profile(elementwise=(("gelu_tanh", "fwd", "fp32", 512, 1024, 1e-3),))) \
+        .given.step_time_s == plan(bf16, profile=_cpu_profile()).given.step_time_s  # no bf16 rows: its bytes, as before
+
+
 def test_plan_says_when_the_profile_did_not_time_the_models_own_matmuls():
     """A profile calibrated on another model extrapolates its fits (docs/planning.md, "Each model on
     its own profile"): plan says so, and names a shape it did not time."""
@@ -429,3 +449,17 @@ def test_plan_says_when_the_profile_did_not_time_the_models_own_matmuls():
     own = tuple((d, m, n, k, 2 * m * n * k / 50e9) for d in ("fp32", "bf16") for m, n, k in model_forward_shapes(load_spec(spec)))
     timed = plan(spec, profile=_cpu_profile(gemm=_cpu_profile().gemm + own))
     assert not any("matmul shapes" in n for n in timed.notes), timed.notes
+
+
+def test_calibrate_times_the_norm_and_activation_shapes_the_model_prices():
+    """llama-tiny at tp 2 with sequence parallelism, 2 sequences of 64 a micro-batch: the RMSNorm over
+    all 128 rows at tp 1 and over this rank's 64 with sp; SwiGLU over 192 and 96 columns; and the
+    strategy probes' near-empty gpt (2 sequences of 32 tokens, 64 wide, MLP 256)."""
+    from workbench.calibrate import model_elementwise_shapes
+    from workbench.spec import load_spec
+
+    spec = load_spec({"model": {"preset": "llama-tiny"}, "train": {"global_batch": 2, "micro_batch": 2},
+                      "layout": {"tp": 2, "sequence_parallel": True},
+                      "resources": {"gpu": "cpu", "gpus_per_node": 2}})
+    assert model_elementwise_shapes(spec) == [["gelu_tanh", 64, 256], ["layer_norm", 64, 64], ["rms_norm", 64, 64],
+                                              ["rms_norm", 128, 64], ["swiglu", 128, 96], ["swiglu", 128, 192]]
