@@ -311,10 +311,12 @@ class RankRelay:
             if self._job in self._stopped:
                 _send_quietly(conn, "stop")
         set_policy("SCHED_IDLE")  # from here this process only relays (control_plane_setup)
+        files = _output_files()
+        stderr_from = _size(files.get("stderr"))  # a kept relay's file holds its earlier jobs' output too
         self._put({"event": "worker", "rank": int(env["RANK"]), "pid": os.getpid(), "rank_pid": proc.pid,
                    "attempt": config["attempt"], "world_size": int(env["WORLD_SIZE"]),
                    "node": ray.get_runtime_context().get_node_id(),
-                   "master": f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", **_output_files()})
+                   "master": f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", **files})
         outcome = None
         while True:
             try:
@@ -331,8 +333,10 @@ class RankRelay:
         if outcome is not None and outcome[0] == "failed":
             return outcome[1]
         if outcome is None or code != 0:
-            how = f"signal {-code}" if code < 0 else f"code {code}"
-            return f"the rank's process (pid {proc.pid}) exited with {how} before the run ended"
+            how = f"signal {-code} ({_signal_name(-code)})" if code < 0 else f"code {code}"
+            tail = _tail(files.get("stderr"), stderr_from)
+            return (f"the rank's process (pid {proc.pid}) exited with {how} before the run ended"
+                    + (f"; the last of its stderr: {tail}" if tail else ""))
         return None
 
     def _with_spawn(self, event: dict, sent: float) -> dict:
@@ -389,6 +393,42 @@ def relay_class():
     import ray
 
     return ray.remote(max_concurrency=4)(RankRelay)
+
+
+def _signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown"
+
+
+def _size(path: str | None) -> int:
+    try:
+        return os.path.getsize(path) if path else 0
+    except OSError:
+        return 0
+
+
+TAIL_LINES, TAIL_BYTES, TAIL_LINE_CHARS = 4, 8192, 300
+
+
+def _tail(path: str | None, start: int) -> str:
+    """The last TAIL_LINES non-blank lines a rank wrote to its stderr file since offset `start` (the
+    file's size when its job began), each clipped, joined by ' | '; '' without any. The embedded Ray
+    cluster removes its logs when it stops, so this is what is left of a rank that died by a signal
+    (an abort's 'terminate called after throwing ...', a fatal Python error)."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(start, _size(path) - TAIL_BYTES))
+            text = f.read(TAIL_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return ""
+    lines = [line.strip()[:TAIL_LINE_CHARS] for line in text.splitlines() if line.strip()]
+    return " | ".join(lines[-TAIL_LINES:])
 
 
 def _output_files() -> dict:

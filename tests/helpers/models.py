@@ -26,6 +26,21 @@ def exploding(vocab: int = 256) -> nn.Module:
     return Exploding(vocab)
 
 
+class Aborting(Bigram):
+    """Dies as a native library's fatal error does (gloo's uncaught IoException: SIGABRT), its last words on stderr."""
+
+    def forward(self, tokens):
+        import os
+        import sys
+
+        print("aborting: the test model's last words", file=sys.stderr, flush=True)
+        os.abort()
+
+
+def aborting(vocab: int = 256) -> nn.Module:
+    return Aborting(vocab)
+
+
 def not_a_module():
     return torch.zeros(3)
 

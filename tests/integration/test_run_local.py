@@ -44,6 +44,17 @@ def test_worker_errors_come_back_readable():
     assert re.search(r"^rank [01]: RuntimeError: boom: this model always fails in forward$", str(e.value)), e.value
 
 
+def test_a_rank_killed_by_a_signal_says_which_and_what_it_wrote_last():
+    """The embedded Ray cluster removes its logs when it stops: the message keeps the rank's last stderr lines."""
+    spec = {"name": "abort", "model": {"factory": "tests.helpers.models:aborting", "vocab": 256, "seq_len": 16},
+            "train": {"steps": 2}}
+    with pytest.raises(WorkerError) as e:
+        workbench.run(spec, progress=False)
+    message = str(e.value)
+    assert "exited with signal 6 (SIGABRT) before the run ended" in message, message
+    assert "the last of its stderr: " in message and "aborting: the test model's last words" in message, message
+
+
 def test_cancel_stops_every_rank_within_k_steps_of_the_step_seen():
     """A cancel made while step 3 is the newest step seen ends the run after step 3 + k at the
     latest on every rank (k = STOP_WITHIN_STEPS: rank 0 lets at most k - 1 steps go without the
