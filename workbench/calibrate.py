@@ -77,8 +77,8 @@ def probe_specs(spec: JobSpec) -> list[list]:
     every rank of the spec's resources (one rank: `single`), at each PROBE_LAYERS, on PROBE_MODEL and
     on the spec's own model (`probe_model`): the near-empty model gives the costs per step and per
     block, the spec's the part of the per-block cost that grows with the block's parameters."""
-    world, per_node = spec.resources.num_gpus, spec.resources.gpus_per_node
-    tp = max((d for d in (8, 4, 2) if world % d == 0 and d <= per_node), default=1)
+    world = spec.resources.num_gpus
+    tp = _probe_tp(spec)
     layouts: list[tuple[str, dict]] = [("single", {"dp": 1})]
     if world > 1:
         layouts += [("ddp", {"dp": world}), ("zero1", {"dp": world, "zero": 1}),
@@ -103,6 +103,17 @@ def probe_specs(spec: JobSpec) -> list[list]:
     return out
 
 
+def _probe_tp(spec: JobSpec) -> int:
+    """The tp of the `tp` probe: the largest of 8, 4, 2 that divides the ranks and fits a node (1: none)."""
+    world, per_node = spec.resources.num_gpus, spec.resources.gpus_per_node
+    return max((d for d in (8, 4, 2) if world % d == 0 and d <= per_node), default=1)
+
+
+def _probe_shape():
+    """PROBE_MODEL's shape (one block)."""
+    return load_spec({"model": {**PROBE_MODEL, "layers": 1}}, layout=False).model.shape()
+
+
 def probe_model(spec: JobSpec) -> dict | None:
     """The spec's own model shape (width, heads, vocabulary, sequence; random weights) for the
     probes, or None when it has no shape (`params`, a factory), its blocks are within 4x of
@@ -114,7 +125,7 @@ def probe_model(spec: JobSpec) -> dict | None:
               "qkv_bias", "out_bias", "mlp_bias")
     model = {k: getattr(shape, k) for k in fields}
     params = max(PROBE_LAYERS) * block_numel(shape, 1) + 2 * shape.vocab * shape.hidden
-    near_empty = block_numel(load_spec({"model": {**PROBE_MODEL, "layers": 1}}, layout=False).model.shape(), 1)
+    near_empty = block_numel(_probe_shape(), 1)
     # A per-parameter cost read off two sizes closer than 4x would be mostly the probes' noise.
     if params > PROBE_MAX_PARAMS["cpu" if spec.resources.gpu == "cpu" else "gpu"] or block_numel(shape, 1) < 4 * near_empty:
         return None
@@ -212,19 +223,25 @@ def model_gemm_shapes(spec: JobSpec) -> list[list[int]]:
 
 
 def model_forward_shapes(spec: JobSpec) -> list[list[int]]:
-    """(m, n, k) of the forward matmuls of one micro-batch (see model_gemm_shapes); empty without a shape."""
+    """(m, n, k) of the forward matmuls of one micro-batch (see model_gemm_shapes), and of the strategy
+    probes' near-empty model at tp = 1 and the `tp` probe's (their modelled time prices them too: a
+    fit through another model's shapes missed its small GEMMs by up to 30%); only the probes' without
+    a model shape."""
+    probe = _probe_shape()
+    out = {tuple(x) for x in forward_gemm_shapes(probe, PROBE_MICRO_BATCH * probe.seq_len, _probe_tp(spec))}
     try:
         s = spec.model.shape()
     except ConfigError:
-        return []
-    return forward_gemm_shapes(s, spec.train.micro_batch * s.seq_len, spec.layout.tp or 1)
+        return [list(x) for x in sorted(out)]
+    out |= {tuple(x) for x in forward_gemm_shapes(s, spec.train.micro_batch * s.seq_len, spec.layout.tp or 1)}
+    return [list(x) for x in sorted(out)]
 
 
 def model_attention_shapes(spec: JobSpec) -> list[list[int]]:
     """(batch, heads, seq, head_dim) of the attention core of one micro-batch, at tp = 1 and at the
     spec's tp (heads split), and of the strategy probes' near-empty model (their modelled time
     prices it too); only the probes' without a model shape."""
-    probe = load_spec({"model": {**PROBE_MODEL, "layers": 1}}, layout=False).model.shape()
+    probe = _probe_shape()
     out = {(PROBE_MICRO_BATCH, probe.heads, probe.seq_len, probe.head_dim)}
     try:
         s = spec.model.shape()
@@ -240,7 +257,7 @@ def model_elementwise_shapes(spec: JobSpec) -> list[list]:
     spec's micro-batch, at tp = 1 and at the spec's tp (with its sequence parallelism), and at the
     strategy probes' near-empty model (their modelled time prices it too); only the probes' without
     a model shape."""
-    probe = load_spec({"model": {**PROBE_MODEL, "layers": 1}}, layout=False).model.shape()
+    probe = _probe_shape()
     out = {tuple(x) for x in elementwise_shapes(probe, PROBE_MICRO_BATCH * probe.seq_len, 1)}
     try:
         s = spec.model.shape()

@@ -104,6 +104,7 @@ def test_calibrate_ranks_measure_every_figure_of_the_profile(pool2, tmp_path):
                                  [(f, r, t) for (f, r), t in zip(options["probes"], seconds)])
     assert (profile.device, profile.backend, profile.nodes, profile.ranks_per_node) == ("cpu", "local", 1, 2)
     assert ("fp32", 256, 64, 64) in {p[:4] for p in profile.gemm}  # gpt-tiny's own GEMM shapes
+    assert ("fp32", 64, 128, 64) in {p[:4] for p in profile.gemm}  # the probes' (64 tokens into their 128-token head)
     assert profile.gemm_flops("fp32") > 0 and profile.memory_bw > 0 and profile.op_overhead_s > 0
     kinds = {(p[0], p[1], p[2]) for p in profile.collectives}
     assert kinds == {(k, "intra", 2) for k in ("all_reduce", "all_gather", "reduce_scatter", "p2p")}
