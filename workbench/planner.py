@@ -239,11 +239,15 @@ def plan(spec, prices=None, top: int | None = None, profile=None) -> PlanResult:
     if not dev_prices:
         notes.append(f"no price known for {dev.name}: pass prices= or set WORKBENCH_PRICES")
     missing = _unmeasured_shapes(spec, hw.profile) if hw.profile is not None else []
-    if missing:
-        notes.append(f"the hardware profile did not time {len(missing)} of this model's forward matmul shapes "
-                     f"(e.g. {' x '.join(map(str, missing[0]))}; calibrated on another model, micro-batch or tp): "
-                     "its step times extrapolate the profile's fits. `workbench calibrate SPEC` with this spec "
-                     "times the model's own GEMMs, attention and runtime step")
+    untimed = _untimed_ops(spec, hw.profile) if hw.profile is not None else []
+    if missing or untimed:
+        what = [f"{len(missing)} of this model's forward matmul shapes (e.g. {' x '.join(map(str, missing[0]))})"] \
+            if missing else []
+        what += [f"its {' and '.join(untimed)} in {spec.precision.dtype}"] if untimed else []
+        notes.append(f"the hardware profile did not time {' nor '.join(what)} (calibrated on another model, "
+                     "micro-batch, tp or dtype, or by an older workbench): its step times extrapolate what it "
+                     "measured. `workbench calibrate SPEC` with this spec times the model's own GEMMs, attention, "
+                     "norms, activation and runtime step")
     result = fitting[:top] if top else fitting
     for c in result[:max(top or 0, 20)]:
         _check_runnable(spec, c)
@@ -320,6 +324,15 @@ def _unmeasured_shapes(spec, profile) -> list:
     measured = {tuple(int(x) for x in p[1:4]) for p in profile.gemm}
     return [s for s in forward_gemm_shapes(shape, spec.train.micro_batch * shape.seq_len, spec.layout.tp or 1)
             if tuple(s) not in measured]
+
+
+def _untimed_ops(spec, profile) -> list:
+    """The norm and activation of `spec`'s model (workbench/shapes.py ELEMENTWISE) that `profile` did
+    not time in the spec's dtype (the step-time model then prices them by their bytes)."""
+    from workbench.shapes import ELEMENTWISE
+
+    timed = {(p[0], p[2]) for p in profile.elementwise}
+    return [op for op in ELEMENTWISE[spec.model.shape().family] if (op, spec.precision.dtype) not in timed]
 
 
 def hardware(dev, gpus_per_node: int, profile=None) -> Hardware:

@@ -447,8 +447,13 @@ def test_plan_says_when_the_profile_did_not_time_the_models_own_matmuls():
     assert any("did not time 2 of this model's forward matmul shapes (e.g. 512 x 256 x 256" in n and "workbench calibrate" in n
                for n in other.notes), other.notes
     own = tuple((d, m, n, k, 2 * m * n * k / 50e9) for d in ("fp32", "bf16") for m, n, k in model_forward_shapes(load_spec(spec)))
+    assert any("nor its layer_norm and gelu_tanh in fp32" in n for n in other.notes), other.notes
     timed = plan(spec, profile=_cpu_profile(gemm=_cpu_profile().gemm + own))
     assert not any("matmul shapes" in n for n in timed.notes), timed.notes
+    assert any("did not time its layer_norm and gelu_tanh in fp32" in n for n in timed.notes), timed.notes
+    ops = tuple((op, k, "fp32", 512, w, 1e-4) for op, w in (("layer_norm", 256), ("gelu_tanh", 1024)) for k in ("fwd", "bwd"))
+    both = plan(spec, profile=_cpu_profile(gemm=_cpu_profile().gemm + own, elementwise=ops))
+    assert not any("did not time" in n for n in both.notes), both.notes
 
 
 def test_calibrate_times_the_norm_and_activation_shapes_the_model_prices():
