@@ -609,6 +609,10 @@ class _Bench:
                "rms_norm": (2, lambda x, w: F.rms_norm(x, x.shape[-1:], w)),
                "gelu_tanh": (1, lambda x: F.gelu(x, approximate="tanh")),
                "swiglu": (2, lambda a, b: F.silu(a) * b)}
+        # at most 64 Mi elements per tensor on CPU (256 MiB in fp32, a few of them at once), 1 Gi on a GPU:
+        # a larger shape is priced from the nearest one measured, scaled by its elements
+        limit = 1 << 26 if self.dev.type == "cpu" else 1 << 30
+        shapes = [s for s in shapes if s[1] * s[2] <= limit]
         self.note(f"norms and activations: {len(shapes)} shapes x {', '.join(dtypes)}")
         out: list = []
         for dtype in dtypes:
