@@ -437,7 +437,7 @@ def test_the_norms_and_activation_at_their_measured_time_where_the_profile_has_i
 
 def test_plan_says_when_the_profile_did_not_time_the_models_own_matmuls():
     """A profile calibrated on another model extrapolates its fits (docs/planning.md, "Each model on
-    its own profile"): plan says so, and names a shape it did not time."""
+    its own profile"): plan says so, and names a shape, and the norm and activation, it did not time."""
     from workbench.calibrate import model_forward_shapes
     from workbench.planner import plan
     from workbench.spec import load_spec
@@ -446,8 +446,8 @@ def test_plan_says_when_the_profile_did_not_time_the_models_own_matmuls():
     other = plan(spec, profile=_cpu_profile())
     assert any("did not time 2 of this model's forward matmul shapes (e.g. 512 x 256 x 256" in n and "workbench calibrate" in n
                for n in other.notes), other.notes
-    own = tuple((d, m, n, k, 2 * m * n * k / 50e9) for d in ("fp32", "bf16") for m, n, k in model_forward_shapes(load_spec(spec)))
     assert any("nor its layer_norm and gelu_tanh in fp32" in n for n in other.notes), other.notes
+    own = tuple((d, m, n, k, 2 * m * n * k / 50e9) for d in ("fp32", "bf16") for m, n, k in model_forward_shapes(load_spec(spec)))
     timed = plan(spec, profile=_cpu_profile(gemm=_cpu_profile().gemm + own))
     assert not any("matmul shapes" in n for n in timed.notes), timed.notes
     assert any("did not time its layer_norm and gelu_tanh in fp32" in n for n in timed.notes), timed.notes
