@@ -126,6 +126,15 @@ class Parallelism:
         return self.zero >= 2
 
     @property
+    def sp_backward_rows(self) -> bool:
+        """Sequence parallel carries full rows through backward too, on gloo (parallel/sequence_parallel.py
+        BackwardRows: 4 collectives per block and micro-batch, as plain TP, not 6): each region's calls
+        reach their backward whole, so not across a pipeline's stages, a recompute, or FSDP's
+        resharded norms."""
+        return (self.tp > 1 and self.sequence_parallel and self.pp == 1 and self.activation_checkpointing == "none"
+                and not self.fsdp)
+
+    @property
     def reshard_after_forward(self) -> bool:
         """FSDP2 frees each block's gathered weights after its forward (zero 3), or keeps them
         until backward is done (zero 2)."""

@@ -649,14 +649,22 @@ def _tp_comm(hw: Hardware, shape, lay, act_bytes: float, blocks: int, re_dense: 
     activations. With sequence parallelism our runtime (parallel/sequence_stream.py) all-reduces
     the 2 row-parallel outputs forward (keeping the full rows beside its shard) and, per region
     backward, all-gathers the output gradient together with the saved input shard (twice the
-    bytes) and reduce-scatters the input gradient: 6 collectives per block. Published runs' SP
+    bytes) and reduce-scatters the input gradient: 6 collectives per block. On gloo (a CPU) where
+    `sp_backward_rows` holds, each region's backward is one all-reduce of the input gradient with
+    the previous region's two saved shards (3x the bytes), and only the last region all-gathers
+    (its gradient, saved input and norm input): 4 per block and 1 per micro-batch. Published runs' SP
     (Megatron) pays all-gather + reduce-scatter per region each way and gathers the saved shard
     again for each column-parallel linear, counted as in our runtime before #35 (wq, wk, wv, w1, +w3).
     """
     tp = lay.tp
     if tp == 1:
         return 0.0, 0
-    if lay.sequence_parallel and engine.name == WORKBENCH.name:
+    if lay.sequence_parallel and engine.name == WORKBENCH.name and hw.cpu and lay.sp_backward_rows:
+        reduce = hw.collective_s("all_reduce", tp, act_bytes, 1)
+        tp_micro = blocks * (2 * reduce + 2 * hw.collective_s("all_reduce", tp, 3 * act_bytes, 1)) + \
+            hw.collective_s("all_gather", tp, 3 * act_bytes, 1)
+        count = 4 * blocks + 1
+    elif lay.sequence_parallel and engine.name == WORKBENCH.name:
         reduce = hw.collective_s("all_reduce", tp, act_bytes, 1)
         backward = hw.collective_s("all_gather", tp, 2 * act_bytes, 1) + hw.collective_s("reduce_scatter", tp, act_bytes, 1)
         tp_micro = blocks * (2 * reduce + 2 * backward) + 2 * re_dense * reduce

@@ -216,25 +216,31 @@ def test_tensor_parallel_all_reduces_twice_forward_and_twice_backward_per_block(
 def test_sequence_parallel_sums_partial_gradients_once_per_step(family, pool2):
     # Per block and micro-batch: forward all-reduces attention's and the MLP's row-parallel outputs
     # (each rank keeps its sequence shard for autograd and the full rows beside it, from which the
-    # next norm's full output is computed instead of all-gathered); backward all-gathers the output
-    # gradient together with the saved input shard, and reduce-scatters the input gradient, per
-    # region (on gloo as an all-reduce that keeps the slice: gloo's reduce-scatter is one).
-    # 6 collectives, where Megatron's sequence parallel issues 10 (2 more all-gathers forward,
-    # 2 more to re-gather the saved shards) and plain TP 4. The gradients its norms (and row-parallel
-    # biases) get from one shard are summed over tp in one all-reduce per step, however deep the
-    # model (DTensor's SequenceParallel all-reduced each norm parameter's gradient on every
-    # micro-batch: 4 per GPT-2 block). Two depths, two micro-batches: the difference is the blocks'.
-    def count(layers):
-        model = {"family": family, "layers": layers, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 64}
-        spec = {"model": model, "layout": {"tp": 2, "sequence_parallel": True},
-                "train": {"steps": 1, "global_batch": 4, "micro_batch": 2}}
-        (event, _) = [e for e in pool2.run(spec, fn=_count_collectives, timeout_s=240) if e["event"] == "collectives"]
-        return event
+    # next norm's full output is computed instead of all-gathered); backward all-reduces each
+    # region's input gradient (gloo's reduce-scatter is one) together with the previous region's
+    # saved shards, and computes the previous region's output gradient on the full rows, so no
+    # region but the last all-gathers (sequence_parallel.BackwardRows). 4 collectives, as plain TP,
+    # where Megatron's sequence parallel issues 10 (2 more all-gathers forward, 2 + 2 backward).
+    # The gradients its norms (and row-parallel biases) get from one shard are summed over tp in one
+    # all-reduce per step, however deep the model (DTensor's SequenceParallel all-reduced each norm
+    # parameter's gradient on every micro-batch: 4 per GPT-2 block). Two depths, two micro-batches:
+    # the difference is the blocks'.
+    def per_block(**layout):
+        def count(layers):
+            model = {"family": family, "layers": layers, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 64}
+            spec = {"model": model, "layout": {"tp": 2, "sequence_parallel": True, **layout},
+                    "train": {"steps": 1, "global_batch": 4, "micro_batch": 2}}
+            (event, _) = [e for e in pool2.run(spec, fn=_count_collectives, timeout_s=240) if e["event"] == "collectives"]
+            return event
 
-    deep, shallow = count(4), count(2)
-    per_block = {k: (deep[k] - shallow[k]) / (2 * 2) for k in ("all_reduce", "all_gather", "reduce_scatter")}
-    reductions = per_block["all_reduce"] + per_block["reduce_scatter"]
-    assert (reductions, per_block["all_gather"]) == (4, 2), f"{family}: {per_block}"
+        deep, shallow = count(4), count(2)
+        got = {k: (deep[k] - shallow[k]) / (2 * 2) for k in ("all_reduce", "all_gather", "reduce_scatter")}
+        return got["all_reduce"] + got["reduce_scatter"], got["all_gather"]
+
+    assert per_block() == (4, 0), f"{family}: {per_block()}"
+    # recomputed: the forward's 2 all-reduces again and the block input's all-gather, and backward
+    # all-gathers at each region's exit as without the backward rows
+    assert per_block(activation_checkpointing="full") == (6, 3), family
 
 
 def test_sequence_parallel_clips_the_summed_gradients(spawn_pools):

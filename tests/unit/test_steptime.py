@@ -468,3 +468,24 @@ def test_calibrate_times_the_norm_and_activation_shapes_the_model_prices():
                       "resources": {"gpu": "cpu", "gpus_per_node": 2}})
     assert model_elementwise_shapes(spec) == [["gelu_tanh", 64, 256], ["layer_norm", 64, 64], ["rms_norm", 64, 64],
                                               ["rms_norm", 128, 64], ["swiglu", 128, 96], ["swiglu", 128, 192]]
+
+
+def test_sequence_parallel_on_a_cpu_is_priced_with_the_runtimes_backward_rows():
+    """On gloo with one stage, no recompute and no FSDP, our sequence parallel issues plain TP's 4
+    collectives per block (the backward's all-reduces carry 3x the bytes) and one all-gather per
+    micro-batch (parallel/sequence_parallel.py BackwardRows); with a recompute, 6 per block as before."""
+    from workbench.catalog import get_device
+    from workbench.steptime import Hardware
+
+    def tp_comm(**layout):
+        sh, lay = shape("gpt-mini"), Layout(dtype="fp32", tp=2, micro_batch=4, num_micro=1, **layout)
+        p, shard = _stage_params(sh, 2, 1, 0, 1, 1)
+        hw = Hardware(get_device("cpu"), 2, _cpu_profile())
+        return step_time(sh, lay, hw.dev, 4, 2, p, shard, hw=hw).detail["tp_comm_s"]
+
+    hw = Hardware(get_device("cpu"), 2, _cpu_profile())
+    act = 4 * 128 * 256 * 4  # gpt-mini: 4 sequences of 128 tokens, 256 wide, fp32; 6 blocks
+    expected = 6 * (2 * hw.collective_s("all_reduce", 2, act, 1) + 2 * hw.collective_s("all_reduce", 2, 3 * act, 1)) \
+        + hw.collective_s("all_gather", 2, 3 * act, 1)
+    assert tp_comm(sequence_parallel=True) == pytest.approx(expected, rel=1e-9)
+    assert tp_comm(sequence_parallel=True, activation_checkpointing="full") > tp_comm(sequence_parallel=True)

@@ -80,7 +80,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, par: Parallelism, *, 
         from workbench.parallel.tp import apply_tp
 
         for m in out.modules:
-            apply_tp(m, mesh["tp"], sequence_parallel=par.sequence_parallel)
+            apply_tp(m, mesh["tp"], sequence_parallel=par.sequence_parallel, backward_rows=par.sp_backward_rows)
         out.loss_context = loss_parallel
     for m in out.modules:
         apply_activation_checkpointing(m, par.activation_checkpointing, every=par.checkpoint_every)

@@ -18,7 +18,10 @@ so has the next region's input without an all-gather (`attach_sequence_stream`):
 block where Megatron's reduce-scatter + all-gather pairs are 4, with the same bytes on the wire.
 Backward: the output gradient's all-gather carries the region's saved input shard too, which the
 column-parallel linears need next (one all-gather where Megatron issues two). Per block and
-micro-batch: 6 collectives (Megatron: 10, plain TP: 4).
+micro-batch: 6 collectives (Megatron: 10, plain TP: 4). On gloo, without a pipeline, activation
+checkpointing or FSDP, backward carries full rows too (`BackwardRows`): each region's input gradient
+is all-reduced together with the previous region's saved shards, and the previous region's exit then
+communicates nothing: 4 collectives per block and micro-batch, as plain TP.
 """
 from __future__ import annotations
 
@@ -63,6 +66,50 @@ def _reduce_scatter(full: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return out
 
 
+class BackwardRows:
+    """One call of a region (or, with `norm` None, the embedding's output) in the backward stream: on
+    gloo (whose reduce-scatter is an all-reduce of the whole tensor anyway) the region's entry
+    backward all-reduces its input gradient together with the previous region's saved shards (its
+    norm's output and input, each in this rank's rows of a zero buffer: their sum is the gather),
+    runs its own norm's backward on the full rows and hands the previous region the full rows of
+    that region's output gradient (`given`). The previous region's exit backward then communicates
+    nothing, where it would all-gather them; the embedding's backward likewise. Every decision is
+    structural (the same on every rank): whether the previous call exists and the dtypes agree."""
+
+    __slots__ = ("norm", "norm_input", "prev", "autocast", "norm_output", "out_grad", "x_full", "given")
+
+    def __init__(self, norm: nn.Module | None = None, norm_input: torch.Tensor | None = None,
+                 prev: BackwardRows | None = None):
+        self.norm, self.norm_input, self.prev = norm, norm_input, prev
+        device = norm_input.device.type if norm_input is not None else "cpu"
+        self.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        self.norm_output = None  # the entry's shard (the column-parallel linears' input)
+        self.out_grad = self.x_full = None  # full rows of the output gradient and norm input: the exit's backward
+        self.given = None  # (output gradient, norm output, norm input) full rows: the next region's entry backward
+
+    def carried(self, dtype: torch.dtype) -> bool:
+        """Its saved shards can ride in the next region's all-reduce of `dtype`."""
+        return (self.norm is not None and self.norm_output is not None
+                and self.norm_output.dtype == dtype == self.norm_input.dtype)
+
+    def input_grad(self, dy: torch.Tensor) -> torch.Tensor:
+        """The full rows of the gradient of the region's input: its output's plus its norm's backward of
+        `dy` (the norm recomputed on the full rows under the forward's autocast, as the stream computed it)."""
+        device, enabled, dtype = self.autocast
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            x = self.x_full.detach().requires_grad_()
+            y = self.norm.forward(x)  # the instance's forward: no hooks
+            (dx,) = torch.autograd.grad(y, x, dy.to(y.dtype))
+        return self.out_grad.to(dx.dtype) + dx
+
+
+def _in_rows(buf: torch.Tensor, shard: torch.Tensor, mesh: DeviceMesh) -> None:
+    """Write `shard` (B, T/tp, C') into this rank's rows of `buf` (B, T, C'), zeros elsewhere."""
+    rows = shard.shape[SEQ_DIM]
+    start = mesh.get_local_rank() * rows
+    buf.narrow(SEQ_DIM, start, rows).copy_(shard)
+
+
 class _GatherSequence(torch.autograd.Function):
     """(B, T/tp, C) -> (B, T, C); backward reduce-scatters the summed gradient. Saves nothing.
 
@@ -71,17 +118,33 @@ class _GatherSequence(torch.autograd.Function):
     the column-parallel linears that take the gathered input: the first of them to run backward
     (or the region's row-parallel exit, in its own all-gather) gathers the shard again and leaves
     it there for the others (q, k and v share one gather, as Megatron's fused QKV does); this
-    backward, which runs after all of them, drops it."""
+    backward, which runs after all of them, drops it. `link`: this call's BackwardRows (or None)."""
 
     @staticmethod
-    def forward(ctx, shard, mesh, cache, rows):
-        ctx.mesh, ctx.cache = mesh, cache
+    def forward(ctx, shard, mesh, cache, rows, link=None):
+        ctx.mesh, ctx.cache, ctx.link = mesh, cache, link
         return rows[0] if rows[0] is not None else _gather(shard, mesh)
 
     @staticmethod
     def backward(ctx, grad):
         ctx.cache.clear()
-        return _reduce_scatter(grad, ctx.mesh), None, None, None
+        link, mesh = ctx.link, ctx.mesh
+        if link is None or dist.get_backend(mesh.get_group()) != "gloo":
+            return _reduce_scatter(grad, mesh), None, None, None, None
+        prev, c = link.prev, grad.shape[-1]
+        carry = prev is not None and prev.carried(grad.dtype)
+        widths = [c] + ([prev.norm_output.shape[-1], prev.norm_input.shape[-1]] if carry else [])
+        buf = grad.new_zeros((*grad.shape[:-1], sum(widths)))
+        full, *saved = buf.split(widths, dim=-1)
+        full.copy_(grad)
+        if carry:
+            _in_rows(saved[0], prev.norm_output, mesh)
+            _in_rows(saved[1], prev.norm_input, mesh)
+        dist.all_reduce(buf, group=mesh.get_group())
+        if prev is not None and link.out_grad is not None and (carry or prev.norm is None):
+            prev.given = (link.input_grad(full), *saved) if carry else (link.input_grad(full), None, None)
+        link.out_grad = link.x_full = None
+        return full.chunk(mesh.size(), dim=SEQ_DIM)[mesh.get_local_rank()].contiguous(), None, None, None, None
 
 
 class _ShardSavingLinear(torch.autograd.Function):
@@ -109,12 +172,13 @@ class SequenceRegion:
     """What one region of a block (attention or the MLP) hands on within one forward call; each
     field is taken (and cleared) by its one reader, so nothing outlives the call."""
 
-    __slots__ = ("input_full", "entry", "output_full")
+    __slots__ = ("input_full", "entry", "output_full", "backward")
 
     def __init__(self):
         self.input_full = None  # (the norm's output shard, its full rows), from the norm's hook
-        self.entry = None  # (the gathered input's shard, the region's cache), for the exit's backward
+        self.entry = None  # (the gathered input's shard, the region's cache, its BackwardRows), for the exit's backward
         self.output_full = None  # the exit's summed output, full rows, no autograd
+        self.backward = None  # this call's BackwardRows, from the norm's hook (sequence_stream.py)
 
 
 def _take(holder, name: str):
@@ -149,9 +213,12 @@ class GatherSequenceInput(ParallelStyle):
             x, *rest = args
             shard = x.to_local() if isinstance(x, DTensor) else x
             cache: dict = {}
-            full = _GatherSequence.apply(shard, device_mesh, cache, _full_rows_of(region, x))
+            link = _take(region, "backward")
+            if link is not None:
+                link.norm_output = shard
+            full = _GatherSequence.apply(shard, device_mesh, cache, _full_rows_of(region, x), link)
             full.sequence_shard, full.sequence_cache = shard, cache
-            region.entry = (shard, cache)
+            region.entry = (shard, cache, link)
             return (full, *rest)
 
         module.register_forward_pre_hook(gather)
@@ -185,10 +252,10 @@ class _ReduceToSequenceShard(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, partial, mesh, entry):
-        ctx.mesh, ctx.cache = mesh, None
+        ctx.mesh, ctx.cache, ctx.link = mesh, None, None
         if entry is not None:
             ctx.save_for_backward(entry[0])
-            ctx.cache = entry[1]
+            ctx.cache, ctx.link = entry[1], entry[2]
         full = partial.clone(memory_format=torch.contiguous_format)  # autograd's tensors are not ours to change
         dist.all_reduce(full, group=mesh.get_group())
         ctx.mark_non_differentiable(full)
@@ -196,13 +263,22 @@ class _ReduceToSequenceShard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _full_grad):
-        cache = ctx.cache
+        cache, link = ctx.cache, ctx.link
+        given = link.given if link is not None else None
+        if given is not None and given[1] is not None and given[1].dtype == grad.dtype:  # from the next region's entry
+            link.given = None
+            link.out_grad, cache[grad.dtype], link.x_full = given
+            return given[0], None, None
         if cache is not None and grad.dtype not in cache:
             (shard,) = ctx.saved_tensors
             if shard.shape[:-1] == grad.shape[:-1]:
-                both = _gather(torch.cat([grad, shard.to(grad.dtype)], dim=-1), ctx.mesh)
-                cache[grad.dtype] = both[..., grad.shape[-1]:]
-                return both[..., :grad.shape[-1]], None, None
+                x = link.norm_input if link is not None and link.norm_input.dtype == grad.dtype else None
+                parts = [grad, shard.to(grad.dtype)] + ([x] if x is not None else [])
+                full, cache[grad.dtype], *rest = _gather(torch.cat(parts, dim=-1), ctx.mesh).split(
+                    [p.shape[-1] for p in parts], dim=-1)
+                if rest:  # this region's entry can then hand the previous one its full rows
+                    link.out_grad, link.x_full = full, rest[0]
+                return full, None, None
         return _gather(grad, ctx.mesh), None, None
 
 

@@ -38,7 +38,7 @@ from workbench.parallel.sequence_parallel import (
 from workbench.parallel.sequence_stream import attach_sequence_stream
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, backward_rows: bool = False) -> nn.Module:
     """Shard a GPT (or one pipeline stage of it) over `tp_mesh`, in place, on the meta device.
 
     The head's logits stay sharded over the vocabulary (a DTensor, Shard(-1)); compute the loss
@@ -49,6 +49,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
         model: a workbench GPT whose `tok_emb`/`pos_emb`/`norm`/`head` may be None (a stage).
         tp_mesh: the 1-D tensor-parallel mesh.
         sequence_parallel: also shard norms and the residual stream along the sequence (dim 1).
+        backward_rows: with sequence_parallel, carry full rows through backward too (gloo only;
+            sequence_parallel.BackwardRows): the caller says the regions' calls reach their backward
+            whole (one pipeline stage, no recompute, no FSDP).
     Returns:
         The same module, with DTensor parameters.
     """
@@ -78,7 +81,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
     for block in model.blocks.values():
         parallelize_module(block, tp_mesh, _block_plan(block, sp))
     if sp:
-        attach_sequence_stream(model, tp_mesh, head)
+        attach_sequence_stream(model, tp_mesh, head, backward_rows=backward_rows)
     return model
 
 
