@@ -225,11 +225,11 @@ def test_sequence_parallel_sums_partial_gradients_once_per_step(family, pool2):
     # all-reduce per step, however deep the model (DTensor's SequenceParallel all-reduced each norm
     # parameter's gradient on every micro-batch: 4 per GPT-2 block). Two depths, two micro-batches:
     # the difference is the blocks'.
-    def per_block(**layout):
+    def per_block(dtype="fp32", **layout):
         def count(layers):
             model = {"family": family, "layers": layers, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 64}
             spec = {"model": model, "layout": {"tp": 2, "sequence_parallel": True, **layout},
-                    "train": {"steps": 1, "global_batch": 4, "micro_batch": 2}}
+                    "train": {"steps": 1, "global_batch": 4, "micro_batch": 2}, "precision": {"dtype": dtype}}
             (event, _) = [e for e in pool2.run(spec, fn=_count_collectives, timeout_s=240) if e["event"] == "collectives"]
             return event
 
@@ -238,6 +238,7 @@ def test_sequence_parallel_sums_partial_gradients_once_per_step(family, pool2):
         return got["all_reduce"] + got["reduce_scatter"], got["all_gather"]
 
     assert per_block() == (4, 0), f"{family}: {per_block()}"
+    assert per_block("bf16") == (4, 0), family  # the GPU default (autocast), here on gloo
     # recomputed: the forward's 2 all-reduces again and the block input's all-gather, and backward
     # all-gathers at each region's exit as without the backward rows
     assert per_block(activation_checkpointing="full") == (6, 3), family
