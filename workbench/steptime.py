@@ -663,7 +663,7 @@ def _tp_comm(hw: Hardware, shape, lay, act_bytes: float, blocks: int, re_dense: 
         reduce = hw.collective_s("all_reduce", tp, act_bytes, 1)
         tp_micro = blocks * (2 * reduce + 2 * hw.collective_s("all_reduce", tp, 3 * act_bytes, 1)) + \
             hw.collective_s("all_gather", tp, 3 * act_bytes, 1)
-        count = 4 * blocks + 1
+        count: float = 4 * blocks + 1
     elif lay.sequence_parallel and engine.name == WORKBENCH.name:
         reduce = hw.collective_s("all_reduce", tp, act_bytes, 1)
         backward = hw.collective_s("all_gather", tp, 2 * act_bytes, 1) + hw.collective_s("reduce_scatter", tp, act_bytes, 1)
