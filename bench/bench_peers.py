@@ -22,7 +22,16 @@ import argparse
 import os
 import time
 
-from bench.common import median_ci, paired_ratios, stats, steady_tokens_per_s, table, tiny_spec, write_result
+from bench.common import (
+    median_ci,
+    paired_ratios,
+    read_result,
+    stats,
+    steady_tokens_per_s,
+    table,
+    tiny_spec,
+    write_result,
+)
 
 GOAL = 0.95
 SP_GOAL = 1.15  # item 2: sequence parallel's step time within 1.15x of plain tp on the same layout
@@ -152,11 +161,25 @@ def run(quick: bool = False, reps: int | None = None, only: list[str] | None = N
             out[name] = _pair_result(runs, tokens, cfg["skip"], failures)
             print(f"{name}: {_line(out[name])}", flush=True)
             if save_as:
-                write_result(save_as, _result(cfg, out, loads))
+                write_result(save_as, merged(read_result(save_as), _result(cfg, out, loads)))
     finally:
         if own:
             pool.close()
     return _result(cfg, out, loads)
+
+
+def merged(previous: dict | None, result: dict) -> dict:
+    """`result` with the pairs it did not run (`--only`) kept from `previous` (the file it replaces),
+    with their labels and layouts, and the previous notes: the notes are written by hand, and say
+    which pairs ran when."""
+    if not previous:
+        return result
+    out = dict(result)
+    for key in ("pairs", "peer_labels", "layouts"):
+        out[key] = {**previous.get(key, {}), **result[key]}
+    if previous.get("notes") and not result.get("notes"):
+        out["notes"] = previous["notes"]
+    return out
 
 
 def _result(cfg: dict, out: dict, loads: list[float]) -> dict:
@@ -277,8 +300,12 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [n for n in only or [] if n not in PAIRS]
     if unknown:
         ap.error(f"unknown pairs {unknown}; choose from {list(PAIRS)}")
+    previous = read_result(args.name)  # before `run` rewrites it pair by pair
     result = run(args.quick, args.reps, only, args.preset, save_as=args.name)
-    path = write_result(args.name, result)
+    path = write_result(args.name, merged(previous, result))
+    kept = sorted(set((previous or {}).get("pairs", {})) - set(result["pairs"]))
+    if kept:
+        print(f"kept {len(kept)} pairs of the previous {path.name} ({', '.join(kept)}) and its notes")
     rows = [[n, *(p["ratio"][k] for k in ("median", "min", "max")), p["loss_rel_diff"]]
             for n, p in result["pairs"].items() if "ratio" in p]
     print(table(rows, ["pair", "workbench/peer median", "min", "max", "loss rel diff"]))

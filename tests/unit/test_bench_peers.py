@@ -49,3 +49,18 @@ def test_a_pair_that_lost_runs_says_so_beside_its_ratio():
               "config": {"preset": "gpt-tiny", "global_batch": 8, "micro_batch": 2, "steps": 10, "skip": 3, "reps": 6}}
     assert "3 arm runs failed" in bench_peers.section(result, None, None)
     assert "failed" not in bench_peers._line({**pair, "failed": []})
+
+
+def test_a_run_of_some_pairs_keeps_the_others_and_the_notes():
+    """`--only sp/tp` used to rewrite peers.json with that pair alone, dropping the other pairs and the notes."""
+    previous = {"pairs": {"zero1": {"ratio": {"median": 2.0}}, "sp/tp": {"ratio": {"median": 0.86}}},
+                "peer_labels": {"zero1": "plain FSDP2 / ZeRO optimizer", "sp/tp": "workbench tp=2 (no SP)"},
+                "layouts": {"zero1": {"dp": 2, "zero": 1}, "sp/tp": {"tp": 2, "sequence_parallel": True}},
+                "notes": "written by hand"}
+    result = {"pairs": {"sp/tp": {"ratio": {"median": 0.9}}}, "peer_labels": {"sp/tp": "workbench tp=2 (no SP)"},
+              "layouts": {"sp/tp": {"tp": 2, "sequence_parallel": True}}, "goal": 0.95}
+    out = bench_peers.merged(previous, result)
+    assert out["pairs"] == {"zero1": {"ratio": {"median": 2.0}}, "sp/tp": {"ratio": {"median": 0.9}}}
+    assert set(out["peer_labels"]) == set(out["layouts"]) == {"zero1", "sp/tp"}
+    assert out["notes"] == "written by hand" and out["goal"] == 0.95
+    assert bench_peers.merged(None, result) == result
