@@ -591,11 +591,16 @@ class _Bench:
                 q, k, v = (torch.randn(b, h, s, d, device=self.dev).to(DTYPES[dtype]).requires_grad_()
                            for _ in range(3))
                 dy = torch.randn(b, h, s, d, device=self.dev).to(DTYPES[dtype])
-                fwd = self.time(lambda q=q, k=k, v=v: sdpa(q, k, v, is_causal=True))  # recording, as training does
-                both = self.time(lambda q=q, k=k, v=v, dy=dy: torch.autograd.grad(sdpa(q, k, v, is_causal=True),
-                                                                                    (q, k, v), dy))
-                out += [["fwd", dtype, b, h, s, d, fwd], ["bwd", dtype, b, h, s, d, max(both - fwd, 0.05 * both)]]
+                fwd, bwd = self.passes(lambda q, k, v: sdpa(q, k, v, is_causal=True), [q, k, v], dy)
+                out += [["fwd", dtype, b, h, s, d, fwd], ["bwd", dtype, b, h, s, d, bwd]]
         return out
+
+    def passes(self, fn, args: list, dy) -> tuple[float, float]:
+        """(forward, backward alone) seconds of `fn(*args)`: the forward recorded for backward, as
+        training runs it, and forward + backward less the forward (at least 5% of the two)."""
+        fwd = self.time(lambda: fn(*args))
+        both = self.time(lambda: self.torch.autograd.grad(fn(*args), args, dy))
+        return fwd, max(both - fwd, 0.05 * both)
 
     def elementwise(self, dtypes: list, shapes: list) -> list:
         """(op, pass, dtype, rows, columns, seconds) of a block's norm and activation as
@@ -623,9 +628,8 @@ class _Bench:
                 args += [(torch.randn(rows, cols, device=self.dev) if op == "swiglu" else
                           torch.ones(cols, device=self.dev)).to(dt).requires_grad_() for _ in range(n - 1)]
                 dy = torch.randn(rows, cols, device=self.dev).to(dt)
-                fwd = self.time(lambda fn=fn, args=args: fn(*args))
-                both = self.time(lambda fn=fn, args=args, dy=dy: torch.autograd.grad(fn(*args), args, dy))
-                out += [[op, "fwd", dtype, rows, cols, fwd], [op, "bwd", dtype, rows, cols, max(both - fwd, 0.05 * both)]]
+                fwd, bwd = self.passes(fn, args, dy)
+                out += [[op, "fwd", dtype, rows, cols, fwd], [op, "bwd", dtype, rows, cols, bwd]]
         return out
 
     def memory_bw(self, elements: int, dtype: str = "fp32") -> float:
