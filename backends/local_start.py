@@ -33,21 +33,28 @@ def start(spec, on_event: Callable[[dict], None] | None = None, resume: bool = F
 
     launched = time.monotonic()
     spec = load_spec(spec)
-    check_runnable(spec)
-    if spec.checkpoint.uri:
-        from workbench.runtime.checkpoint_lease import check_lease_free
-
-        check_lease_free(spec.checkpoint.uri)  # a second writer of the URI: exit 2 before any worker starts
-    if resume:
-        check_resume_from_checkpoint(spec, or_fresh=resume == RESUME_OR_FRESH)
-    else:
-        check_fresh_checkpoint_uri(spec)
+    check_before_start(spec, resume)
     checked = time.monotonic()
     note = None if on_event is None else (lambda kind, message: on_event({"event": kind, "message": message}))
     ensure_ray(note=note, fallback=f"python -m workbench.cloud_entry --spec SPEC (torchrun with {spec.world_size} ranks "
                "running the same per-rank runtime; metrics as JSON lines on stdout, the same exit codes)")
     startup = {"launched": launched, "phases": {"checks_s": checked - launched, "ray_s": time.monotonic() - checked}}
     return LocalRayBackend().submit(spec, on_event=on_event, resume=resume, startup=startup)
+
+
+def check_before_start(spec: JobSpec, resume: bool | str = False) -> None:
+    """Every refusal a local run makes before any worker starts (`workbench validate` makes the
+    same): the spec's rules, a second writer of checkpoint.uri, and that URI's checkpoints against
+    a fresh run (another run's) or a resume (incompatible, corrupt, not data)."""
+    check_runnable(spec)
+    if spec.checkpoint.uri:
+        from workbench.runtime.checkpoint_lease import check_lease_free
+
+        check_lease_free(spec.checkpoint.uri)
+    if resume:
+        check_resume_from_checkpoint(spec, or_fresh=resume == RESUME_OR_FRESH)
+    else:
+        check_fresh_checkpoint_uri(spec)
 
 
 def check_fresh_checkpoint_uri(spec: JobSpec) -> None:

@@ -30,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no terminal progress bar")
 
     validate = command("validate", "Check the spec as run does before any worker starts; exit 2 with the reason.")
+    validate.add_argument("--resume", action="store_true",
+                          help="check as `run --resume` does (the checkpoints under checkpoint.uri can be resumed)")
+    validate.add_argument("--resume-or-fresh", action="store_true", help="check as `run --resume-or-fresh` does")
     memory = command("memory", "Predicted memory per rank.")
     memory.add_argument("--json", action="store_true", help="machine-readable output")
     plan = command("plan", "Candidate layouts for the spec's resources, best first.")
@@ -37,13 +40,13 @@ def _parser() -> argparse.ArgumentParser:
     for c in (validate, memory, plan):
         c.add_argument("--trust-factory", action="store_true",
                        help="let planning import and call model.factory (it is code); same as model.trust_factory: true")
-    plan.add_argument("--top", type=int, default=10, help="how many candidates to show (default 10)")
+    plan.add_argument("--top", type=_positive_int, default=10, help="how many candidates to show (default 10)")
     plan.add_argument("--profile", help="a hardware profile from `workbench calibrate` (default: $WORKBENCH_PROFILE, "
                       "else the one saved for the spec's GPU type, else the catalog's figures)")
     dispatch = command("dispatch", "Submit the job to a backend, or print the request with --dry-run.")
     dispatch.add_argument("--backend", help="local | ray | sagemaker | vertex | azureml (default: the spec's)")
     dispatch.add_argument("--dry-run", action="store_true", help="print the exact request; needs no credentials or network")
-    cal = command("calibrate", "Measure this cluster (GEMMs, memory, collectives) for plan and memory to use.")
+    cal = command("calibrate", "Measure this cluster (GEMMs, memory, collectives) for plan's step times and the notebook to use.")
     cal.add_argument("-o", "--output", help="write the profile here (default: $WORKBENCH_HOME/profiles/<device>.yaml)")
     cal.add_argument("--quick", action="store_true", help="fewer sizes, shorter timings (under a minute on a laptop)")
     _interop_commands(sub, command)
@@ -101,22 +104,39 @@ def _training_commands(sub) -> None:
     smp.add_argument("--seed", type=int, default=0)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 0 < n <= 1 << 20:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: a whole number from 1 to {1 << 20:,}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _COMMANDS[args.command](args)
     except ConfigError as e:
-        # capped, and printable whatever undecodable bytes (a file name, a --set value) it quotes
-        text = clip(str(e)).encode("utf-8", "backslashreplace").decode("utf-8")
-        print(f"error: {text}", file=sys.stderr)
+        print(f"error: {_printable(clip(str(e)))}", file=sys.stderr)
         return 2
     except WorkerError as e:
         code = getattr(e, "exit_code", 1)  # e.g. 69: the local Ray cluster did not start (backends/ray_start.py)
-        print(f"error: {e}" if code != 1 else f"error: training failed: {e}", file=sys.stderr)
+        print(f"error: {_printable(str(e))}" if code != 1 else f"error: training failed: {_printable(str(e))}",
+              file=sys.stderr)
         return code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _printable(text: str) -> str:
+    """`text` safe for a terminal whatever it quotes (a key, a file name, a --set value): control
+    characters (an escape sequence would clear the screen or fake output) and undecodable bytes
+    escaped, line breaks and tabs kept."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def _load(args, layout: bool = True):
@@ -126,14 +146,16 @@ def _load(args, layout: bool = True):
     return load_spec(args.spec, [*args.overrides, *trust], layout=layout)
 
 
+def _resume(args) -> bool | str:
+    from workbench.runtime.checkpoint_store import RESUME_OR_FRESH
+
+    return RESUME_OR_FRESH if args.resume_or_fresh else args.resume
+
+
 def _run(args) -> int:
     from workbench.launch import run
 
-    spec = _load(args)
-    from workbench.runtime.checkpoint_store import RESUME_OR_FRESH
-
-    resume = RESUME_OR_FRESH if args.resume_or_fresh else args.resume
-    result = run(spec, metrics_out=args.metrics_out, resume=resume, progress=not args.no_progress,
+    result = run(_load(args), metrics_out=args.metrics_out, resume=_resume(args), progress=not args.no_progress,
                  report=args.report)
     return 0 if result.status == "completed" else result.exit_code
 
@@ -142,7 +164,12 @@ def _validate(args) -> int:
     from workbench.validate import check_runnable
 
     spec = _load(args)
-    check_runnable(spec)  # validate == run: every refusal run makes before a worker starts
+    if spec.backend.name == "local":  # validate == run: every refusal run makes before a worker starts
+        from backends.local_start import check_before_start
+
+        check_before_start(spec, _resume(args))
+    else:  # the cloud checks its own checkpoint URI when the job starts there
+        check_runnable(spec)
     print(f"ok: {spec!r}")
     return 0
 

@@ -23,6 +23,8 @@ MAX_PROFILE_BYTES = 1 << 20  # a profile is ~20 KiB; a file past 1 MiB is not on
 MAX_POINTS = 1_500  # measured points per table (calibrate writes ~200; the YAML loader stops at 20,000 values)
 MAX_RANKS = 1 << 17  # as a spec's bound (workbench/spec_input.py)
 MAX_DIM = 1 << 31  # a GEMM dimension
+# Memory bandwidth (bytes/s): 1 MB/s is below any memory; 1e14 is 20x an H200's HBM.
+MIN_MEMORY_BW, MAX_MEMORY_BW = 1e6, 1e14
 DTYPES = ("fp32", "bf16", "fp16")
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 LINKS = ("intra", "inter")
@@ -409,6 +411,16 @@ def _pos(raw, name: str, where: str, allow_zero: bool = False) -> float:
     return float(raw)
 
 
+def _bandwidth(raw, name: str, where: str) -> float:
+    """Bytes/s of memory: a measured rate lies between a slow disk's and any HBM's (a figure far
+    outside is a typo or an edited file, and would price a step at ~0 or ~forever)."""
+    bw = _pos(raw, name, where)
+    if not MIN_MEMORY_BW <= bw <= MAX_MEMORY_BW:
+        raise _fail(where, name, f"bytes/s from {MIN_MEMORY_BW:.0e} to {MAX_MEMORY_BW:.0e} (a measured memory "
+                                 f"bandwidth), not {clip(repr(raw), 80)}")
+    return bw
+
+
 def _text(raw, name: str, where: str, limit: int = 255) -> str:
     if not isinstance(raw, str) or not raw or len(raw) > limit or not raw.isprintable():
         raise _fail(where, name, f"printable text of 1 to {limit} characters, not {clip(repr(raw), 80)}")
@@ -456,7 +468,7 @@ def profile_from_dict(raw, where: str = "(dict)") -> HardwareProfile:
         nodes=_int(raw["nodes"], "nodes", where, 1, MAX_RANKS),
         ranks_per_node=_int(raw["ranks_per_node"], "ranks_per_node", where, 1, MAX_RANKS),
         threads_per_rank=_int(raw["threads_per_rank"], "threads_per_rank", where, 1, 1 << 16),
-        gemm=gemm, memory_bw=_pos(raw["memory_bw"], "memory_bw", where),
+        gemm=gemm, memory_bw=_bandwidth(raw["memory_bw"], "memory_bw", where),
         op_overhead_s=_pos(raw["op_overhead_s"], "op_overhead_s", where, allow_zero=True), collectives=colls)
 
 
@@ -515,7 +527,7 @@ def _collective_rows(raw, where: str) -> tuple:
 def _memory_bw_dtype(raw, where: str) -> tuple:
     if not isinstance(raw, dict):
         raise _fail(where, "memory_bw_dtype", f"a mapping of dtype to bytes/s, not {clip(repr(raw), 80)}")
-    return tuple((_choice(d, "memory_bw_dtype dtype", where, DTYPES), _pos(bw, f"memory_bw_dtype {d}", where))
+    return tuple((_choice(d, "memory_bw_dtype dtype", where, DTYPES), _bandwidth(bw, f"memory_bw_dtype {d}", where))
                  for d, bw in raw.items())
 
 
@@ -580,7 +592,7 @@ def load_profile(path) -> HardwareProfile:
     """Read a profile file (YAML, at most 1 MiB). Raises ConfigError naming the file and the field."""
     p = Path(path)
     where = repr(clip(str(p), 300))
-    return profile_from_dict(parse_yaml(read_bounded(p, "hardware profile", MAX_PROFILE_BYTES), where), where)
+    return profile_from_dict(parse_yaml(read_bounded(p, "hardware profile", MAX_PROFILE_BYTES), where, "hardware profile"), where)
 
 
 def save_profile(profile: HardwareProfile, path) -> None:
@@ -640,4 +652,9 @@ def find_profile(device: str, explicit: str | None = None) -> HardwareProfile | 
                               "drop the profile to use the catalog defaults.")
         return profile
     default = default_profile_path(device)
-    return load_profile(default) if default.is_file() else None
+    try:
+        saved = default.is_file()
+    except OSError as e:  # e.g. a WORKBENCH_HOME whose names are longer than the file system allows
+        raise ConfigError(f"the saved profile {clip(str(default), 300)!r} (under $WORKBENCH_HOME): cannot read it: "
+                          f"{e.strerror or e}. Set WORKBENCH_HOME to a folder you can read.") from None
+    return load_profile(default) if saved else None

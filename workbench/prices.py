@@ -14,6 +14,7 @@ PRICES_DATE = "2026-11"
 
 # Spot as a fraction of on-demand: typical discounts for GPU training instances (60-70%)
 # reported by each provider's spot pages ("up to 90% off"); an assumption, not a quote.
+MAX_PRICES_BYTES = 1 << 20  # a price table is a few KiB
 SPOT_FRACTION = {"aws": 0.40, "gcp": 0.35, "azure": 0.40}
 
 # device -> cloud -> (instance, gpus, on-demand USD/hour for the instance, source page)
@@ -81,7 +82,7 @@ def load_prices(override: str | dict | None = None) -> dict[str, dict[str, Price
     table = {dev: {cloud: Price(cloud, inst, n, usd / n, usd / n * SPOT_FRACTION[cloud], src)
                    for cloud, (inst, n, usd, src) in clouds.items()}
              for dev, clouds in _TABLE.items()}
-    override = override if override is not None else os.environ.get("WORKBENCH_PRICES")
+    override = override if override is not None else (os.environ.get("WORKBENCH_PRICES") or None)
     if override is None:
         return table
     for dev, clouds in _read(override).items():
@@ -102,16 +103,14 @@ def _read(override) -> dict:
         return override
     if not isinstance(override, (str, os.PathLike)):
         raise ConfigError(f"prices: a YAML path or a dict, not {type(override).__name__}.")
-    import yaml
+    from pathlib import Path
 
-    try:
-        with open(override) as f:
-            data = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"prices {override!r}: cannot read it ({e}). Give a YAML file of "
-                          "{device: {cloud: {on_demand: USD_per_GPU_hour, spot: ...}}}.") from None
+    from workbench.spec_input import clip, parse_yaml, read_bounded
+
+    where = f"prices {clip(repr(str(override)), 300)}"
+    data = parse_yaml(read_bounded(Path(override), "prices file", MAX_PRICES_BYTES), where, "price table") or {}
     if not isinstance(data, dict):
-        raise ConfigError(f"prices {override!r}: expected a mapping of device -> cloud -> prices.")
+        raise ConfigError(f"{where}: expected a mapping of device -> cloud -> prices.")
     return data
 
 

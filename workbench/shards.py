@@ -41,6 +41,9 @@ _TRAIN_CHARS = 1 << 12
 MAX_JSONL_LINE_CHARS = 1 << 26  # 64 Mi characters
 MAX_SHARD_TOKENS = 1 << 40
 MAX_BPE_VOCAB = 1 << 20  # a BPE trained here (the largest published vocabularies are ~256,000)
+# index.json: ~60 bytes a shard; 2^18 shards of the default size are 70 T tokens.
+MAX_INDEX_BYTES = 1 << 24
+MAX_SHARDS = 1 << 18
 
 
 # -- reading the inputs --------------------------------------------------------------------
@@ -491,6 +494,17 @@ def _encode_records(enc: ExampleEncoder, fmt: str, batch: list, writer, bounds, 
 
 # -- reading shards ------------------------------------------------------------------------
 
+def _parse_index(data: bytes, uri: str):
+    """The JSON of index.json, or a ConfigError saying why it is not one."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as e:
+        why = ("not UTF-8" if isinstance(e, UnicodeDecodeError) else "nested too deeply" if isinstance(e, RecursionError)
+               else f"not JSON: {str(e)[:200]}" if isinstance(e, json.JSONDecodeError) else "a number too long to read")
+        raise ConfigError(f"data.path: {uri}/{INDEX} is not a token index workbench wrote ({why}). Make the shards "
+                          "again with workbench data prepare.") from None
+
+
 def _check_index(index, uri: str) -> None:
     """A token index is data of known shape: token ids as uint16/uint32 (never `object`, which numpy
     would read as pointers), counts as ints, shard and tokenizer files as plain names in its folder."""
@@ -506,7 +520,8 @@ def _check_index(index, uri: str) -> None:
         f"dtype {str(index.get('dtype'))[:40]!r} (uint16 or uint32)" * (index.get("dtype") not in ("uint16", "uint32")),
         f"vocab_size {str(index.get('vocab_size'))[:40]!r}" * (not count(index.get("vocab_size"))),
         f"eos_id {str(index.get('eos_id'))[:40]!r}" * (index.get("eos_id") is not None and not count(index.get("eos_id"))),
-        "shards (a list of {file, tokens})" * (not isinstance(shards, list) or not all(
+        f"shards (a list of {{file, tokens}}, at most {MAX_SHARDS:,})" * (
+            not isinstance(shards, list) or len(shards) > MAX_SHARDS or not all(
             isinstance(x, dict) and plain(x.get("file")) and count(x.get("tokens")) for x in shards)),
         "tokenizer_file" * (index.get("tokenizer_file") is not None and not plain(index.get("tokenizer_file"))),
         "examples ({file, count})" * (masked and not (isinstance(examples, dict) and plain(examples.get("file"))
@@ -533,20 +548,19 @@ class TokenShards:
         from fsspec.implementations.local import LocalFileSystem
 
         self.uri = uri
-        self.fs, self.root = fsspec.core.url_to_fs(uri)
         try:
-            with self.fs.open(f"{self.root}/{INDEX}", "r") as f:
-                self.index = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"data.path: no {INDEX} under {uri!r}. Make token shards first: "
-                              f"workbench data prepare FILES --out {uri}") from None
+            self.fs, self.root = fsspec.core.url_to_fs(uri)
+        except Exception as e:  # an unknown protocol, its package not installed, a chained URL that fails to open
+            raise ConfigError(f"data.path: cannot open {uri!r}: {str(e)[:300]}. Give a local folder or an fsspec "
+                              "URI (s3://, gs://, az://) whose package is installed.") from None
+        self.local = isinstance(self.fs, LocalFileSystem)
+        self.index = _parse_index(self._read_index(), uri)
         if not isinstance(self.index, dict) or self.index.get("format") != FORMAT:
             raise ConfigError(f"data.path: {uri}/{INDEX} is not a workbench token index (format "
                               f"{str(getattr(self.index, 'get', dict().get)('format'))[:40]!r}, expected {FORMAT!r}).")
         _check_index(self.index, uri)
         self.dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
         self.vocab_size = int(self.index["vocab_size"])
-        self.local = isinstance(self.fs, LocalFileSystem)
         self.masked = "examples" in self.index  # fine-tuning shards: a loss mask and example boundaries
         self.offsets = [0]
         for shard in self.index["shards"]:
@@ -563,6 +577,35 @@ class TokenShards:
             if ends != (0, len(self)):
                 raise ConfigError(f"data.path: {uri}/{self.index['examples']['file']} bounds the examples by {ends}, "
                                   f"not (0, {len(self)}) tokens. Make the shards again.")
+
+    def _read_index(self) -> bytes:
+        """index.json's bytes, at most MAX_INDEX_BYTES: a regular file on a local disk (a pipe or
+        device would hang or never end), any failure of an object store's client a ConfigError."""
+        from workbench.spec_input import read_bounded
+
+        path = f"{self.root}/{INDEX}"
+        missing = ConfigError(f"data.path: no {INDEX} under {self.uri!r}. Make token shards first: "
+                              f"workbench data prepare FILES --out {self.uri}")
+        if self.local:
+            try:
+                exists = Path(path).exists()
+            except OSError:  # a name too long, or a file where a folder should be
+                exists = False
+            if not exists:
+                raise missing
+            return read_bounded(Path(path), "data.path: the token index", MAX_INDEX_BYTES)
+        try:
+            with self.fs.open(path, "rb") as f:
+                data = f.read(MAX_INDEX_BYTES + 1)
+        except FileNotFoundError:
+            raise missing from None
+        except Exception as e:  # the store's client: credentials, network, permissions
+            raise ConfigError(f"data.path: cannot read {self.uri}/{INDEX}: {type(e).__name__}: {str(e)[:300]}. "
+                              "Check the URI and the store's credentials.") from None
+        if len(data) > MAX_INDEX_BYTES:
+            raise ConfigError(f"data.path: {self.uri}/{INDEX} is over {MAX_INDEX_BYTES >> 20} MiB: not a token index "
+                              "workbench wrote. Make the shards again.")
+        return data
 
     def _check_size(self, name: str, n: int, itemsize: int, unit: str = "tokens") -> None:
         size = self.fs.size(f"{self.root}/{name}")

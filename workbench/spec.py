@@ -99,7 +99,7 @@ def load_spec(source: str | Path | dict | JobSpec, overrides: list[str] | None =
         if isinstance(source, str) and ("\0" in source or len(source) > 4096):
             raise ConfigError(f"spec path {clip(repr(source), 200)}: not a file path (a NUL byte, or longer "
                               "than 4,096 characters). Pass the path of a YAML spec.")
-        raw = _untrusted(read_spec_file(Path(source)) or {}, source)
+        raw = _untrusted(read_spec_file(Path(source)), source)
     else:
         raise ConfigError(f"a spec is a YAML/JSON path, a dict or a JobSpec, not {_type_name(source)}. "
                           "E.g. load_spec('examples/quickstart.yaml').")
@@ -159,6 +159,9 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         if len(parts) > MAX_DEPTH:
             raise ConfigError(f"--set {clip(key.strip(), 200)!r}: a key path of {len(parts):,} parts; a spec nests at "
                               f"most {MAX_DEPTH} deep (e.g. --set layout.dp=4).")
+        if not all(parts):
+            raise ConfigError(f"--set {clip(item, 200)!r}: the key path {clip(key.strip(), 200)!r} has an empty part "
+                              "(a leading, trailing or doubled dot). Write section.key=value, e.g. --set layout.dp=4.")
         for part in parts[:-1]:
             child = node.get(part)
             if child is None:
@@ -227,6 +230,9 @@ def _explain(err: ValidationError) -> str:
             lines.append(f"{where}: unknown key.{hint} Known keys here: {', '.join(known)}.")
         else:
             got = e.get("input")
+            if e["type"] == "value_error":  # our own validators' messages name what they got
+                lines.append(f"{where}: {e['ctx']['error']}.")
+                continue
             got_text = "" if isinstance(got, dict) else f" (got {_short_repr(got)})"
             why = f": {_BOUND_WHY[where]}" if e["type"] == "less_than_equal" and where in _BOUND_WHY else ""
             lines.append(f"{where}: {e['msg']}{got_text}{why}.")

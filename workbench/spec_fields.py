@@ -6,11 +6,13 @@ spec, and re-exports every class here): nothing in this module validates across 
 from __future__ import annotations
 
 import json
+import types
+import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from workbench.parallelism import Parallelism, PipelineSchedule
 from workbench.schedule import LrSchedule
@@ -38,8 +40,22 @@ class _Section(BaseModel):
     # Infinity and NaN are never a setting (an lr of .inf validates, then every step is NaN).
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_number(cls, value, info: ValidationInfo):
+        """true/false is not a count or a rate (pydantic would read true as 1, `yes` as 1 nodes)."""
+        if isinstance(value, bool) and info.field_name and _numeric_only(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, got {str(value).lower()} (a boolean)")
+        return value
+
     def _repr_html_(self) -> str:
         return _html_table(self.model_dump(exclude_defaults=False))
+
+
+def _numeric_only(annotation) -> bool:
+    """The annotation takes ints or floats (or None) and nothing else."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    return any(a in (int, float) for a in args) and all(a in (int, float, type(None)) for a in args)
 
 
 class RopeScalingSpec(_Section):

@@ -47,21 +47,29 @@ def clip(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
 
 class _SpecLoader(yaml.SafeLoader):
     """SafeLoader bounded in depth and in expanded size while it composes, so a bomb is refused
-    before it is built; dates stay strings (a job named 2024-01-01 is a name, not a date)."""
+    before it is built; a key given twice in one mapping is an error, not a silent overwrite;
+    YAML 1.1's octal, binary and base-60 numbers (016 is 14, 1:30 is 90) are refused rather than
+    read as another value; dates stay strings (a job named 2024-01-01 is a name, not a date)."""
 
-    def __init__(self, stream):
+    def __init__(self, stream, kind: str = "spec"):
         super().__init__(stream)
+        self.kind = kind  # "spec", "hardware profile", ...: what the messages call the text
         self._depth = 0
+        self._composed = 0  # nodes composed so far, aliases not expanded
         self._weight: dict[int, int] = {}  # id(node) -> its node count with aliases expanded
 
     def compose_node(self, parent, index):
         is_alias = self.check_event(yaml.AliasEvent)
+        mark = self.peek_event().start_mark
         self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
-                mark = self.peek_event().start_mark
                 raise ConfigError(f"nested more than {MAX_DEPTH} levels deep (line {mark.line + 1}). "
-                                  "A spec is a few sections of key: value pairs.")
+                                  f"A {self.kind} is a few sections of key: value pairs.")
+            self._composed += not is_alias
+            if self._composed > MAX_NODES:  # counted as they come: a long flat list stops here, not once built
+                raise ConfigError(f"more than {MAX_NODES:,} values (line {mark.line + 1}). A {self.kind} is a few "
+                                  "sections of key: value pairs.")
             node = super().compose_node(parent, index)
         finally:
             self._depth -= 1
@@ -74,31 +82,70 @@ class _SpecLoader(yaml.SafeLoader):
         weight = 1 + sum(self._weight[id(c)] for c in children)
         if weight > MAX_NODES:
             raise ConfigError(f"YAML aliases expand to more than {MAX_NODES:,} values (an alias bomb?). "
-                              "A spec is a few dozen keys; write the values out instead of nesting aliases.")
+                              f"A {self.kind} is a few dozen keys; write the values out instead of nesting aliases.")
         self._weight[id(node)] = weight
         return node
 
+    def construct_mapping(self, node, deep=False):
+        first: dict[str, int] = {}
+        for key, _ in node.value:  # before merge keys (<<) are flattened: a key given after a merge overrides it
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                line = key.start_mark.line + 1
+                if key.value in first:
+                    raise ConfigError(f"line {line}: the key {clip(repr(key.value), 100)} is given twice in one "
+                                      f"section (first at line {first[key.value]}); the second would silently "
+                                      "replace the first. Keep one.")
+                first[key.value] = line
+        return super().construct_mapping(node, deep)
 
+    def construct_yaml_int(self, node):
+        value = super().construct_yaml_int(node)
+        digits = node.value.replace("_", "").lstrip("+-")
+        form = ("base-60" if ":" in digits else "binary" if digits.startswith("0b") else
+                "octal" if len(digits) > 1 and digits[0] == "0" and digits[1] != "x" else None)
+        if form:
+            raise ConfigError(f"line {node.start_mark.line + 1}: {clip(node.value, 40)} is a YAML 1.1 {form} number "
+                              f"(it reads as {_int_text(value)}). Write the number in decimal, or quote it to keep "
+                              "it as text.")
+        return value
+
+    def construct_yaml_float(self, node):
+        if ":" in node.value:
+            raise ConfigError(f"line {node.start_mark.line + 1}: {clip(node.value, 40)} is a YAML 1.1 base-60 number. "
+                              "Write the number in decimal, or quote it to keep it as text.")
+        return super().construct_yaml_float(node)
+
+
+_SpecLoader.add_constructor("tag:yaml.org,2002:int", _SpecLoader.construct_yaml_int)
+_SpecLoader.add_constructor("tag:yaml.org,2002:float", _SpecLoader.construct_yaml_float)
 _SpecLoader.yaml_implicit_resolvers = {
     first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 
 
-def parse_yaml(text: str | bytes, where: str):
-    """Parse spec YAML (bytes: UTF-8, or UTF-16 with a BOM). Raises ConfigError naming `where`."""
+def parse_yaml(text: str | bytes, where: str, kind: str = "spec"):
+    """Parse the YAML of a `kind` ("spec", "hardware profile", ...) read from `where` (bytes:
+    UTF-8, or UTF-16 with a BOM). Raises ConfigError naming `where`."""
     try:
-        return yaml.load(text, Loader=_SpecLoader)
+        loader = _SpecLoader(text, kind)
+        try:
+            return loader.get_single_data()
+        finally:
+            loader.dispose()
     except ConfigError as e:  # a bound of _SpecLoader
         raise ConfigError(f"{where}: {e}") from None
     except yaml.reader.ReaderError as e:
+        if e.encoding == "unicode" and not 0xD800 <= e.character <= 0xDFFF:  # decoded: a control character
+            raise ConfigError(f"{where}: a control character (U+{e.character:04X}) at position {e.position}; YAML "
+                              "text allows tabs and line breaks only. Remove it.") from None
         raise ConfigError(f"{where}: not UTF-8 text ({clip(str(e.reason), 200)} at position {e.position}). "
-                          "Use UTF-8 (save a spec file as UTF-8; UTF-16 needs its byte-order mark).") from None
+                          f"Use UTF-8 (save a {kind} file as UTF-8; UTF-16 needs its byte-order mark).") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{where}: not valid YAML: {clip(str(e), 500)}") from None
     except RecursionError:  # a parser stage deeper than our composer bound (e.g. flow collections)
-        raise ConfigError(f"{where}: nested too deeply; a spec is a few sections of key: value pairs.") from None
+        raise ConfigError(f"{where}: nested too deeply; a {kind} is a few sections of key: value pairs.") from None
     except ValueError as e:  # int() of a number past Python's 4,300-digit limit
-        raise ConfigError(f"{where}: a number too long to read ({clip(str(e), 200)}); numbers in a spec fit in "
+        raise ConfigError(f"{where}: a number too long to read ({clip(str(e), 200)}); numbers in a {kind} fit in "
                           f"{MAX_INT_BITS} bits.") from None
 
 
@@ -116,8 +163,7 @@ def read_bounded(path: Path, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
                                                      if exists else "does not exist."))
         size = path.stat().st_size
         if size > limit:
-            raise ConfigError(f"{what} {shown!r}: {size / 2**20:.1f} MiB is too large (they are a few KiB; "
-                              f"the limit is {limit / 2**20:g} MiB).")
+            raise ConfigError(f"{what} {shown!r}: {size:,} bytes is too large (the limit is {limit / 2**20:g} MiB).")
         with open(path, "rb") as f:
             data = f.read(limit + 1)
     except OSError as e:
@@ -128,11 +174,22 @@ def read_bounded(path: Path, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
 
 
 def read_spec_file(path: Path):
-    """The parsed YAML/JSON of a spec file. Raises ConfigError for a missing, huge or binary file."""
-    if not path.exists():
+    """The parsed YAML/JSON of a spec file. Raises ConfigError for a missing, huge, binary or
+    empty file (a truncated or wrong file would otherwise run on defaults)."""
+    if str(path) in ("", "."):
+        raise ConfigError("no spec file given. Pass the path of a YAML spec, e.g. examples/quickstart.yaml.")
+    try:
+        missing = not path.exists()
+    except OSError as e:  # a name longer than the file system allows
+        raise ConfigError(f"spec file {clip(str(path), 300)!r}: cannot read it: {e.strerror or e}.") from None
+    if missing:
         raise ConfigError(f"spec file {clip(str(path), 300)!r} does not exist. "
                           "Pass the path of a YAML spec, e.g. examples/quickstart.yaml.")
-    return parse_yaml(read_bounded(path, "spec file"), clip(str(path), 300))
+    raw = parse_yaml(read_bounded(path, "spec file"), clip(str(path), 300))
+    if raw is None:
+        raise ConfigError(f"spec file {clip(str(path), 300)!r} is empty (or only comments). A spec needs at least "
+                          "its model, e.g. model: {preset: gpt-tiny}; see examples/quickstart.yaml.")
+    return raw
 
 
 _SCALARS = (str, int, float, bool, type(None))

@@ -60,7 +60,8 @@ def test_validate_refuses_exactly_what_run_refuses_over_the_layout_matrix(monkey
     for c in combinations():
         raw = raw_spec(c)
         try:
-            cli._validate(argparse.Namespace(spec=raw, overrides=[], trust_factory=False))
+            cli._validate(argparse.Namespace(spec=raw, overrides=[], trust_factory=False, resume=False,
+                                             resume_or_fresh=False))
             validate = None
         except ConfigError as e:
             validate = str(e)

@@ -158,6 +158,8 @@ def _write(tmp_path, data, name="p.yaml"):
     ("memory_bw", -1.0, "memory_bw"),
     ("memory_bw", float("inf"), "memory_bw"),
     ("memory_bw", float("nan"), "memory_bw"),
+    ("memory_bw", 1e-300, r"memory_bw: .*bytes/s from 1e\+06 to 1e\+14"),  # would price a step at ~forever
+    ("memory_bw_dtype", {"bf16": 1e20}, "memory_bw_dtype bf16"),
     ("op_overhead_s", "fast", "op_overhead_s"),
     ("gemm", [], "gemm"),
     ("gemm", {"a": 1}, "gemm"),

@@ -171,6 +171,12 @@ def test_does_not_fit_is_reported():
                    "resources": {"gpu": "h100-80gb", "gpus_per_node": 8}})
     est = estimate_memory(s)
     assert est.fits is False and "DOES NOT FIT" in est.table()
+    huge = estimate_memory(load_spec({"model": {"family": "gpt", "layers": 2, "hidden": 1 << 20, "heads": 1 << 20,
+                                                "vocab": 1 << 24, "seq_len": 1 << 24}, "layout": {"dp": 2},
+                                      "resources": {"gpus_per_node": 2}}))
+    row = huge.table().splitlines()[2].split()  # every column apart, in TiB / PiB rather than a million GiB
+    assert row[:2] == ["pp0", "2"] and row[2::2][:7] == ["224.00", "224.00", "0.0", "448.00", "13.00", "4.00", "17.88"]
+    assert row[3::2][:7] == ["TiB", "TiB", "KiB", "TiB", "PiB", "PiB", "PiB"]
 
 
 def test_a_trusted_factory_model_gets_model_states_from_its_meta_parameters():

@@ -1,5 +1,6 @@
 """The planner: valid layouts only, all fitting by the memory model, ranked, priced."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -65,8 +66,28 @@ def test_price_override_from_yaml_env(tmp_path, monkeypatch):
 def test_bad_price_override_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="on_demand"):
         load_prices({"h100-80gb": {"aws": {"spot": 1.0}}})
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(ConfigError, match="prices file .*missing.yaml' does not exist"):
         load_prices(str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.parametrize("content, needle", [
+    (bytes(range(128, 256)), "not UTF-8 text"),
+    (b"[" * 100_000, "nested more than 32 levels"),
+    (b"a: {aws: {on_demand: 1.0}}\n" * 2 + b"x" * (1 << 20), "too large"),
+    (b"h100-80gb: {aws: {on_demand: 1.0}}\nh100-80gb: {aws: {on_demand: 2.0}}\n", "given twice"),
+    (None, "is not a regular file"),  # a pipe: a plain open() would wait for a writer forever
+])
+def test_a_price_table_is_read_with_the_specs_bounds(tmp_path, monkeypatch, content, needle):
+    path = tmp_path / "prices.yaml"
+    if content is None:
+        os.mkfifo(path)
+    else:
+        path.write_bytes(content)
+    monkeypatch.setenv("WORKBENCH_PRICES", str(path))
+    with pytest.raises(ConfigError, match=needle):
+        load_prices()
+    monkeypatch.setenv("WORKBENCH_PRICES", "")  # empty is unset, as WORKBENCH_PROFILE
+    assert load_prices()["h100-80gb"]
 
 
 def test_contract_json_via_cli(capsys):

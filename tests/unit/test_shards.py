@@ -1,6 +1,7 @@
 """Token shards: prepare from text / jsonl / parquet / Arrow, the index, memmap and fsspec reads,
 layout-invariant batches, the held-out split and the errors."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -152,6 +153,35 @@ def test_a_forged_index_is_refused_before_any_read(shards, tmp_path, forge):
     (tmp_path / "s" / "index.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match="is not a workbench token index"):
         TokenShards(str(tmp_path / "s"))
+
+
+@pytest.mark.parametrize("index, needle", [
+    (b"{not json", "not JSON: Expecting property name"),
+    (bytes(range(128, 256)), "not UTF-8"),
+    (b"[" * 200_000 + b"]" * 200_000, "nested too deeply"),
+    (b'{"vocab_size": ' + b"9" * 5000 + b"}", "a number too long to read"),
+    (b" " * ((1 << 24) + 1), "16,777,217 bytes is too large"),
+    (None, "is not a regular file"),  # a pipe named index.json: json.load would wait for a writer
+])
+def test_an_index_that_is_not_one_is_refused_with_a_bound(tmp_path, index, needle):
+    (tmp_path / "s").mkdir()
+    path = tmp_path / "s" / "index.json"
+    if index is None:
+        os.mkfifo(path)
+    else:
+        path.write_bytes(index)
+    with pytest.raises(ConfigError, match=needle):
+        TokenShards(str(tmp_path / "s"))
+
+
+@pytest.mark.parametrize("uri, needle", [
+    ("nosuch://x/y", "cannot open 'nosuch://x/y': Protocol not known"),
+    ("zip://x::file:///etc/hostname", "cannot open 'zip://x::file:///etc/hostname'"),
+    ("/dev/null", "no index.json under '/dev/null'"),
+])
+def test_a_data_path_that_cannot_be_opened_says_so(uri, needle):
+    with pytest.raises(ConfigError, match=needle):
+        TokenShards(uri)
 
 
 def test_a_tokenizer_json_is_read_with_a_bound(shards, monkeypatch):

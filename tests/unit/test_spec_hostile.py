@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from workbench.cli import main
 from workbench.errors import ConfigError
 from workbench.spec import JobSpec, load_spec
-from workbench.spec_input import MAX_MESSAGE_CHARS
+from workbench.spec_input import MAX_MESSAGE_CHARS, parse_yaml
 
 QUICKSTART = "examples/quickstart.yaml"
 _ANCHORS = "abcdefghij"
@@ -129,3 +129,70 @@ def test_fuzz_load_spec_files(tmp_path_factory, data):
         assert isinstance(load_spec(path), JobSpec)
     except ConfigError as e:
         assert len(str(e)) < MAX_MESSAGE_CHARS + 100
+
+
+# -- what a file says must be what is read: no silent overwrite, no other number, no empty job -----
+
+@pytest.mark.parametrize("text, needle", [
+    ("name: a\ntrain: {steps: 30, lr: 3.0e-3}\nlayout: {dp: 2}\ntrain: {steps: 5000}\n",
+     "line 4: the key 'train' is given twice in one section (first at line 2)"),
+    ("name: a\nlayout: {dp: 2, dp: 1}\n", "line 2: the key 'dp' is given twice"),
+    ("name: a\ntrain: {steps: 016}\n", "016 is a YAML 1.1 octal number (it reads as 14)"),
+    ("name: a\ntrain: {steps: 1:30}\n", "1:30 is a YAML 1.1 base-60 number (it reads as 90)"),
+    ("name: a\ntrain: {lr: 1:30.5}\n", "1:30.5 is a YAML 1.1 base-60 number"),
+    ("name: a\ntrain: {steps: 0b101}\n", "0b101 is a YAML 1.1 binary number (it reads as 5)"),
+    ("name: a\nlayout: {dp: true}\n", "layout.dp: expected a number, got true (a boolean)"),
+    ("name: a\nresources: {nodes: yes}\n", "resources.nodes: expected a number, got true (a boolean)"),
+    ("", "is empty (or only comments)"),
+    ("# only a comment\n", "is empty (or only comments)"),
+    ("name: a\nextra: [" + ",".join(["1"] * 400_000) + "]\n", "more than 20,000 values (line 2)"),
+])
+def test_what_a_file_says_is_what_is_read_or_refused(tmp_path, capsys, text, needle):
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    code, err = cli(capsys, "validate", str(path))
+    assert code == 2 and needle in err, err
+
+
+def test_a_later_key_may_override_a_merged_one_and_numbers_keep_their_decimal_forms():
+    text = "a: &b {x: 1, y: 2}\nc: {<<: *b, x: 3}\nn: [1_000, 0x10, 0, -7, 1.5e+3, '016', 08:00]\n"
+    assert parse_yaml(text, "t") == {"a": {"x": 1, "y": 2}, "c": {"x": 3, "y": 2},
+                                     "n": [1000, 16, 0, -7, 1500.0, "016", "08:00"]}
+    assert load_spec(QUICKSTART, ["model.tie_embeddings=true"]).model.tie_embeddings is True  # a boolean field
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("train.steps=true", "train.steps: expected a number, got true (a boolean)"),
+    ("train.lr=false", "train.lr: expected a number, got false (a boolean)"),
+    ("train.global_batch=016", "016 is a YAML 1.1 octal number"),
+    (".layout.dp=4", "the key path '.layout.dp' has an empty part"),
+    ("layout..dp=4", "has an empty part"),
+    ("name=a\x1b[2J", "a control character (U+001B) at position 1"),
+])
+def test_set_values_read_as_written_or_refused(capsys, override, needle):
+    code, err = cli(capsys, "validate", QUICKSTART, "--set", override)
+    assert code == 2 and needle in err, err
+
+
+def test_keys_and_values_are_printed_without_their_control_characters(tmp_path, capsys):
+    path = tmp_path / "s.yaml"
+    path.write_text('name: a\n"bogus\\e[2Jkey": 1\n')
+    code, err = cli(capsys, "validate", str(path))
+    assert code == 2 and "bogus\\x1b[2Jkey: unknown key" in err and "\x1b" not in err
+
+
+def test_no_spec_path_and_names_too_long_for_the_file_system(capsys, monkeypatch, tmp_path):
+    code, err = cli(capsys, "validate", "")
+    assert code == 2 and "no spec file given" in err
+    code, err = cli(capsys, "validate", "a" * 300)
+    assert code == 2 and "cannot read it: File name too long" in err
+    monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path / ("h" * 300)))
+    monkeypatch.delenv("WORKBENCH_PROFILE", raising=False)
+    code, err = cli(capsys, "plan", QUICKSTART)
+    assert code == 2 and "under $WORKBENCH_HOME): cannot read it: File name too long" in err
+
+
+def test_plan_top_is_a_positive_count(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", QUICKSTART, "--top=-1"])
+    assert exc.value.code == 2 and "a whole number from 1" in capsys.readouterr().err

@@ -84,12 +84,12 @@ class MemoryEstimate:
 
     def table(self) -> str:
         cols = COMPONENTS + ("total",)
-        head = f"{'stage':<6}{'ranks':>7}" + "".join(f"{c:>12}" for c in cols)
+        head = f"{'stage':<6}{'ranks':>7}" + "".join(f" {c:>11}" for c in cols)
         lines = [head, "-" * len(head)]
         for r in self._stages():
             n = sum(1 for q in self.per_rank if q.coords["pp"] == r.coords["pp"])
             vals = [getattr(r.stage, c) for c in COMPONENTS] + [r.stage.total]
-            lines.append(f"pp{r.coords['pp']:<4}{n:>7}" + "".join(f"{_gib(v):>12}" for v in vals))
+            lines.append(f"pp{r.coords['pp']:<4}{n:>7}" + "".join(f" {_gib(v):>11}" for v in vals))
         verdict = "fits" if self.fits else "DOES NOT FIT"
         used = ""
         if self.device_used_bytes != self.peak_bytes:
@@ -125,6 +125,10 @@ class MemoryEstimate:
 
 
 def _gib(b: float) -> str:
+    if b >= 2**50:
+        return f"{b / 2**50:.2f} PiB"
+    if b >= 2**40:
+        return f"{b / 2**40:.2f} TiB"
     if b >= 2**30 * 0.1:
         return f"{b / 2**30:.2f} GiB"
     return f"{b / 2**20:.1f} MiB" if b >= 2**20 * 0.1 else f"{b / 2**10:.1f} KiB"
