@@ -9,7 +9,8 @@ without a chat template renders chats with DEFAULT_TEMPLATE below. docs/training
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 from workbench.errors import ConfigError
 
@@ -19,6 +20,12 @@ ROLES = ("system", "user", "assistant")
 # The plain chat rendering when the tokenizer has no chat template: (role, text before, text after);
 # an assistant turn's content and its end (EOS, or "\n" for a tokenizer without one) train.
 DEFAULT_TEMPLATE = {"system": ("", "\n\n"), "user": ("User: ", "\n"), "assistant": ("Assistant: ", "")}
+# A template is data from a model folder: jinja2's sandbox stops code, not size ('x' * 10**9, a
+# filter's width, a loop over range() repeating a message). Rendering one record may take this much
+# more memory (a 64 Mi-character record renders in under 1 GiB) and give at most this much
+# text beyond 4x its messages' (role markers, a default system prompt, tool descriptions).
+RENDER_HEADROOM_BYTES = 2 << 30
+RENDER_SLACK_CHARS = 1 << 20
 
 
 def record_format(row, where: str, text_field: str) -> str:
@@ -116,26 +123,39 @@ class ExampleEncoder:
             out.append((ids, mask))
         return out
 
-    def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
+    def _apply(self, messages: list[dict], where: str, **kwargs):
+        """transformers' apply_chat_template of one record, bounded in memory and in length."""
         try:
-            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            with memory_headroom(RENDER_HEADROOM_BYTES):
+                out = self.hf.apply_chat_template(messages, **kwargs)
+        except MemoryError:
+            raise ConfigError(f"data prepare: {where}: the chat template needs more than {RENDER_HEADROOM_BYTES >> 30} "
+                              "GiB to render one record; a template that repeats text (e.g. 'x' * N, a filter's width, "
+                              "a loop over range()) is not a chat format. Use the model's released template.") from None
         except Exception as e:  # noqa: BLE001 - jinja2's TemplateError, SecurityError, raise_exception in a template
-            raise ConfigError(f"data prepare: the tokenizer's chat template does not render ({type(e).__name__}: "
+            raise ConfigError(f"data prepare: {where}: the chat template does not render ({type(e).__name__}: "
                               f"{str(e)[:300]}).") from None
+        rendered = len(out) if isinstance(out, str) else len(out["input_ids"])
+        given = sum(len(str(m.get("content") or "")) for m in messages)
+        if rendered > 4 * given + RENDER_SLACK_CHARS:
+            raise ConfigError(f"data prepare: {where}: the chat template renders {rendered:,} characters (or tokens) "
+                              f"from messages of {given:,}; a chat format adds markers around the messages, not "
+                              f"more than {RENDER_SLACK_CHARS:,} beyond 4x them. Use the model's released template.")
+        return out
+
+    def _render(self, messages: list[dict], where: str, generation_prompt: bool = False) -> str:
+        return self._apply(messages, where, tokenize=False, add_generation_prompt=generation_prompt)
 
     def _templated(self, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
         if self._generation:  # the template marks assistant text with {% generation %}: transformers' own mask
-            try:
-                out = self.hf.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
-            except Exception as e:  # noqa: BLE001 - see _render
-                raise ConfigError(f"data prepare: {where}: the chat template does not render ({type(e).__name__}: "
-                                  f"{str(e)[:300]}).") from None
+            out = self._apply(messages, where, return_dict=True, return_assistant_tokens_mask=True)
             return list(out["input_ids"]), list(out["assistant_masks"])
-        full, spans = self._render(messages), []
+        full, spans = self._render(messages, where), []
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before, upto = self._render(messages[:i], generation_prompt=True) if i else "", self._render(messages[:i + 1])
+            before = self._render(messages[:i], where, generation_prompt=True) if i else ""
+            upto = self._render(messages[:i + 1], where)
             if not (upto.startswith(before) and full.startswith(upto)):
                 raise ConfigError(
                     f"data prepare: {where}: the chat template renders turn {i} differently once later turns follow "
@@ -190,3 +210,29 @@ def default_prompt(messages: Iterable[dict], eos: str = "") -> str:
         before, after = DEFAULT_TEMPLATE[m["role"]]
         text += before + m["content"] + (eos if m["role"] == "assistant" else "") + after
     return text + DEFAULT_TEMPLATE["assistant"][0]
+
+
+@contextmanager
+def memory_headroom(nbytes: int) -> Iterator[None]:
+    """While the block runs, this process may grow its data by at most `nbytes` (Linux: the soft
+    RLIMIT_DATA set to the current VmData + `nbytes`, then restored): an allocation past it raises
+    MemoryError in the block instead of exhausting the host. Elsewhere, or under a tighter limit
+    already, nothing changes."""
+    try:
+        import resource
+
+        with open("/proc/self/status") as f:
+            used = int(re.search(r"VmData:\s+(\d+) kB", f.read()).group(1)) * 1024  # type: ignore[union-attr]
+    except (ImportError, OSError, AttributeError):
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    limit = used + nbytes if hard == resource.RLIM_INFINITY else min(used + nbytes, hard)
+    if soft != resource.RLIM_INFINITY and soft <= limit:
+        yield
+        return
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))

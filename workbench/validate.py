@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from workbench.catalog import DEVICES
 from workbench.errors import ConfigError, did_you_mean
 from workbench.parallelism import Parallelism, num_micro_batches
-from workbench.spec_input import MAX_PP
+from workbench.spec_input import MAX_PP, clip
 
 if TYPE_CHECKING:
     from workbench.spec_fields import JobFields, ModelSpec
@@ -316,6 +316,13 @@ def check_resume(spec: JobFields, old: JobFields) -> list[str]:
     Raises:
         ConfigError: an incompatible difference, named with both values and a fix.
     """
+    if old.name != spec.name:  # another job: it would continue that job's weights, and mix its steps into that folder
+        raise ConfigError(
+            f"cannot resume: the checkpoints under {spec.checkpoint.uri} belong to the job {clip(repr(old.name), 100)}, "
+            f"and this spec is the job {clip(repr(spec.name), 100)}. Resuming would continue the other job's weights "
+            "and optimizer state and write this job's steps among its checkpoints. Give this job a checkpoint.uri of "
+            "its own; to start from those weights, use model.init: checkpoint with model.path set to that URI; if "
+            f"this is the same job renamed, set name: {clip(repr(old.name), 100)}.")
     diffs = [(f"model.{k}", a, b) for k, a, b in _model_identity(old, spec)]
     if old.train.optimizer != spec.train.optimizer:  # the optimizer state's moments depend on it
         diffs.append(("train.optimizer", old.train.optimizer, spec.train.optimizer))

@@ -115,6 +115,32 @@ def test_a_template_is_rendered_in_the_sandbox(tmp_path):
         prepare([jsonl(tmp_path / "c.jsonl", CHATS)], tmp_path / "out", tokenizer=folder, progress=False)
 
 
+@pytest.mark.parametrize("template, needle", [
+    ("{{ 'x' * 2000000 }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+     r"renders 2,000,0\d\d characters \(or tokens\) from messages of \d+"),
+    # past the memory headroom: a MemoryError inside the render, not a host out of memory
+    ("{{ 'x' * 8000000000 }}", "needs more than 2 GiB to render one record"),
+])
+def test_a_template_that_repeats_text_is_refused_within_bounded_memory(tmp_path, template, needle):
+    """jinja2's sandbox stops code, not size: a 100-byte template could render gigabytes per record."""
+    pytest.importorskip("transformers")
+    folder = hf_folder(tmp_path / "model", template)
+    with pytest.raises(ConfigError, match=needle):
+        prepare([jsonl(tmp_path / "c.jsonl", CHATS)], tmp_path / "out", tokenizer=folder, progress=False)
+
+
+def test_memory_headroom_bounds_the_block_and_restores_the_limit():
+    import resource
+
+    from workbench.chat_data import memory_headroom
+
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    with pytest.raises(MemoryError), memory_headroom(256 << 20):
+        bytearray(1 << 30)
+    assert resource.getrlimit(resource.RLIMIT_DATA) == before
+    assert len(bytearray(512 << 20)) == 512 << 20  # the limit is gone after the block
+
+
 def test_a_template_that_rewrites_past_turns_is_refused_with_the_way_out(tmp_path):
     pytest.importorskip("transformers")
     # Renders only the last assistant turn in full: the prefix of turn 1 differs once turn 3 follows.

@@ -138,6 +138,10 @@ def test_resume_rules_name_the_difference():
     assert len(notes) == 1 and "precision.dtype changed ('fp32' -> 'bf16')" in notes[0]
     notes = check_resume(load_spec(dict(tiny(), train=dict(tiny()["train"], global_batch=16))), saved)
     assert len(notes) == 1 and "global_batch" in notes[0]
+    other = load_spec(dict(tiny(), name="review-b", train=dict(tiny()["train"], lr=1e-3)))  # another job, same shape
+    with pytest.raises(ConfigError, match=r"belong to the job '.*', and this spec is the job 'review-b'.*model\.init: "
+                                          r"checkpoint"):
+        check_resume(other, saved)
 
 
 def test_sigterm_sets_the_notice_and_restores_the_handler(monkeypatch):
@@ -216,6 +220,9 @@ def test_a_fresh_run_refuses_a_uri_holding_another_runs_checkpoints(tmp_path, mo
     spec_file.write_text(yaml.safe_dump(tiny(tmp_path, every_steps=2)))
     assert cli_main(["run", str(spec_file), "--no-progress"]) == 2
     assert "holds another run's checkpoints" in capsys.readouterr().err
+    assert cli_main(["validate", str(spec_file)]) == 2  # validate refuses what run refuses
+    assert "holds another run's checkpoints" in capsys.readouterr().err
+    assert cli_main(["validate", str(spec_file), "--resume"]) == 0  # and passes what run --resume takes
     spec_file.unlink()
     assert manifests() == before and files() == listed  # nothing written, nothing deleted
 
