@@ -304,6 +304,9 @@ class RankRelay:
         import ray
 
         conn, proc = self._spawned[0], self._proc
+        files = _output_files()
+        # before the job is sent: a standby rank starts at once, and may write (and die) before this thread runs again
+        stderr_from = _size(files.get("stderr"))  # a kept relay's file holds its earlier jobs' output too
         conn.send({**config, "env": env})  # first, so that it is what the rank reads first even if a stop follows at once
         sent = time.perf_counter()
         with self._arrived:
@@ -311,8 +314,6 @@ class RankRelay:
             if self._job in self._stopped:
                 _send_quietly(conn, "stop")
         set_policy("SCHED_IDLE")  # from here this process only relays (control_plane_setup)
-        files = _output_files()
-        stderr_from = _size(files.get("stderr"))  # a kept relay's file holds its earlier jobs' output too
         self._put({"event": "worker", "rank": int(env["RANK"]), "pid": os.getpid(), "rank_pid": proc.pid,
                    "attempt": config["attempt"], "world_size": int(env["WORLD_SIZE"]),
                    "node": ray.get_runtime_context().get_node_id(),
