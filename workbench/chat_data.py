@@ -123,11 +123,13 @@ class ExampleEncoder:
             out.append((ids, mask))
         return out
 
-    def _apply(self, messages: list[dict], where: str, **kwargs):
-        """transformers' apply_chat_template of one record, bounded in memory and in length."""
+    def _apply(self, messages: list[dict], where: str, bounded: bool = True, **kwargs):
+        """transformers' apply_chat_template of one record; `bounded`: in at most RENDER_HEADROOM_BYTES
+        more memory (a tokenizing call is not: the Rust tokenizer aborts the process where Python would
+        raise MemoryError, so its text is rendered bounded first)."""
         try:
-            with memory_headroom(RENDER_HEADROOM_BYTES):
-                out = self.hf.apply_chat_template(messages, **kwargs)
+            with memory_headroom(RENDER_HEADROOM_BYTES if bounded else None):
+                return self.hf.apply_chat_template(messages, **kwargs)
         except MemoryError:
             raise ConfigError(f"data prepare: {where}: the chat template needs more than {RENDER_HEADROOM_BYTES >> 30} "
                               "GiB to render one record; a template that repeats text (e.g. 'x' * N, a filter's width, "
@@ -135,20 +137,21 @@ class ExampleEncoder:
         except Exception as e:  # noqa: BLE001 - jinja2's TemplateError, SecurityError, raise_exception in a template
             raise ConfigError(f"data prepare: {where}: the chat template does not render ({type(e).__name__}: "
                               f"{str(e)[:300]}).") from None
-        rendered = len(out) if isinstance(out, str) else len(out["input_ids"])
-        given = sum(len(str(m.get("content") or "")) for m in messages)
-        if rendered > 4 * given + RENDER_SLACK_CHARS:
-            raise ConfigError(f"data prepare: {where}: the chat template renders {rendered:,} characters (or tokens) "
-                              f"from messages of {given:,}; a chat format adds markers around the messages, not "
-                              f"more than {RENDER_SLACK_CHARS:,} beyond 4x them. Use the model's released template.")
-        return out
 
     def _render(self, messages: list[dict], where: str, generation_prompt: bool = False) -> str:
-        return self._apply(messages, where, tokenize=False, add_generation_prompt=generation_prompt)
+        """The record as the template writes it, bounded in memory and in length."""
+        text = self._apply(messages, where, tokenize=False, add_generation_prompt=generation_prompt)
+        given = sum(len(str(m.get("content") or "")) for m in messages)
+        if len(text) > 4 * given + RENDER_SLACK_CHARS:
+            raise ConfigError(f"data prepare: {where}: the chat template renders {len(text):,} characters from "
+                              f"messages of {given:,}; a chat format adds markers around the messages, not more than "
+                              f"{RENDER_SLACK_CHARS:,} characters beyond 4x them. Use the model's released template.")
+        return text
 
     def _templated(self, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
         if self._generation:  # the template marks assistant text with {% generation %}: transformers' own mask
-            out = self._apply(messages, where, return_dict=True, return_assistant_tokens_mask=True)
+            self._render(messages, where)  # the text, bounded, before the tokenizing call renders it again
+            out = self._apply(messages, where, bounded=False, return_dict=True, return_assistant_tokens_mask=True)
             return list(out["input_ids"]), list(out["assistant_masks"])
         full, spans = self._render(messages, where), []
         for i, m in enumerate(messages):
@@ -213,11 +216,14 @@ def default_prompt(messages: Iterable[dict], eos: str = "") -> str:
 
 
 @contextmanager
-def memory_headroom(nbytes: int) -> Iterator[None]:
+def memory_headroom(nbytes: int | None) -> Iterator[None]:
     """While the block runs, this process may grow its data by at most `nbytes` (Linux: the soft
     RLIMIT_DATA set to the current VmData + `nbytes`, then restored): an allocation past it raises
-    MemoryError in the block instead of exhausting the host. Elsewhere, or under a tighter limit
-    already, nothing changes."""
+    MemoryError in the block instead of exhausting the host. Elsewhere, under a tighter limit
+    already, or with `nbytes` None, nothing changes."""
+    if nbytes is None:
+        yield
+        return
     try:
         import resource
 
