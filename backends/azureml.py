@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from backends import instances
-from backends.base import JobState, JobStatus, poll_until_done
+from backends.base import CloudAccessError, JobState, JobStatus, access_errors, first_line, poll_until_done
 from backends.bundle import SPEC_FILE, build_bundle, checkpoint_uri, job_name, sha256
 from workbench.errors import ConfigError
 from workbench.validate import check_runnable
@@ -37,6 +37,7 @@ DEFAULT_RESUBMITS = 3  # a spot job's resubmissions when backend.max_failures is
 # What MLClient adds to the PUT at submit, that no dry-run can know in advance.
 FILLED_AT_SUBMIT = {"properties.codeId": "the ARM id of the code asset MLClient creates when it uploads the bundle "
                                          "(a new random name, version 1)"}
+_URL_PASSWORD = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://[^/@:]*:)[^/@]*@")  # the password of a URL's user part
 _PENDING = {"NotStarted", "Starting", "Provisioning", "Preparing", "Queued"}
 _STATES = {"Running": JobState.RUNNING, "Finalizing": JobState.RUNNING, "Completed": JobState.COMPLETED,
            "Failed": JobState.FAILED, "NotResponding": JobState.FAILED, "Canceled": JobState.STOPPED,
@@ -148,14 +149,15 @@ class AzureMLBackend:
             body = job._to_job()._to_rest_object().as_dict()
         body.pop("name", None)  # the name travels in the URL
         body["properties"].pop("codeId", None)
-        body["properties"].setdefault("properties", {}).update(_git_properties())
+        git, git_notes = _git_properties()
+        body["properties"].setdefault("properties", {}).update(git)
         az = spec.backend.azureml
         url = (f"https://management.azure.com/subscriptions/{az.subscription_id}/resourceGroups/{az.resource_group}"
                f"/providers/Microsoft.MachineLearningServices/workspaces/{az.workspace}/jobs/{name}")
         return {"operation": "PUT job", "endpoint": url, "body": body, "filled_at_submit": dict(FILLED_AT_SUBMIT),
                 "code": {"upload": "workspace code asset (workspaceblobstore)", "sha256": sha256(bundle.tar_gz()),
                          **bundle.summary()},
-                "notes": notes + more}
+                "notes": notes + more + git_notes}
 
     def client(self, spec: JobSpec):
         ml = _sdk()
@@ -164,6 +166,9 @@ class AzureMLBackend:
         if credential is None:
             from azure.identity import DefaultAzureCredential
 
+            # Its warning lists every source it tried, over ~10 lines: a failed submit says it in one
+            # (_access_error), and the full message stays on the CloudAccessError's cause.
+            logging.getLogger("azure.identity").setLevel(logging.ERROR)
             credential = DefaultAzureCredential()
         return ml.MLClient(credential, az.subscription_id, az.resource_group, az.workspace,
                            enable_telemetry=False, show_progress=False)
@@ -175,24 +180,79 @@ class AzureMLBackend:
         Args:
             name: the job's name (default: a new one from the spec's name and the time).
             run_id: the run this job continues (a resubmission): its checkpoint lease is this run's.
+        Raises:
+            ConfigError: invalid spec, or a request Azure refused (no such workspace, a bad field).
+            CloudAccessError: no usable credentials (exit_code 77) or Azure unreachable (69).
         """
         run_spec, ckpt, default, _ = self._prepare(spec)
         name = name or default
-        client = client or self.client(spec)
         with tempfile.TemporaryDirectory(prefix="workbench-bundle-") as tmp:
             code_dir = build_bundle(run_spec, self._root).write_dir(Path(tmp) / "code")
             job, _ = build_job(run_spec, name, str(code_dir), ckpt, run_id=run_id or name)
-            created = client.jobs.create_or_update(job)
+            with access_errors(_access_error):  # the first token is asked for when the code is uploaded
+                client = client or self.client(spec)
+                created = client.jobs.create_or_update(job)
         return AzureMLJob(client, created.name, spec=spec, backend=self, run_id=run_id or name)
 
 
-def _git_properties() -> dict:
-    """The git properties MLClient adds to every job it creates (from the current directory)."""
+def _git_properties() -> tuple[dict, list[str]]:
+    """The git properties MLClient adds to every job it creates (from the current directory), with
+    MLClient's own rule applied: `JobOperations.create_or_update` drops the repository URL, branch,
+    commit and dirty flag when `has_pat_token(url)` (an `https://token@...` remote), so the dry-run
+    neither shows that token nor differs from the real PUT. A password the rule misses (in the user
+    part of an http:// remote, which MLClient does send) is masked here and named in a note.
+
+    Returns:
+        (properties, notes)
+    """
     try:
-        from azure.ai.ml.operations._job_ops_helper import get_git_properties
+        from azure.ai.ml.constants._common import GitProperties
+        from azure.ai.ml.operations._job_ops_helper import get_git_properties, has_pat_token
     except ImportError:  # another SDK layout: the dry-run then lacks them
-        return {}
-    return get_git_properties()
+        return {}, []
+    props = get_git_properties()
+    url_key = GitProperties.PROP_MLFLOW_GIT_REPO_URL
+    if has_pat_token(props.get(url_key)):
+        for key in (url_key, GitProperties.PROP_MLFLOW_GIT_BRANCH, GitProperties.PROP_MLFLOW_GIT_COMMIT,
+                    GitProperties.PROP_DIRTY):
+            props.pop(key, None)
+        return props, ["the git remote URL carries a token, so MLClient sends no git properties (repository, "
+                       "branch, commit); `git remote set-url origin <url without the token>` brings them back."]
+    masked = _URL_PASSWORD.sub(r"\1***@", props.get(url_key) or "")
+    if masked != (props.get(url_key) or ""):
+        props[url_key] = masked
+        return props, [f"the git remote URL carries a password, which MLClient sends in {url_key} (shown masked "
+                       "here): `git remote set-url origin <url without it>` before you submit."]
+    return props, []
+
+
+_LOGIN = ("Run `az login` (or set AZURE_TENANT_ID, AZURE_CLIENT_ID and AZURE_CLIENT_SECRET for a service "
+          "principal), then dispatch again.")
+
+
+def _access_error(e: Exception) -> Exception | None:
+    """azure-core's credential, connection and service errors -> one line (see backends/base.py).
+    DefaultAzureCredential's own message lists every source it tried, over many lines: only the
+    first one is kept."""
+    from azure.core import exceptions as az
+
+    if isinstance(e, az.ClientAuthenticationError):  # CredentialUnavailableError too
+        return CloudAccessError.no_credentials(
+            f"azureml: no Azure token ({first_line(e)}; DefaultAzureCredential tries the environment, workload "
+            "and managed identity, then the Azure CLI; a source it cannot reach, login.microsoftonline.com "
+            f"included, also fails). {_LOGIN}")
+    if isinstance(e, (az.ServiceRequestError, az.ServiceResponseError)):
+        return CloudAccessError.unreachable(
+            f"azureml: cannot reach Azure ({first_line(e)}). Check the network or proxy (HTTPS_PROXY), then "
+            "dispatch again.")
+    if isinstance(e, az.HttpResponseError):
+        if e.status_code in (401, 403):
+            return CloudAccessError.no_credentials(
+                f"azureml: Azure refused the credentials in use ({first_line(e)}). They are wrong, expired or "
+                f"lack a role on the workspace: {_LOGIN}")
+        return ConfigError(f"azureml: Azure refused the request ({first_line(e)}). Fix the setting it names "
+                           "(backend.azureml.*) and dispatch again.")
+    return None
 
 
 def resubmits_allowed(spec: JobSpec) -> int:

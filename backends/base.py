@@ -5,13 +5,60 @@ Every target (local Ray, a Ray cluster, SageMaker, Vertex AI, Azure ML) implemen
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from workbench.errors import WorkerError
+
 if TYPE_CHECKING:
     from workbench.spec import JobSpec
+
+# Exit codes of `workbench dispatch` (and of `workbench run` for a remote backend) when the cloud
+# could not be used, by sysexits.h as 69 (no local Ray cluster) and 75 (preempted) elsewhere.
+EXIT_UNREACHABLE = 69  # EX_UNAVAILABLE: the service's endpoint could not be reached
+EXIT_NO_CREDENTIALS = 77  # EX_NOPERM: no credentials were found, or the service refused them
+
+
+class CloudAccessError(WorkerError):
+    """A submission that could not reach the service or had no usable credentials, in one line that
+    names the backend and the fix; `workbench dispatch` prints it and exits with `exit_code`."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    @classmethod
+    def no_credentials(cls, message: str) -> CloudAccessError:
+        return cls(message, EXIT_NO_CREDENTIALS)
+
+    @classmethod
+    def unreachable(cls, message: str) -> CloudAccessError:
+        return cls(message, EXIT_UNREACHABLE)
+
+
+@contextlib.contextmanager
+def access_errors(classify: Callable[[Exception], Exception | None]):
+    """Raise what `classify` makes of an SDK's exception (a CloudAccessError for credentials and
+    connectivity, a ConfigError for a request the service refused), or the exception itself when
+    it gives None. The SDK's exception stays attached as the cause."""
+    try:
+        yield
+    except Exception as e:
+        translated = classify(e)
+        if translated is None:
+            raise
+        raise translated from e
+
+
+def first_line(error: BaseException, limit: int = 200) -> str:
+    """The first line of an SDK error's own message (its first argument), cut at `limit` characters."""
+    text = str(error.args[0]) if error.args else str(error)
+    line = text.strip().splitlines()[0].rstrip(".") if text.strip() else type(error).__name__
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 class JobState(str, enum.Enum):

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from backends.base import JobState, JobStatus, poll_until_done
+from backends.base import CloudAccessError, JobState, JobStatus, access_errors, first_line, poll_until_done
 from backends.bundle import SPEC_FILE, build_bundle, job_name, sha256
 from workbench.errors import ConfigError
 from workbench.validate import check_runnable
@@ -126,13 +126,31 @@ class RayClusterBackend:
 
         check(spec)
         name = job_name(spec)
-        client = JobSubmissionClient(spec.backend.ray.address, headers=_auth_headers())
+        address = spec.backend.ray.address  # validate refused one with a credential in it: it may be shown
         with tempfile.TemporaryDirectory(prefix="workbench-bundle-") as tmp:
             working_dir = build_bundle(spec, self._root).write_dir(Path(tmp) / "code")
             request = build_request(spec, name, str(working_dir))
             request["entrypoint"] = entrypoint
-            _submit_with_retry(client, request)
+            with access_errors(lambda e: _access_error(e, address)):  # the client checks the dashboard first
+                client = JobSubmissionClient(address, headers=_auth_headers())
+                _submit_with_retry(client, request)
         return RayClusterJob(client, name)
+
+
+def _access_error(e: Exception, address: str) -> Exception | None:
+    """Ray's job-submission client's connection and token errors -> one line (see backends/base.py)."""
+    import requests
+    from ray.exceptions import AuthenticationError
+
+    if isinstance(e, (ConnectionError, requests.ConnectionError, requests.Timeout)):
+        return CloudAccessError.unreachable(
+            f"ray: cannot reach the Ray dashboard at {address} ({first_line(e)}). Is the cluster up, and its "
+            "dashboard port (8265 by default) reachable from here? Check backend.ray.address, then dispatch again.")
+    if isinstance(e, AuthenticationError):
+        return CloudAccessError.no_credentials(
+            f"ray: the Ray dashboard at {address} refused the request ({first_line(e)}). Set RAY_AUTH_TOKEN (or "
+            "RAY_AUTH_TOKEN_PATH) to the cluster's token, then dispatch again.")
+    return None
 
 
 def _submit_with_retry(client, request: dict, timeout_s: float = 60.0) -> None:

@@ -15,7 +15,7 @@ import json
 from typing import TYPE_CHECKING
 
 from backends import instances
-from backends.base import JobState, JobStatus, poll_until_done
+from backends.base import CloudAccessError, JobState, JobStatus, access_errors, first_line, poll_until_done
 from backends.bundle import SPEC_FILE, build_bundle, checkpoint_uri, job_name, sha256, slug
 from workbench.errors import ConfigError
 from workbench.validate import check_runnable
@@ -163,16 +163,51 @@ class SageMakerBackend:
         """Upload the code bundle to S3 and create the training job.
 
         Raises:
-            ConfigError: invalid spec or the aws extra missing.
+            ConfigError: invalid spec, the aws extra missing, or a request AWS refused (no such bucket...).
+            CloudAccessError: no usable credentials (exit_code 77) or AWS unreachable (69).
         """
         boto3, _ = _sdk()
         run_spec, params, code_key, _ = self._prepare(spec)
-        session = self._session or boto3.Session(region_name=spec.backend.sagemaker.region)
         data = build_bundle(run_spec, self._root).tar_gz()
-        session.client("s3").put_object(Bucket=_bucket(spec), Key=code_key, Body=data)
-        client = session.client("sagemaker")
-        client.create_training_job(**params)
+        with access_errors(_access_error):  # credentials are first looked for here, then used
+            session = self._session or boto3.Session(region_name=spec.backend.sagemaker.region)
+            session.client("s3").put_object(Bucket=_bucket(spec), Key=code_key, Body=data)
+            client = session.client("sagemaker")
+            client.create_training_job(**params)
         return SageMakerJob(client, params["TrainingJobName"], session)
+
+
+# ClientError codes that mean the credentials in use are wrong, expired or lack a permission.
+_AUTH_CODES = {"InvalidClientTokenId", "UnrecognizedClientException", "ExpiredToken", "ExpiredTokenException",
+               "SignatureDoesNotMatch", "InvalidAccessKeyId", "InvalidToken", "RequestExpired", "AuthFailure",
+               "AccessDenied", "AccessDeniedException"}
+_LOGIN = "Run `aws sso login` (or `aws configure`), or set AWS_PROFILE to a profile that can, then dispatch again."
+
+
+def _access_error(e: Exception) -> Exception | None:
+    """botocore's credential, connection and service errors -> one line (see backends/base.py)."""
+    from botocore import exceptions as bx
+
+    if isinstance(e, (bx.NoCredentialsError, bx.PartialCredentialsError, bx.CredentialRetrievalError,
+                      bx.TokenRetrievalError, bx.SSOError, bx.ProfileNotFound)):
+        return CloudAccessError.no_credentials(
+            f"sagemaker: no usable AWS credentials ({first_line(e)}; boto3 looks in the environment, ~/.aws, SSO "
+            f"and the instance role). {_LOGIN}")
+    if isinstance(e, (bx.ConnectionError, bx.HTTPClientError)):
+        return CloudAccessError.unreachable(
+            f"sagemaker: cannot reach AWS ({first_line(e)}). Check the network or proxy (HTTPS_PROXY) and "
+            "backend.sagemaker.region, then dispatch again.")
+    if isinstance(e, bx.ClientError):
+        error = e.response.get("Error", {})
+        code = error.get("Code", "?")
+        what = f"{e.operation_name}: {code}: {error.get('Message', '')}".strip()
+        if code in _AUTH_CODES or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (401, 403):
+            return CloudAccessError.no_credentials(
+                f"sagemaker: AWS refused the credentials in use ({what}). They are wrong, expired or lack the "
+                f"permission: {_LOGIN}")
+        return ConfigError(f"sagemaker: AWS refused the request ({what}). Fix the setting it names "
+                           "(backend.sagemaker.*) and dispatch again.")
+    return None
 
 
 def map_status(desc: dict) -> JobStatus:

@@ -1,7 +1,8 @@
 """What a code bundle never carries: credential files and folders by name, and credentials by
 content, found by detect-secrets' plugins (AWS, Azure, GitHub, GitLab, OpenAI, Slack, Stripe,
 private keys, JWTs, basic auth, passwords by keyword, high-entropy strings, ...) plus ours for
-Hugging Face and Google OAuth (backends/secret_plugins.py).
+Hugging Face and Google OAuth, credentials in URLs, bare keys in notebooks and secrets in settings
+files (backends/secret_plugins.py).
 
 Every shipped file is scanned whole, whatever its size, as a stream: lines longer than
 MAX_LINE_CHARS are cut into overlapping pieces, bytes that are not UTF-8 are read as Latin-1 so
@@ -27,7 +28,7 @@ from workbench.errors import ConfigError
 
 # Files that are credentials whatever they hold (matched on the name), and folders that hold them.
 CREDENTIAL_NAMES = [
-    ".env", ".env.*", "*.env", "*.env.*", ".envrc", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "*.keystore", "*.ppk",
+    ".env", ".env.*", ".env-*", ".env_*", "*.env", "*.env.*", ".envrc", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "*.keystore", "*.ppk",
     "id_rsa*", "id_dsa*", "id_ed25519*", "id_ecdsa*", ".netrc", "_netrc", ".pypirc", ".npmrc", ".yarnrc.yml",
     ".pgpass", ".git-credentials", ".dockercfg", "credentials", "credentials.json", "*credentials*.json",
     "credentials.toml", "*service-account*.json", "*service_account*.json", "application_default_credentials.json",
@@ -74,7 +75,8 @@ def _settings_config() -> dict:
     path = Path(__file__).with_name("secret_plugins.py")
     plugins += [{"name": name, "path": path.as_uri()}
                 for name in ("HuggingFaceTokenDetector", "GoogleOAuthSecretDetector", "GoogleCredentialsFileDetector",
-                             "EnvAssignmentDetector", "VendorTokenDetector")]
+                             "EnvAssignmentDetector", "VendorTokenDetector", "UrlCredentialDetector",
+                             "NotebookKeyDetector", "ConfigAssignmentDetector")]
     return {"plugins_used": plugins}
 
 

@@ -13,7 +13,7 @@ import shlex
 from typing import TYPE_CHECKING
 
 from backends import instances
-from backends.base import JobState, JobStatus, poll_until_done
+from backends.base import CloudAccessError, JobState, JobStatus, access_errors, first_line, poll_until_done
 from backends.bundle import SPEC_FILE, build_bundle, checkpoint_uri, job_name, sha256, slug
 from workbench.errors import ConfigError
 from workbench.validate import check_runnable
@@ -148,22 +148,56 @@ class VertexBackend:
                 "notes": notes}
 
     def submit(self, spec: JobSpec) -> VertexJob:
-        """Upload the code bundle to the bucket and create the CustomJob."""
+        """Upload the code bundle to the bucket and create the CustomJob.
+
+        Raises:
+            ConfigError: invalid spec, or a request Google refused (no such bucket, a bad field).
+            CloudAccessError: no usable credentials (exit_code 77) or Google unreachable (69).
+        """
         aiplatform_v1 = _sdk()
         from google.api_core.client_options import ClientOptions
         from google.cloud import storage
 
         run_spec, job, code_key, _ = self._prepare(spec)
         vx = spec.backend.vertex
+        data = build_bundle(run_spec, self._root).tar_gz()
         gcs_options = ClientOptions(api_endpoint=self._storage_endpoint) if self._storage_endpoint else None
-        gcs = storage.Client(project=vx.project, credentials=self._credentials, client_options=gcs_options)
-        gcs.bucket(_bucket(spec)).blob(code_key).upload_from_string(build_bundle(run_spec, self._root).tar_gz(),
-                                                                      content_type="application/gzip")
-        endpoint = self._api_endpoint or f"{vx.region}-aiplatform.googleapis.com"
-        client = aiplatform_v1.JobServiceClient(credentials=self._credentials, transport="rest",
-                                                client_options=ClientOptions(api_endpoint=endpoint))
-        created = client.create_custom_job(parent=self._parent(spec), custom_job=job)
+        with access_errors(_access_error):  # Application Default Credentials are looked for here, then used
+            gcs = storage.Client(project=vx.project, credentials=self._credentials, client_options=gcs_options)
+            gcs.bucket(_bucket(spec)).blob(code_key).upload_from_string(data, content_type="application/gzip")
+            endpoint = self._api_endpoint or f"{vx.region}-aiplatform.googleapis.com"
+            client = aiplatform_v1.JobServiceClient(credentials=self._credentials, transport="rest",
+                                                    client_options=ClientOptions(api_endpoint=endpoint))
+            created = client.create_custom_job(parent=self._parent(spec), custom_job=job)
         return VertexJob(client, created.name)
+
+
+_LOGIN = ("Run `gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS to a service-account "
+          "key file, then dispatch again.")
+
+
+def _access_error(e: Exception) -> Exception | None:
+    """google-auth's and google-api-core's credential, connection and service errors -> one line
+    (see backends/base.py)."""
+    import requests
+    from google.api_core import exceptions as api
+    from google.auth import exceptions as gauth
+
+    if isinstance(e, gauth.DefaultCredentialsError):
+        return CloudAccessError.no_credentials(f"vertex: no usable Google credentials ({first_line(e)}). {_LOGIN}")
+    if isinstance(e, (gauth.RefreshError, api.Unauthenticated, api.Unauthorized, api.PermissionDenied, api.Forbidden)):
+        return CloudAccessError.no_credentials(
+            f"vertex: Google refused the credentials in use ({first_line(e)}). They are wrong, expired or lack the "
+            f"permission: {_LOGIN}")
+    if isinstance(e, (gauth.TransportError, requests.ConnectionError, requests.Timeout, api.ServiceUnavailable,
+                      api.RetryError, api.DeadlineExceeded)):
+        return CloudAccessError.unreachable(
+            f"vertex: cannot reach Google Cloud ({first_line(e)}). Check the network or proxy (HTTPS_PROXY) and "
+            "backend.vertex.region, then dispatch again.")
+    if isinstance(e, api.ClientError):
+        return ConfigError(f"vertex: Google refused the request ({first_line(e)}). Fix the setting it names "
+                           "(backend.vertex.*) and dispatch again.")
+    return None
 
 
 def map_state(state_name: str, error: str = "") -> JobStatus:

@@ -368,19 +368,43 @@ def _check_training(spec: JobFields) -> None:
 # API tokens), by a part of their name after lower-casing and '-' -> '_'.
 _CREDENTIAL_PARTS = ("sig", "token", "key", "secret", "password", "passwd", "auth", "credential", "session", "jwt")
 _CREDENTIAL_NAMES = {"code", "pwd"}
-# Schemes whose user part is a person or a token; elsewhere (abfs://container@account) it names storage.
-_USER_SCHEMES = {"http", "https", "ws", "wss", "ray", "ray+http", "mlflow", "databricks", "ftp", "sftp"}
+# Storage schemes whose user part names a container (abfs://container@account.dfs.core.windows.net);
+# on every other scheme (https, git+https, ssh, ray, ...) a user part is a person or a token.
+_CONTAINER_SCHEMES = {"abfs", "abfss", "az", "wasb", "wasbs"}
 _FIXES = {"tracking.mlflow": "set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in "
                              "the environment instead",
           "backend.ray.address": "set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) in the environment instead"}
 
 
-def _check_urls(raw, path: str = "") -> None:
-    """No URL anywhere in the spec carries a credential: a password or (web schemes) a user name in
-    its user part, or a credential-like query or fragment parameter. The spec travels (bundles,
-    dry-runs, manifests, reports)."""
+def url_credentials(raw: str) -> list[tuple[str, str, str]]:
+    """The credentials a URL carries, as (part, name, value): ("password", "", ...), ("user", "", ...)
+    for a user part outside `_CONTAINER_SCHEMES`, ("query", name, ...) for a query or fragment
+    parameter named like a credential. One rule for the spec (`_check_urls`) and for the files a
+    bundle ships (backends/secret_plugins.py).
+
+    Raises:
+        ValueError: not a well-formed URL.
+    """
     from urllib.parse import parse_qsl, urlsplit
 
+    url = urlsplit(raw)
+    password, user = url.password, url.username
+    found = []
+    if password is not None:
+        found.append(("password", "", password))
+    elif user and url.scheme.lower() not in _CONTAINER_SCHEMES:
+        found.append(("user", "", user))
+    for part in (url.query, url.fragment):
+        for name, value in parse_qsl(part.replace(";", "&"), keep_blank_values=True):
+            key = name.lower().replace("-", "_")
+            if key in _CREDENTIAL_NAMES or any(p in key for p in _CREDENTIAL_PARTS):
+                found.append(("query", key, value))
+    return found
+
+
+def _check_urls(raw, path: str = "") -> None:
+    """No URL anywhere in the spec carries a credential (`url_credentials`): the spec travels
+    (bundles, dry-runs, manifests, reports). The refusal never quotes the URL."""
     if isinstance(raw, dict):
         for key, value in raw.items():
             _check_urls(value, f"{path}.{key}" if path else str(key))
@@ -390,16 +414,14 @@ def _check_urls(raw, path: str = "") -> None:
     elif isinstance(raw, str) and "://" in raw:
         fix = _FIXES.get(path, "give the credential through the environment or the platform's secret store")
         try:
-            url = urlsplit(raw)
-            password, user = url.password, url.username
+            found = url_credentials(raw)
         except ValueError:
             raise ConfigError(f"{path}: a value with '://' that is not a well-formed URL, so its parts cannot be "
                               "checked for credentials (it is not shown here). Give a well-formed URL.") from None
-        names = {k.lower().replace("-", "_") for part in (url.query, url.fragment)
-                 for k, _ in parse_qsl(part.replace(";", "&"), keep_blank_values=True)}
-        params = sorted(n for n in names if n in _CREDENTIAL_NAMES or any(p in n for p in _CREDENTIAL_PARTS))
-        if password is not None or params or user and url.scheme.lower() in _USER_SCHEMES:
-            what = ("a password" if password is not None else f"a credential in its query ({', '.join(params)})"
+        parts = {part for part, _, _ in found}
+        params = sorted({name for part, name, _ in found if part == "query"})
+        if found:
+            what = ("a password" if "password" in parts else f"a credential in its query ({', '.join(params)})"
                     if params else "a user name, which is often a token")
             raise ConfigError(f"{path}: the URL carries {what}, which would travel with the spec (bundles, dry-runs, "
                               f"checkpoint manifests, reports). Remove it and {fix}.")

@@ -23,6 +23,9 @@ def k(n: int, alphabet: str = ALNUM) -> str:
 
 
 AWS_SECRET = k(40, ALNUM + "+/")
+HEX = "0123456789abcdef"
+ENTRA_SECRET = "Xy78Q~" + k(34, ALNUM + "_.-~")  # an Entra ID client secret's shape
+ADO_PAT = k(52, "abcdefghijklmnopqrstuvwxyz234567")  # an Azure DevOps personal access token's shape
 # (file name, content): each must refuse the dispatch by content
 BY_CONTENT = {
     "settings.py": f"AWS_SECRET_ACCESS_KEY = '{AWS_SECRET}'\n",
@@ -51,6 +54,20 @@ BY_CONTENT = {
     "backup.tgz": None,  # a gzipped tar holding env.sh, made below
     "databricks.cfg": "[DEFAULT]\nhost = https://x.cloud.databricks.com\ntoken = dapi" + k(32, "0123456789abcdef") + "\n",
     "vault.txt": "hvs." + k(26) + "\n",
+    # found from outside (review_cloud finding 1): keys without a vendor prefix, unquoted or in URLs
+    "nb_stream.ipynb": None,  # a notebook that printed a W&B key, an Entra secret and ~/.netrc: made below
+    "load_data.py": 'SAS = "https://acct.blob.core.windows.net/d/x.bin?sv=2022-11-02&sr=b&sp=r&sig=' + k(43)
+                    + '%3D"\n',
+    "gcs.py": 'URL = "https://storage.googleapis.com/b/x?X-Goog-Algorithm=GOOG4-RSA-SHA256&X-Goog-Signature='
+              + k(512, HEX) + '"\n',
+    "s3.md": "curl 'https://b.s3.amazonaws.com/x?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Signature=" + k(64, HEX)
+             + "'\n",
+    "requirements.txt": "torch\ngit+https://" + ADO_PAT + "@dev.azure.com/acme/ml/_git/tok\n",
+    "setup_notes.txt": "pip install git+https://ci-bot:" + k(40, HEX) + "@git.example.com/acme/pkg.git\n",
+    "deploy.conf": "[db]\nDB_PASSWORD=correcthorse" + "batterystaple\n",
+    "aws_config": "[profile ci]\naws_session_token = IQoJb3JpZ2luX2Vj" + k(200, ALNUM + "+/") + "\n",
+    "staging.yaml": "auth:\n  client_secret: " + ENTRA_SECRET + "\n",
+    "ci.sh": "export DEPLOY_TOKEN=" + k(30, "QwErTyUiOpAsDfGhJkLzXcVbNm") + "\n",
 }
 
 
@@ -64,12 +81,22 @@ def _tgz() -> bytes:
     return buf.getvalue()
 
 
+def notebook(outputs: list[str], source: str = "import os\n") -> str:
+    """A notebook (nbformat 4, as Jupyter saves it: one JSON string a line) with one stream output."""
+    cell = {"cell_type": "code", "execution_count": 1, "id": "c1", "metadata": {}, "source": [source],
+            "outputs": [{"name": "stdout", "output_type": "stream", "text": outputs}]}
+    return json.dumps({"cells": [cell], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}, indent=1)
+
+
 BY_CONTENT["backup.tgz"] = _tgz()
+BY_CONTENT["nb_stream.ipynb"] = notebook([k(40, HEX) + "\n", ENTRA_SECRET + "\n", "machine api.wandb.ai\n",
+                                          "  password " + k(40, HEX) + "\n"])
 BY_NAME = [".envrc", "key.ppk", "kaggle.json", ".pgpass", ".npmrc", "client_secret_42.apps.json", "token.json",
            ".config/gcloud/credentials.db", ".kube/config", ".aws/credentials", ".env.production", "backup.env.gz",
-           ".bash_history", ".databrickscfg", ".vault-token", ".s3cfg", "PROD.ENV"]
+           ".bash_history", ".databrickscfg", ".vault-token", ".s3cfg", "PROD.ENV", ".env-staging", ".env_local"]
 SECRETS = [AWS_SECRET, "ghp_", "hf_", "T3BlbkFJ", "GOCSPX-", "1//0", "eyJhbGci", "PRIVATE KEY", "AccountKey=",
-           "xoxb-", "_authToken", "AKIA", "s3cr3t-pa55", "dapi", "hvs."]
+           "xoxb-", "_authToken", "AKIA", "s3cr3t-pa55", "dapi", "hvs.", k(40, HEX), "8Q~", k(43), ADO_PAT[:20],
+           "correcthorse", "IQoJb3", "QwErTyUiOp"]
 
 
 def project(root, files: dict):
@@ -117,6 +144,58 @@ def test_credential_files_never_travel_and_the_rest_does(tmp_path):
         assert not set(tar.getnames()) & set(BY_NAME)
 
 
+# Ordinary code, settings and notebooks that name credentials without holding one: each must ship.
+CLEAN = {
+    "train.py": 'import getpass, os\npassword = getpass.getpass()\ntoken = os.environ["HF_TOKEN"]\n'
+                'api_key = os.getenv("WANDB_API_KEY")\nsas_url = f"https://acct.blob.core.windows.net/c/x?{sas}"\n'
+                'signed = f"{base}?X-Goog-Signature={signature}"\nrepo = "ssh://git@github.com/acme/train.git"\n'
+                'max_tokens = 1024\ndocs = "https://docs.example.com/auth?lang=en&page=2"\n',
+    "requirements.txt": "torch>=2.1\ngit+https://${GITHUB_TOKEN}@github.com/acme/private-pkg.git\n"
+                        "git+ssh://git@github.com/acme/other.git@v1.2.0\n"
+                        "https://download.pytorch.org/whl/torch-2.1.0-cp311-linux_x86_64.whl#sha256=" + k(64, HEX) + "\n",
+    "configs/tokenizer.yaml": 'pad_token: "<pad>"\neos_token: </s>\npad_token: eos_token\npad_token_id: 0\n'
+                              "max_tokens: 1024\ntoken_url: https://oauth2.googleapis.com/token\n"
+                              "password: ${DB_PASSWORD}\npassword_file: /run/secrets/db_password\n"
+                              "auth_token: property\n",
+    "configs/db.ini": "[db]\nhost = db.internal\npassword = %(db_pass)s\nuser = trainer\ntoken = xxxxxxxx\n",
+    "scripts/run.sh": 'export HF_TOKEN=$(cat ~/.cache/huggingface/token)\nTOKEN="${TOKEN:-}"\nexport WANDB_API_KEY\n'
+                      "DB_PASSWORD=changeme\nHF_TOKEN=your_hf_token_here\n",
+    "docs/notes.md": "Clone ssh://git@github.com/acme/x.git; tokens: see https://example.com/help?topic=auth.\n",
+    "notebooks/train.ipynb": notebook(["step 10 | loss 2.3456 | lr 3.0e-04 | 41.2 ms\n",
+                                       "saved /root/.cache/huggingface/hub/models--gpt2/snapshots/607a30d783dfa66\n",
+                                       "100%|##########| 200/200 [00:04<00:00, 45.71it/s]\n",
+                                       "model.layers.11.self_attn.q_proj.weight torch.Size([4096, 4096])\n"],
+                                      source="model = AutoModelForCausalLM.from_pretrained('gpt2')\n"),
+}
+
+
+def test_ordinary_code_settings_and_notebooks_ship(tmp_path):
+    """The other side of the corpus above: names of credentials, references, templates, placeholders
+    and tokenizer settings are not credentials."""
+    root = project(tmp_path, CLEAN)
+    b = B.build_bundle(load_spec({"name": "s", "backend": {"include": list(CLEAN)}}), root)
+    assert set(CLEAN) <= set(b.files)
+
+
+OURS = {"Credential in a URL", "Bare key in a notebook cell", "Secret in a settings file"}
+NOTEBOOKS = B.Path(__file__).parents[1] / "fixtures" / "notebooks"  # with outputs, from outside (SOURCE.md)
+
+
+@pytest.mark.parametrize("name", sorted(p.name.removesuffix(".json") for p in NOTEBOOKS.glob("*.ipynb.json")))
+def test_real_notebooks_with_outputs_hold_nothing_until_a_key_is_printed(name):
+    """Our notebook and URL rules report nothing on published notebooks saved with their outputs (the
+    PNG figures are detect-secrets' own entropy rule's, not ours); one stream output of a printed
+    key, added to such a notebook as Jupyter would save it, is found on its line."""
+    text = (NOTEBOOKS / f"{name}.json").read_text()
+    with Scanner() as scanner:
+        assert not {kind for _, kind in every_finding(scanner, text.encode(), name) if kind in OURS}
+        nb = json.loads(text)
+        nb["cells"][-1]["outputs"] = [{"name": "stdout", "output_type": "stream", "text": ["loss 2.31\n", k(40, HEX) + "\n"]}]
+        planted = json.dumps(nb, indent=1)
+        line = next(i for i, t in enumerate(planted.splitlines(), 1) if k(40, HEX) in t)
+        assert (line, "Bare key in a notebook cell") in every_finding(scanner, planted.encode(), name)
+
+
 def test_a_secret_in_the_spec_itself_refuses_the_dispatch(tmp_path):
     spec = load_spec({"model": {"factory": "m:build", "kwargs": {"token": "hf_" + k(34, "abcdefghijklmnopqrstuvwxyzAB")},
                                 "vocab": 256, "seq_len": 16}})
@@ -137,6 +216,10 @@ def test_a_secret_in_the_spec_itself_refuses_the_dispatch(tmp_path):
     ("tracking.mlflow", "https://host/cb#access_token=abc123"),
     ("checkpoint.uri", "https://host/c?a=1;sig=abc123"),
     ("tracking.mlflow", "http://[user:PASSWORD@host/"),
+    # a token as the user part of a git or ssh URL (review_cloud finding 3)
+    ("data.path", "git+https://Tr0ub4dorPAT52charsxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx@dev.azure.com/acme/ml/_git/corpus"),
+    ("data.path", "ssh://Tr0ub4dorPAT@host/corpus"),
+    ("data.path", "git+ssh://Tr0ub4dor@github.com/acme/corpus.git"),
 ])
 def test_credentials_in_url_fields_are_refused_before_anything_prints(tmp_path, field, url, capsys):
     spec_file = tmp_path / "spec.yaml"
@@ -151,6 +234,9 @@ def test_credentials_in_url_fields_are_refused_before_anything_prints(tmp_path, 
 def test_urls_without_credentials_still_pass():
     for field, url in (("backend.ray.address", "https://ray.example.com:8265"),
                        ("checkpoint.uri", "abfs://container@account.dfs.core.windows.net/ckpt"),
+                       ("checkpoint.uri", "abfss://container@account.dfs.core.windows.net/ckpt"),
+                       ("checkpoint.uri", "wasbs://container@account.blob.core.windows.net/ckpt"),
+                       ("checkpoint.uri", "az://container@account/ckpt"),
                        ("tracking.mlflow", "http://mlflow:5000/?experiment=3")):
         load_spec({}, [f"{field}={url}"])
 
@@ -202,11 +288,11 @@ def test_the_line_gates_find_what_every_pattern_on_every_line_finds():
         assert sum(isinstance(gate, tuple) for gate, _ in gated.patterns) >= 3
 
 
-def every_finding(scanner, data: bytes) -> set[tuple[int, str]]:
+def every_finding(scanner, data: bytes, filename: str = "x.py") -> set[tuple[int, str]]:
     """(line, kind) of every secret every plugin reports (`scan_bytes` stops at the first)."""
     from detect_secrets.core.scan import _process_line_based_plugins
 
     from backends.secrets import _blocks
 
     return {(n, secret.type) for lines in _blocks(io.BytesIO(data)) for n, text in scanner._candidates(lines)
-            for secret in _process_line_based_plugins([(n, text)], filename="x.py")}
+            for secret in _process_line_based_plugins([(n, text)], filename=filename)}
