@@ -194,6 +194,8 @@ class Scanner:
         try:
             for name, member in _members(f, relpath, budget=[MAX_EXPANDED_BYTES]):
                 for lines in _blocks(member):
+                    if name.lower().endswith(".ipynb"):  # a saved figure is base64 that detect-secrets' entropy rule flags
+                        lines = [(n, t) for n, t in lines if not _NOTEBOOK_IMAGE.match(t)]
                     for lineno, text in self._candidates(lines):
                         for secret in _process_line_based_plugins([(lineno, text)], filename=name):
                             return Finding(name, lineno, secret.type)
@@ -229,6 +231,10 @@ class Scanner:
                 continue
             hit |= _matched_lines(text, starts, patterns)
         return [lines[i] for i in sorted(hit)]
+
+
+# A notebook output's image, as Jupyter saves it: one base64 JSON string on the line of its MIME type.
+_NOTEBOOK_IMAGE = re.compile(r'\s*"image/(?:png|jpeg|gif|webp|bmp)": "[A-Za-z0-9+/=]*(?:\\n)?",?\s*$')
 
 
 def _lines_holding(low: str, literals: tuple[str, ...], starts: list[int]) -> set[int]:

@@ -183,9 +183,9 @@ NOTEBOOKS = B.Path(__file__).parents[1] / "fixtures" / "notebooks"  # with outpu
 
 @pytest.mark.parametrize("name", sorted(p.name.removesuffix(".json") for p in NOTEBOOKS.glob("*.ipynb.json")))
 def test_real_notebooks_with_outputs_hold_nothing_until_a_key_is_printed(name):
-    """Our notebook and URL rules report nothing on published notebooks saved with their outputs (the
-    PNG figures are detect-secrets' own entropy rule's, not ours); one stream output of a printed
-    key, added to such a notebook as Jupyter would save it, is found on its line."""
+    """Nothing is found in published notebooks saved with their outputs (their PNG figures, which
+    detect-secrets' own entropy rule flags, are image data and not scanned); one stream output of a
+    printed key, added to such a notebook as Jupyter would save it, is found on its line."""
     text = (NOTEBOOKS / f"{name}.json").read_text()
     with Scanner() as scanner:
         assert not {kind for _, kind in every_finding(scanner, text.encode(), name) if kind in OURS}
@@ -194,6 +194,9 @@ def test_real_notebooks_with_outputs_hold_nothing_until_a_key_is_printed(name):
         planted = json.dumps(nb, indent=1)
         line = next(i for i, t in enumerate(planted.splitlines(), 1) if k(40, HEX) in t)
         assert (line, "Bare key in a notebook cell") in every_finding(scanner, planted.encode(), name)
+        # and a bundle ships the notebook: its saved figures are image data, not keys (they refused the dispatch)
+        assert scanner.scan_bytes(text.encode(), name) is None
+        assert scanner.scan_bytes(planted.encode(), name).kind == "Bare key in a notebook cell"
 
 
 def test_a_secret_in_the_spec_itself_refuses_the_dispatch(tmp_path):
