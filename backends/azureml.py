@@ -58,7 +58,7 @@ def _sdk():
 
 def check(spec: JobSpec) -> None:
     """Azure-specific rules, before anything is built or sent. Raises ConfigError."""
-    check_runnable(spec)  # what the job could not run is refused here, not after the machines start
+    check_runnable(spec, read_remote_data=False)  # what the job could not run is refused here, not after the machines start
     az = spec.backend.azureml
     for field, example in (("subscription_id", "00000000-0000-0000-0000-000000000000"),
                            ("resource_group", "my-rg"), ("workspace", "my-workspace")):

@@ -36,7 +36,7 @@ _STATES = {"PENDING": JobState.PENDING, "RUNNING": JobState.RUNNING, "SUCCEEDED"
 
 def check(spec: JobSpec) -> None:
     """Ray-cluster rules. Raises ConfigError."""
-    check_runnable(spec)  # what the job could not run is refused here, not after the machines start
+    check_runnable(spec, read_remote_data=False)  # what the job could not run is refused here, not after the machines start
     address = spec.backend.ray.address
     if not address.startswith(("http://", "https://", "ray://")):
         raise ConfigError(f"backend.ray.address {address!r}: give the cluster's dashboard (Jobs API) address, "

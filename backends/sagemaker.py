@@ -47,7 +47,7 @@ def _bucket(spec: JobSpec) -> str:
 
 def check(spec: JobSpec) -> None:
     """SageMaker-specific rules, before anything is built or sent. Raises ConfigError."""
-    check_runnable(spec)  # what the job could not run is refused here, not after the machines start
+    check_runnable(spec, read_remote_data=False)  # what the job could not run is refused here, not after the machines start
     sm, b = spec.backend.sagemaker, spec.backend
     if not sm.role:
         raise ConfigError("backend.sagemaker.role is required: the IAM role ARN the training job runs as, e.g. "

@@ -45,7 +45,7 @@ def _bucket(spec: JobSpec) -> str:
 
 def check(spec: JobSpec) -> None:
     """Vertex-specific rules, before anything is built or sent. Raises ConfigError."""
-    check_runnable(spec)  # what the job could not run is refused here, not after the machines start
+    check_runnable(spec, read_remote_data=False)  # what the job could not run is refused here, not after the machines start
     vx = spec.backend.vertex
     if not vx.project:
         raise ConfigError("backend.vertex.project is required: the GCP project id that runs the job, e.g. "

@@ -217,8 +217,11 @@ def _check_backend(spec: JobFields) -> None:
             )
 
 
-def check_runnable(spec: JobFields) -> None:
-    """Rules for running (not just planning) a spec in this release."""
+def check_runnable(spec: JobFields, read_remote_data: bool = True) -> None:
+    """Rules for running (not just planning) a spec in this release. `read_remote_data` False (a
+    cloud backend's check, dry-runs included): token shards at an object-store URI are not read from
+    this machine, which may have neither the credentials nor the network the job has; the job makes
+    the same check when it starts."""
     if spec.model.params is not None and spec.model.factory is None:
         raise ConfigError(
             f"model: {{params: {spec.model.params:g}}} is a size alone, for planning (workbench memory/plan). "
@@ -227,7 +230,8 @@ def check_runnable(spec: JobFields) -> None:
     lay = spec.layout
     check_dp_combinations(lay)
     check_model_parallel(lay, spec.model.shape().seq_len if lay.tp > 1 and lay.sequence_parallel else 0)
-    if spec.data.source == "tokens":  # the shards exist, fit the vocabulary and the split
+    remote = "://" in (spec.data.path or "") and not spec.data.path.startswith("file://")
+    if spec.data.source == "tokens" and (read_remote_data or not remote):  # the shards exist, fit the vocabulary and the split
         from workbench.shards import open_token_data
 
         d = spec.data

@@ -9,6 +9,7 @@ import pytest
 
 import backends
 from tests.helpers.cli import run_cli
+from workbench.errors import ConfigError
 from workbench.spec import load_spec
 
 SECRETS = {"AWS_SECRET_ACCESS_KEY": "wbLeakAws" + "X" * 20, "AZURE_CLIENT_SECRET": "wbLeakAzure" + "Y" * 20,
@@ -62,8 +63,6 @@ def test_cli_prints_the_request(monkeypatch):
 
 @pytest.mark.parametrize("name", ["ray", "sagemaker", "vertex", "azureml"])
 def test_what_the_runtime_cannot_run_is_refused_before_submission(name):
-    from workbench.errors import ConfigError
-
     # offload=cpu with zero=0 is a valid spec to plan, but no worker could run it (check_runnable).
     spec = load_spec("examples/cloud-spot.yaml").replace(**{"layout.offload": "cpu"})
     with pytest.raises(ConfigError, match="offload=cpu with zero=0"):
@@ -81,3 +80,22 @@ def test_ray_dry_run_says_when_restarted_ranks_may_not_find_the_checkpoints(uri,
     spec = load_spec("examples/cloud-spot.yaml").replace(**{"checkpoint.uri": uri, "backend.spot": False})
     notes = backends.dispatch(spec, backend="ray", dry_run=True)["request"]["notes"]
     assert (note is None and notes == []) or (len(notes) == 1 and note in notes[0])
+
+
+@pytest.mark.parametrize("name", ["sagemaker", "ray"])
+def test_a_dry_run_reads_no_data_in_a_bucket_but_checks_a_local_path(name, monkeypatch, tmp_path):
+    """The machine that dispatches may have neither the credentials nor the network the job has: token
+    shards at an object-store URI are checked by the job when it starts, not read here (found from
+    outside: without credentials the dry-run failed, with keys it signed a request and sent it)."""
+    pytest.importorskip(SDKS[name])
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    bucket = ["data.source=tokens", "data.path=s3://wb-no-such-bucket/tokens"]
+    out = backends.dispatch(load_spec("examples/cloud-spot.yaml", bucket), backend=name, dry_run=True)
+    assert out["backend"] == name
+    with pytest.raises(ConfigError, match="no index.json under"):
+        backends.dispatch(load_spec("examples/cloud-spot.yaml", ["data.source=tokens", f"data.path={tmp_path}"]),
+                          backend=name, dry_run=True)
