@@ -120,20 +120,23 @@ def _is_venv(path: Path) -> bool:
     return (path / "pyvenv.cfg").exists() or (path / "conda-meta").is_dir()
 
 
-def collect(root: str | Path, prefix: str = "", skip: set[Path] | None = None, bundle: Bundle | None = None) -> Bundle:
+def collect(root: str | Path, prefix: str = "", skip: set[Path] | None = None, bundle: Bundle | None = None,
+            rules: list | None = None) -> Bundle:
     """Add the files under `root` to a bundle, honouring .gitignore and the exclusions above.
 
     Args:
         root: directory to walk.
-        prefix: arcname prefix inside the bundle.
+        prefix: arcname prefix inside the bundle (its path from the project directory).
         skip: absolute directories to leave out (e.g. a local checkpoint directory).
+        rules: the .gitignore rules of the folders above `root` in the project (`_rules_above`).
     Returns:
         The bundle (a new one unless given).
     """
     bundle = bundle or Bundle()
     root = Path(root).resolve()
     skip = {p.resolve() for p in (skip or set())}
-    stack = [(root, "", _gitignore_rules(root, ""))]
+    base = prefix.rstrip("/")
+    stack = [(root, base, [*(rules or []), *_gitignore_rules(root, base)])]
     while stack:
         directory, rel, rules = stack.pop()
         for entry in sorted(directory.iterdir()):
@@ -144,19 +147,34 @@ def collect(root: str | Path, prefix: str = "", skip: set[Path] | None = None, b
                 if (entry.name in SKIP_DIRS or entry.name.endswith(".egg-info") or entry.resolve() in skip
                         or _is_venv(entry) or _ignored(relpath, True, rules)):
                     continue
-                if credential_name(prefix + relpath + "/.") and prefix + relpath not in bundle.allow:
-                    bundle.excluded_secrets.append(prefix + relpath + "/")
+                if credential_name(relpath + "/.") and relpath not in bundle.allow:
+                    bundle.excluded_secrets.append(relpath + "/")
                     continue
                 stack.append((entry, relpath, rules + _gitignore_rules(entry, relpath)))
             elif entry.is_file() and not _ignored(relpath, False, rules):
-                if credential_name(prefix + relpath) and prefix + relpath not in bundle.allow:
-                    bundle.excluded_secrets.append(prefix + relpath)
+                if credential_name(relpath) and relpath not in bundle.allow:
+                    bundle.excluded_secrets.append(relpath)
                     continue
-                bundle.files[prefix + relpath] = entry
-                if len(bundle.files) > MAX_BUNDLE_FILES:
-                    raise ConfigError(f"code bundle: more than {MAX_BUNDLE_FILES} files under {root}. Run from your "
-                                      "project directory, or list large folders in .gitignore.")
+                bundle.files[relpath] = entry
+                _check_count(bundle, root)
     return bundle
+
+
+def _check_count(bundle: Bundle, where: Path) -> None:
+    if len(bundle.files) > MAX_BUNDLE_FILES:
+        raise ConfigError(f"code bundle: more than {MAX_BUNDLE_FILES:,} files (under {where}). Run from your project "
+                          "directory, name fewer files in backend.include, list large folders in .gitignore, or "
+                          "read data from a bucket.")
+
+
+def _rules_above(root: Path, rel: str) -> list:
+    """The .gitignore rules that apply inside the project folder `rel`: the project directory's and
+    those of each folder between it and `rel` (as git applies them)."""
+    rules = _gitignore_rules(root, "")
+    parts = Path(rel).parts
+    for i in range(1, len(parts)):
+        rules = rules + _gitignore_rules(root.joinpath(*parts[:i]), "/".join(parts[:i]))
+    return rules
 
 
 def _left_out(path: Path, root: Path) -> bool:
@@ -199,7 +217,13 @@ def named_files(spec: JobSpec, root: Path) -> list[str]:
         if not pattern or Path(pattern).is_absolute() or ".." in Path(pattern).parts:
             raise ConfigError(f"backend.include {pattern!r}: give globs relative to the project directory {root} "
                               "(no absolute paths, no '..'), e.g. 'my_model.py' or 'src/**/*.py'.")
-        matches = sorted(str(p.relative_to(root)) for p in root.glob(pattern) if not _left_out(p, root))
+        found = sorted(root.glob(pattern))
+        matches = [str(p.relative_to(root)) for p in found if not _left_out(p, root)]
+        if not matches and found:
+            raise ConfigError(f"backend.include {pattern!r} matches only what never travels under {root}: "
+                              f"{', '.join(str(p.relative_to(root)) for p in found[:3])} (a symbolic link, or inside "
+                              "a folder left out: caches, virtualenvs, what .gitignore names). Links are never "
+                              "followed; copy the files into the project, or name them where they are.")
         if not matches:
             raise ConfigError(f"backend.include {pattern!r} matches nothing under the project directory {root}. "
                               "Give globs relative to it, e.g. 'my_model.py' or 'src/**/*.py'.")
@@ -231,16 +255,20 @@ def build_bundle(spec: JobSpec, root: str | Path | None = None) -> Bundle:
         collect(pkg_dir, prefix=f"{pkg_dir.name}/", bundle=bundle)
     ckpt = spec.checkpoint.uri  # a local checkpoint folder never travels, even inside a named one
     skip = {(root / ckpt).resolve()} if ckpt and "://" not in ckpt else set()
+    data = {getattr(spec.data, key, None) for key in ("path", "tokenizer")}
     for rel in [*named_files(spec, root), REQUIREMENTS_FILE]:
         path = root / rel
         if skip & {path.resolve(), *path.resolve().parents}:
             continue
-        if path.is_dir():
-            collect(path, prefix=f"{rel}/", skip=skip, bundle=bundle)
+        if path.is_dir():  # code follows the project's .gitignore as git does; named data ships whole (it is
+            # what a .gitignore usually keeps out of git: `*.bin` there must not drop the token shards)
+            rules = None if rel in data else _rules_above(root, rel)
+            collect(path, prefix=f"{rel}/", skip=skip, bundle=bundle, rules=rules)
         elif path.is_file() and credential_name(rel) and rel not in bundle.allow:
             bundle.excluded_secrets.append(rel)
         elif path.is_file():
             bundle.files[rel] = path
+            _check_count(bundle, root)
     bundle.generated[SPEC_FILE] = (json.dumps(spec.to_dict(), indent=1) + "\n").encode()
     if REQUIREMENTS_FILE not in bundle.files:
         bundle.generated[REQUIREMENTS_FILE] = ("\n".join(CLOUD_REQUIREMENTS) + "\n").encode()

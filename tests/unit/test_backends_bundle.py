@@ -158,3 +158,34 @@ def test_job_names_and_checkpoint_prefixes():
     assert B.checkpoint_uri(spec, "s3://", "s3://b", "SageMaker") == ("s3://b/workbench/My-run_2/checkpoints/", "")
     spec = load_spec({"checkpoint": {"uri": "s3://b/x"}})
     assert B.checkpoint_uri(spec, "s3://", "s3://b", "SageMaker")[0] == "s3://b/x/"
+
+
+def test_a_named_code_folder_follows_the_projects_gitignore_and_named_data_ships_whole(tmp_path):
+    """Found from outside: a gitignored `mypkg/local_settings.py` travelled because only the named
+    folder's own .gitignore was read. Data named by the spec ships whole: `*.bin` in the project's
+    .gitignore (data kept out of git) must not drop the token shards."""
+    root = _tree(tmp_path, {
+        ".gitignore": "mypkg/local_settings.py\n*.local.yaml\n*.bin\n", "mypkg/__init__.py": "",
+        "mypkg/model.py": "def build(**kw):\n    pass\n", "mypkg/local_settings.py": "X = 1\n",
+        "mypkg/sub/.gitignore": "scratch.py\n", "mypkg/sub/scratch.py": "", "mypkg/sub/keep.py": "",
+        "configs/prod.local.yaml": "a: 1\n", "configs/base.yaml": "a: 1\n", "shards/index.json": "{}",
+        "shards/shard-00000.bin": "x", "shards/.gitignore": "notes.txt\n", "shards/notes.txt": ""})
+    spec = load_spec({"model": {"factory": "mypkg.model:build", "vocab": 256, "seq_len": 16},
+                      "data": {"source": "text", "path": "shards"}, "backend": {"include": ["configs"]}})
+    shipped = set(B.build_bundle(spec, root).files)
+    assert {"mypkg/model.py", "mypkg/sub/keep.py", "configs/base.yaml", "shards/index.json",
+            "shards/shard-00000.bin"} <= shipped
+    assert not shipped & {"mypkg/local_settings.py", "mypkg/sub/scratch.py", "configs/prod.local.yaml", "shards/notes.txt"}
+
+
+def test_the_file_limit_holds_however_the_files_are_named_and_a_link_is_named_as_one(tmp_path, monkeypatch):
+    root = _tree(tmp_path, {f"data/f{i}.txt": "" for i in range(60)})
+    ours = len(B.build_bundle(load_spec({}), root).files)  # the workbench packages, the spec, requirements
+    monkeypatch.setattr(B, "MAX_BUNDLE_FILES", ours + 50)
+    for include in (["data"], ["data/**"], ["data/*"]):
+        with pytest.raises(ConfigError, match=f"more than {ours + 50:,} files"):
+            B.build_bundle(load_spec({"backend": {"include": include}}), root)
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "linked")
+    with pytest.raises(ConfigError, match=r"matches only what never travels.*linked \(a symbolic link"):
+        B.build_bundle(load_spec({"backend": {"include": ["linked"]}}), root)
