@@ -205,11 +205,10 @@ def named_files(spec: JobSpec, root: Path) -> list[str]:
     if spec.model.factory:
         top = spec.model.factory.partition(":")[0].split(".")[0]
         named += [n for n in (top, f"{top}.py") if (root / n).exists()][:1]  # else installed: nothing to ship
-    for key in ("path", "tokenizer"):  # what the job reads: a text file, token shards, their tokenizer
-        path = getattr(spec.data, key, None)
+    for key, path in _read_paths(spec).items():  # what the job reads: text, token shards, a tokenizer, weights
         if path and "://" not in path and not Path(path).is_absolute():  # an absolute path is read where it is
             if not (root / path).exists():
-                raise ConfigError(f"data.{key} {path!r}: no such file or folder under the project directory {root}. "
+                raise ConfigError(f"{key} {path!r}: no such file or folder under the project directory {root}. "
                                   "Give a path relative to it (it is shipped with the job), a URI the job can read "
                                   "(s3://, gs://, az://), or an absolute path that exists on the job's machines.")
             named.append(path)
@@ -235,6 +234,40 @@ def named_files(spec: JobSpec, root: Path) -> list[str]:
     return named
 
 
+def _read_paths(spec: JobSpec) -> dict[str, str | None]:
+    """The spec's fields naming data the job reads: the text or token shards, their tokenizer, and
+    the weights it starts from (model.init hf or checkpoint)."""
+    return {"data.path": spec.data.path, "data.tokenizer": getattr(spec.data, "tokenizer", None),
+            "model.path": spec.model.path if spec.model.init != "random" else None}
+
+
+def _requirement_files(bundle: Bundle, root: Path, rel: str = REQUIREMENTS_FILE, depth: int = 0) -> None:
+    """Ship the files requirements.txt refers to (-r, -c: pip reads them beside it); refuse what the
+    bundle cannot carry (-e or a local path: pip would install a folder that is not in it)."""
+    path = root / rel
+    if depth > 8 or rel not in bundle.files:
+        return
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        option, value = (words[0], words[1] if len(words) > 1 else "") if words[0].startswith("-") else ("", words[0])
+        if "=" in option:
+            option, _, value = option.partition("=")
+        if option in ("-r", "--requirement", "-c", "--constraint") and value and "://" not in value:
+            ref = str((Path(rel).parent / value))
+            if not (root / ref).is_file() or root not in (root / ref).resolve().parents:
+                raise ConfigError(f"{rel}, line {number}: {option} {value} is not a file in the project directory {root}: "
+                                  "pip in the job reads it beside requirements.txt. Fix the path.")
+            bundle.files.setdefault(ref, root / ref)
+            _requirement_files(bundle, root, ref, depth + 1)
+        elif option in ("-e", "--editable") and "://" not in value or not option and (
+                value.startswith((".", "/", "file:"))):
+            raise ConfigError(f"{rel}, line {number}: {line.strip()[:80]!r} installs a local folder, which the code "
+                              "bundle does not carry (only the files the spec names travel). Name the package's folder "
+                              "in backend.include and import it from there, or install it from an index or a git URL.")
+
+
 def build_bundle(spec: JobSpec, root: str | Path | None = None) -> Bundle:
     """The code bundle for a remote job, by allow-list: the workbench packages, the spec,
     requirements.txt and the project files the spec names (`named_files`).
@@ -255,7 +288,7 @@ def build_bundle(spec: JobSpec, root: str | Path | None = None) -> Bundle:
         collect(pkg_dir, prefix=f"{pkg_dir.name}/", bundle=bundle)
     ckpt = spec.checkpoint.uri  # a local checkpoint folder never travels, even inside a named one
     skip = {(root / ckpt).resolve()} if ckpt and "://" not in ckpt else set()
-    data = {getattr(spec.data, key, None) for key in ("path", "tokenizer")}
+    data = set(_read_paths(spec).values())
     for rel in [*named_files(spec, root), REQUIREMENTS_FILE]:
         path = root / rel
         if skip & {path.resolve(), *path.resolve().parents}:
@@ -269,6 +302,7 @@ def build_bundle(spec: JobSpec, root: str | Path | None = None) -> Bundle:
         elif path.is_file():
             bundle.files[rel] = path
             _check_count(bundle, root)
+    _requirement_files(bundle, root)
     bundle.generated[SPEC_FILE] = (json.dumps(spec.to_dict(), indent=1) + "\n").encode()
     if REQUIREMENTS_FILE not in bundle.files:
         bundle.generated[REQUIREMENTS_FILE] = ("\n".join(CLOUD_REQUIREMENTS) + "\n").encode()

@@ -189,3 +189,24 @@ def test_the_file_limit_holds_however_the_files_are_named_and_a_link_is_named_as
     os.symlink(tmp_path / "real", tmp_path / "linked")
     with pytest.raises(ConfigError, match=r"matches only what never travels.*linked \(a symbolic link"):
         B.build_bundle(load_spec({"backend": {"include": ["linked"]}}), root)
+
+
+def test_the_weights_a_fine_tune_starts_from_and_the_files_requirements_name_travel(tmp_path):
+    """Found from outside: `model: {init: hf, path: hf-model}` shipped without the folder, and a
+    requirements.txt with `-r requirements/base.txt` without the file pip reads beside it."""
+    root = _tree(tmp_path, {"hf-model/config.json": "{}", "hf-model/model.safetensors": "x",
+                            "requirements.txt": "-r requirements/base.txt\n--constraint=requirements/pins.txt\ntqdm\n",
+                            "requirements/base.txt": "-r more.txt\nnumpy\n", "requirements/more.txt": "pyyaml\n",
+                            "requirements/pins.txt": "numpy<3\n"})
+    spec = load_spec({"model": {"preset": "gpt-tiny"}}).to_dict()
+    spec["model"] = {**spec["model"], "init": "checkpoint", "path": "hf-model/model.safetensors"}
+    shipped = set(B.build_bundle(load_spec(spec), root).files)
+    assert {"hf-model/model.safetensors", "requirements.txt", "requirements/base.txt", "requirements/more.txt",
+            "requirements/pins.txt"} <= shipped
+    for line in ("-e .", "./vendored/pkg", "--editable=../lib"):
+        (root / "requirements.txt").write_text(f"tqdm\n{line}\n")
+        with pytest.raises(ConfigError, match=r"requirements.txt, line 2: .* installs a local folder"):
+            B.build_bundle(load_spec({}), root)
+    (root / "requirements.txt").write_text("-r missing.txt\n")
+    with pytest.raises(ConfigError, match=r"line 1: -r missing.txt is not a file in the project"):
+        B.build_bundle(load_spec({}), root)
