@@ -255,7 +255,7 @@ def _requirement_files(bundle: Bundle, root: Path, rel: str = REQUIREMENTS_FILE,
         if "=" in option:
             option, _, value = option.partition("=")
         if option in ("-r", "--requirement", "-c", "--constraint") and value and "://" not in value:
-            ref = str((Path(rel).parent / value))
+            ref = str(Path(rel).parent / value)
             if not (root / ref).is_file() or root not in (root / ref).resolve().parents:
                 raise ConfigError(f"{rel}, line {number}: {option} {value} is not a file in the project directory {root}: "
                                   "pip in the job reads it beside requirements.txt. Fix the path.")
