@@ -22,30 +22,57 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 def checkpoint_dir(uri: str) -> tuple[str, dict]:
     """(step directory URL, manifest) of `uri`: a step-NNNNNNNNN directory or a checkpoint.uri
-    (its newest complete checkpoint).
+    (its newest intact checkpoint).
+
+    A step is used only after the check `--resume` makes: its manifest is readable, every file it
+    lists has its size and CRC-32 (Store.check_step), and every pickle in it is data
+    (checkpoint_safe.scan_step). At a checkpoint.uri a newer step that fails is skipped with a
+    CheckpointWarning naming it and why.
 
     Raises:
-        ConfigError: no complete checkpoint there.
+        ConfigError: no checkpoint there, the step directory fails the check, or every step does.
     """
-    from workbench.runtime.checkpoint_store import _STEP_RE, MANIFEST, Store
+    from workbench.runtime.checkpoint_safe import scan_step
+    from workbench.runtime.checkpoint_store import _STEP_RE, MANIFEST, Store, step_name
 
     name = uri.rstrip("/").rsplit("/", 1)[-1]
     m = _STEP_RE.match(name)
     if m and not m.group(2):
         store = Store(uri.rstrip("/")[: -len(name) - 1] or ".")
         step = int(m.group(1))
-    else:
-        store = Store(uri)
-        steps = store.committed_steps()
-        if not steps:
-            raise ConfigError(f"no complete checkpoint under {uri!r} (no step-*/{MANIFEST}). Point at a run's "
-                              "checkpoint.uri or one of its step-NNNNNNNNN directories.")
-        step = steps[0]
-    try:
-        manifest = store.read_manifest(step)
-    except Exception as e:  # noqa: BLE001 - a missing or unreadable manifest: not a complete checkpoint
-        raise ConfigError(f"{uri!r} is not a complete checkpoint ({e}).") from None
-    return store.url(store.step_dir(step)), manifest
+        manifest, problems = store.check_step(step, scan_step)
+        if problems:
+            raise ConfigError(f"checkpoint {uri}: {name} fails its integrity check ({'; '.join(problems[:3])}); "
+                              f"nothing was loaded. {_intact_hint(store, skip=step)}")
+        return store.url(store.step_dir(step)), manifest
+    store = Store(uri)
+    if not store.committed_steps():
+        raise ConfigError(f"no complete checkpoint under {uri!r} (no step-*/{MANIFEST}). Point at a run's "
+                          "checkpoint.uri or one of its step-NNNNNNNNN directories.")
+    manifest, rejected = store.newest_complete(check=scan_step)
+    if manifest is None:
+        listed = "; ".join(f"{step_name(s)}: {why}" for s, why in rejected)
+        raise ConfigError(f"no intact checkpoint under {uri}: every step fails its integrity check ({listed}). "
+                          "Nothing was loaded. Restore the files (e.g. from the store's versioning or a backup), "
+                          "or point at another checkpoint.")
+    if rejected:
+        from workbench.runtime.checkpoint import CheckpointWarning
+
+        skipped = "; ".join(f"{step_name(s)}: {why}" for s, why in rejected)
+        warnings.warn(f"checkpoint {uri}: skipped the newer step(s) that fail their integrity check ({skipped}); "
+                      f"using step {manifest['step']}, the newest intact one.", CheckpointWarning, stacklevel=2)
+    return store.url(store.step_dir(manifest["step"])), manifest
+
+
+def _intact_hint(store, skip: int) -> str:
+    """Where an intact step of `store` is, other than `skip`, for an error about `skip`."""
+    from workbench.runtime.checkpoint_safe import scan_step
+
+    for step in store.committed_steps():
+        if step != skip and not store.check_step(step, scan_step)[1]:
+            return (f"Step {step} is intact: point at {store.url(store.step_dir(step))}, or at {store.uri} for its "
+                    "newest intact step.")
+    return "No other step there is intact: restore the files (e.g. from the store's versioning or a backup)."
 
 
 def load_checkpoint_model(uri: str):
@@ -217,7 +244,8 @@ def hf_config(shape):
                           n_layer=shape.layers, n_head=shape.heads, n_inner=shape.ffn_hidden,
                           activation_function="gelu_new",  # tanh GELU
                           layer_norm_epsilon=shape.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                          tie_word_embeddings=shape.tie_embeddings, architectures=["GPT2LMHeadModel"])
+                          tie_word_embeddings=shape.tie_embeddings, architectures=["GPT2LMHeadModel"],
+                          bos_token_id=None, eos_token_id=None)  # not GPT-2's 50256: export_hf sets the run's
     rope: dict = {"rope_type": "default", "rope_theta": shape.rope_theta}
     if shape.rope_scaling is not None:
         rs = shape.rope_scaling
@@ -258,11 +286,17 @@ def export_hf(checkpoint: str, out_dir: str) -> Path:
     """Write `checkpoint` (a checkpoint.uri or step directory) to `out_dir` as a transformers folder:
     model.safetensors, config.json and, when the run had one, its tokenizer.
 
-    Raises:
-        ConfigError: no checkpoint, a factory model, or an architecture HF cannot express.
-    """
-    from safetensors.torch import save_file
+    `out_dir` is new, empty, or an earlier export: the folder is written beside it under a hidden
+    name and renamed into place, so a reader sees the old export or the new one whole, never a mix
+    or a torn file.
 
+    Raises:
+        ConfigError: no intact checkpoint, a factory model, an architecture HF cannot express, or an
+            `out_dir` that is a file, holds other files, or cannot be written.
+    """
+    from workbench.export_folder import export_target, written_whole
+
+    target = export_target(out_dir)
     model, spec = load_checkpoint_model(checkpoint)
     state, config = hf_state_dict(model)
     try:
@@ -273,18 +307,23 @@ def export_hf(checkpoint: str, out_dir: str) -> Path:
         tok = None
     # GPT2Config defaults to GPT-2's own <|endoftext|> id (50256); ours is the run tokenizer's.
     config.bos_token_id = config.eos_token_id = tok.eos_id if tok is not None else None
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(str(out))
+    with written_whole(target, out_dir) as folder:
+        _write_folder(folder, state, config, tok, model.shape.seq_len)
+    return Path(out_dir)
+
+
+def _write_folder(folder: Path, state: dict, config, tok, seq_len: int) -> None:
+    from safetensors.torch import save_file
+
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(str(folder))
     if tok is not None and hasattr(tok, "tok"):
         from transformers import PreTrainedTokenizerFast
 
         from workbench.tokenizer import EOS
 
         PreTrainedTokenizerFast(tokenizer_object=tok.tok, eos_token=EOS if tok.eos_id is not None else None,
-                                model_max_length=model.shape.seq_len).save_pretrained(str(out))
-    return out
+                                model_max_length=seq_len).save_pretrained(str(folder))
 
 
 def run_tokenizer(spec, required: bool = True):

@@ -43,10 +43,12 @@ def _config_fields(path: str, _mtime: int, size: int) -> dict:
     if size > MAX_CONFIG_BYTES:
         raise ConfigError(f"{path}: {size:,} bytes, but a config.json is a few KiB (at most {MAX_CONFIG_BYTES:,} "
                           "read). Point model.path at a transformers folder.")
+    from workbench.spec_input import read_bounded
+
+    data = read_bounded(Path(path), "model.path's config.json", MAX_CONFIG_BYTES)  # a FIFO would block open()
     try:
-        with open(path, "rb") as f:
-            raw = json.loads(f.read(MAX_CONFIG_BYTES + 1))
-    except (OSError, ValueError, RecursionError) as e:
+        raw = json.loads(data)
+    except (ValueError, RecursionError) as e:
         raise ConfigError(f"{path}: not readable JSON ({type(e).__name__}: {str(e)[:200]}).") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a config.json is a JSON object, got {type(raw).__name__}.")
@@ -61,7 +63,7 @@ def _map_config(c: dict, where: str) -> dict:
             raise ConfigError(f"{where}: architectures={_short(archs)} is not one the workbench can load; it loads "
                               f"{', '.join(ARCHITECTURES)} (model.init=hf).")
         kind = ARCHITECTURES[archs[0]]
-    elif c.get("model_type") in _MODEL_TYPES:
+    elif isinstance(c.get("model_type"), str) and c["model_type"] in _MODEL_TYPES:
         kind = _MODEL_TYPES[c["model_type"]]
     else:
         raise ConfigError(f"{where}: no architectures (or model_type) the workbench can load: model_type="
@@ -126,9 +128,10 @@ class _Getter:
         v = self.c.get(key, default)
         if v is ...:
             raise ConfigError(f"{self.where}: {key} is missing.")
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
-            raise ConfigError(f"{self.where}: {key}={_short(v)} must be a positive number.")
-        return float(v)
+        number = _finite(v)
+        if number is None or not number > 0:
+            raise ConfigError(f"{self.where}: {key}={_short(v)} must be a finite positive number.")
+        return number
 
     def bool(self, key: str, default: bool) -> bool:
         v = self.c.get(key, default)
@@ -203,19 +206,50 @@ def _rope(get: _Getter) -> dict:
     if kind != "llama3":
         raise ConfigError(f"{get.where}: {field}.rope_type={_short(kind)} is not supported: the workbench builds the "
                           "default rotary embedding and Llama 3.1's 'llama3' scaling.")
-    try:
-        rs = {"factor": float(params["factor"]), "low_freq_factor": float(params["low_freq_factor"]),
-              "high_freq_factor": float(params["high_freq_factor"]),
-              "original_max_position_embeddings": int(params["original_max_position_embeddings"])}
-    except (KeyError, TypeError, ValueError) as e:
+    missing = [k for k in _LLAMA3_KEYS if k not in params]
+    if missing:
         raise ConfigError(f"{get.where}: {field} of type llama3 needs factor, low_freq_factor, high_freq_factor and "
-                          f"original_max_position_embeddings ({type(e).__name__}: {e}).") from None
-    if not (rs["factor"] > 0 and 0 < rs["low_freq_factor"] < rs["high_freq_factor"]
-            and rs["original_max_position_embeddings"] > 0):
-        raise ConfigError(f"{get.where}: {field}={_short(params)}: needs factor > 0 and 0 < low_freq_factor < "
-                          "high_freq_factor.")
+                          f"original_max_position_embeddings; {', '.join(missing)} missing.")
+    rs = {k: _llama3_number(get.where, field, k, params[k]) for k in _LLAMA3_KEYS}
+    if not rs["low_freq_factor"] < rs["high_freq_factor"]:
+        raise ConfigError(f"{get.where}: {field}.low_freq_factor={rs['low_freq_factor']:g} must be below "
+                          f"high_freq_factor={rs['high_freq_factor']:g} (Llama 3.1: 1 and 4).")
     out["rope_scaling"] = rs  # shapes.resolve_shape makes it a RopeScaling
     return out
+
+
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_MAX_ROPE_FACTOR = 1e6  # Llama 3.1 uses 8; the frequencies it divides stay normal floats far beyond
+
+
+def _llama3_number(where: str, field: str, key: str, v: Any) -> float | int:
+    """One number of llama3 rope scaling: a finite positive float, or an integer number of
+    positions within the spec's bound (original_max_position_embeddings)."""
+    from workbench.spec_input import MAX_SEQ
+
+    number = _finite(v)
+    if key == "original_max_position_embeddings":
+        if number is None or number != int(number) or not 0 < number <= MAX_SEQ:
+            raise ConfigError(f"{where}: {field}.{key}={_short(v)} must be a whole number of positions from 1 to "
+                              f"{MAX_SEQ:,} (Llama 3.1: 8192).")
+        return int(number)
+    if number is None or not 0 < number <= _MAX_ROPE_FACTOR:
+        raise ConfigError(f"{where}: {field}.{key}={_short(v)} must be a finite positive number up to "
+                          f"{_MAX_ROPE_FACTOR:g} (Llama 3.1: factor 8, low_freq_factor 1, high_freq_factor 4).")
+    return number
+
+
+def _finite(v: Any) -> float | None:
+    """`v` as a finite float, or None for anything else (bools, strings, lists, inf, NaN, 10**400)."""
+    import math
+
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        number = float(v)
+    except OverflowError:  # an integer literal beyond float range
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _gpt2_fields(get: _Getter) -> dict:

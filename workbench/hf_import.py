@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 from workbench.errors import ConfigError
 from workbench.hf_config import ARCHITECTURES, _short, config_fields  # noqa: F401 - re-exported
 
-MAX_INDEX_BYTES = 64 << 20  # model.safetensors.index.json: one line per tensor (405B: ~100 KiB)
+# model.safetensors.index.json: one line per tensor (Llama 3.1 405B: ~100 KiB; DeepSeek-V3's 91k tensors: 9 MiB)
+MAX_INDEX_BYTES = 16 << 20
 # Tensors some checkpoints carry that are buffers, not parameters (recomputed here).
 _BUFFERS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
@@ -140,7 +141,8 @@ def _index_files(index: Path) -> dict[str, str]:
         assert isinstance(weight_map, dict)
     except (OSError, ValueError, KeyError, TypeError, AssertionError, RecursionError):
         raise ConfigError(f"{index}: not a safetensors index (a JSON object with a weight_map).") from None
-    out = {}
+    out: dict[str, str] = {}
+    held: dict[str, set[str]] = {}  # file -> the tensor names its header lists (each file read once)
     for name, file in weight_map.items():
         # Plain names of files beside the index: never a path elsewhere.
         if not isinstance(file, str) or not file.endswith(".safetensors") or "/" in file or "\\" in file \
@@ -148,8 +150,14 @@ def _index_files(index: Path) -> dict[str, str]:
             raise ConfigError(f"{index}: weight_map[{_short(name)}]={_short(file)} is not a .safetensors file name "
                               "beside the index.")
         path = index.parent / file
-        if not path.is_file():
-            raise ConfigError(f"{index}: names {file}, which is missing (missing weights: {_short(name)}).")
+        if file not in held:
+            if not path.is_file():
+                raise ConfigError(f"{index}: names {file}, which is missing (missing weights: {_short(name)}).")
+            held[file] = set(_safetensor_names(path))
+        if name not in held[file]:
+            raise ConfigError(f"{index}: weight_map maps {_short(name)} to {file}, which does not hold it (its header lists "
+                              f"{len(held[file]):,} tensors, not that one): the index does not belong to these files. Save "
+                              "the folder again (save_pretrained) or fetch its index and shards from one release.")
         out[name] = str(path)
     return out
 
@@ -306,6 +314,7 @@ class CheckpointLoader:
 
     def fill(self, named: list[tuple[str, Any]]) -> None:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
         from workbench.runtime.checkpoint_safe import SafeLoadPlanner
 
@@ -318,7 +327,17 @@ class CheckpointLoader:
                 raise ConfigError(f"model.path={self.where!r}: parameter {name} {list(param.shape)}: the checkpoint "
                                   f"{what}; it was written by another model shape.")
             state[key] = param
-        dcp.load(state, storage_reader=self.reader(self.url), planner=SafeLoadPlanner(), no_dist=True)
+        try:
+            dcp.load(state, storage_reader=self.reader(self.url), planner=SafeLoadPlanner(), no_dist=True)
+        except (Exception, CheckpointException) as e:  # files that passed size, CRC-32 and the pickle scan
+            from workbench.runtime.checkpoint_safe import unsafe_cause
+            from workbench.runtime.checkpoint_store import describe_error
+
+            cause = unsafe_cause(e)
+            why = f"holds files that are not plain checkpoint data ({cause})" if cause else \
+                f"does not load ({describe_error(e)})"
+            raise ConfigError(f"model.path={self.where!r}: checkpoint {self.url} {why}; nothing in it was run. "
+                              "Start from a checkpoint written by workbench that nobody else can write to.") from None
 
     def close(self) -> None:
         pass

@@ -96,6 +96,11 @@ def load_tokenizer_file(path: str) -> HFTokenizer:
     import fsspec
 
     try:
+        fs, inner = fsspec.core.url_to_fs(path)
+        kind = fs.info(inner).get("type")
+        if kind != "file":  # a FIFO would block the open forever, a device never end
+            raise ConfigError(f"tokenizer {path!r} is not a regular file (but a folder, pipe or device). Give "
+                              "'bpe', 'bytes', a tokenizer.json or a Hugging Face model folder.")
         with fsspec.open(path, "r") as f:
             text = f.read(MAX_TOKENIZER_CHARS + 1)
         if len(text) > MAX_TOKENIZER_CHARS:

@@ -221,6 +221,18 @@ def _folder(tmp_path, folders, arch="llama", **config_changes):
     ({"head_dim": 32}, "head_dim"),
     ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
     ({"auto_map": {"AutoModelForCausalLM": "x.Y"}}, "auto_map"),
+    # review finding 8: each of these was a TypeError or OverflowError traceback
+    ({"architectures": None, "model_type": ["llama"]}, r"model_type=\['llama'\]"),
+    ({"rms_norm_eps": 10**400}, "rms_norm_eps=1000.* must be a finite positive number"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 10**400, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32}},
+     r"rope_parameters.factor=1000.* must be a finite positive number up to 1e\+06"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": float("inf")}},
+     "original_max_position_embeddings=inf must be a whole number of positions from 1 to"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+                       "original_max_position_embeddings": 32}, "rope_parameters": None},
+     "low_freq_factor=4 must be below high_freq_factor=1"),
 ])
 def test_configs_we_cannot_honour_name_the_field(tmp_path, folders, changes, match):
     d = _folder(tmp_path, folders, **changes)
@@ -275,3 +287,36 @@ def test_an_index_may_only_name_files_beside_it_and_pickles_are_never_read(tmp_p
 def test_init_checkpoint_without_a_shape_says_to_give_it(tmp_path):
     with pytest.raises(ConfigError, match="init=checkpoint .* needs the model's shape"):
         load_spec({"model": {"init": "checkpoint", "path": str(tmp_path)}}).model.shape()
+
+
+def test_a_config_json_that_is_a_pipe_is_refused_without_opening_it(tmp_path, folders):
+    import os
+    import threading
+
+    d = _folder(tmp_path, folders)
+    os.remove(d / "config.json")
+    os.mkfifo(d / "config.json")  # open() would wait for a writer forever
+    outcome = []
+
+    def shape():
+        try:
+            load_spec(hf_spec(d)).model.shape()
+        except ConfigError as e:
+            outcome.append(str(e))
+
+    reader = threading.Thread(target=shape, daemon=True)
+    reader.start()
+    reader.join(timeout=20)
+    assert outcome and "not a regular file" in outcome[0]
+
+
+def test_an_index_that_maps_a_tensor_to_the_wrong_shard_names_both(tmp_path, folders):
+    d = tmp_path / "s"
+    shutil.copytree(folders["llama"][2], d)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    name = next(n for n, f in index["weight_map"].items() if f == files[0])
+    index["weight_map"][name] = files[1]
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=f"maps '{name}' to {files[1]}, which does not hold it"):
+        build_model(hf_spec(d))

@@ -21,6 +21,8 @@ MANIFEST = "manifest.json"
 FORMAT = 1  # unchanged by per-rank commits: the manifest lists files as before
 _STEP_RE = re.compile(r"^step-(\d{9})(\.partial)?$")  # .partial: staging folders of format-1 writers
 _CHUNK = 4 << 20
+# A manifest lists two files per rank (~150 bytes each) and the spec: 8 MiB holds ~25,000 ranks.
+MAX_MANIFEST_BYTES = 8 << 20
 RESUME_OR_FRESH = "or-fresh"  # resume=...: start at step 1 when every checkpoint is rejected
 RUN_ID_KEY = "run_id"  # the manifest key of the run that wrote a checkpoint
 
@@ -87,12 +89,23 @@ class Store:
 
     # -- manifest -----------------------------------------------------------------------
     def read_manifest(self, step: int) -> dict:
-        """The manifest of a committed step. Raises CorruptCheckpoint if unreadable."""
+        """The manifest of a committed step, read only from a regular file of at most
+        MAX_MANIFEST_BYTES (a pipe or a huge file costs nothing). Raises CorruptCheckpoint if unreadable."""
+        path = f"{self.step_dir(step)}/{MANIFEST}"
         try:
-            with self.fs.open(f"{self.step_dir(step)}/{MANIFEST}", "rb") as f:
-                manifest = json.loads(f.read().decode())
-        except (OSError, ValueError) as e:
-            raise CorruptCheckpoint(f"manifest unreadable ({type(e).__name__}: {e})") from e
+            info = self.fs.info(path)
+            if info.get("type") != "file":  # a FIFO would block the open, a folder is no manifest
+                raise CorruptCheckpoint(f"{MANIFEST} is not a regular file ({info.get('type')})")
+            if (info.get("size") or 0) > MAX_MANIFEST_BYTES:
+                raise CorruptCheckpoint(f"{MANIFEST} is {info['size']:,} bytes; a manifest is at most "
+                                        f"{MAX_MANIFEST_BYTES:,} (it lists a few files per rank)")
+            with self.fs.open(path, "rb") as f:
+                data = f.read(MAX_MANIFEST_BYTES + 1)
+            if len(data) > MAX_MANIFEST_BYTES:
+                raise CorruptCheckpoint(f"{MANIFEST} is over {MAX_MANIFEST_BYTES:,} bytes (it grew while read)")
+            manifest = json.loads(data.decode())
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
+            raise CorruptCheckpoint(f"manifest unreadable ({type(e).__name__}: {str(e)[:200]})") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("step") != step:
             raise CorruptCheckpoint(f"manifest is not a format-{FORMAT} manifest of step {step}")
         return manifest
@@ -107,14 +120,22 @@ class Store:
         """
         rejected = []
         for step in self.committed_steps():
-            manifest, problem = manifest_or_problem(self, step)
-            problems = [problem] if problem else self.verify(step, manifest)
-            if not problems and check is not None:
-                problems = check(self, step, manifest)
+            manifest, problems = self.check_step(step, check)
             if not problems:
                 return manifest, rejected
             rejected.append((step, "; ".join(problems[:3])))
         return None, rejected
+
+    def check_step(self, step: int, check=None) -> tuple[dict | None, list[str]]:
+        """(manifest, problems) of one step: its manifest is readable, every file it lists matches
+        (size, CRC-32) and then `check` (as in newest_complete) finds nothing; problems is empty then."""
+        manifest, problem = manifest_or_problem(self, step)
+        if problem:
+            return None, [problem]
+        problems = self.verify(step, manifest)
+        if not problems and check is not None:
+            problems = check(self, step, manifest)
+        return manifest, problems
 
     def checksum(self, path: str) -> dict:
         """{"bytes": size, "crc32": crc} of one file, streamed."""
@@ -150,6 +171,9 @@ class Store:
         """
         directory, problems = self.step_dir(step), []
         files = manifest.get("files", {})
+        if not isinstance(files, dict) or not all(
+                isinstance(v, dict) and all(type(v.get(k)) is int for k in ("bytes", "crc32")) for v in files.values()):
+            return [f"{MANIFEST}: 'files' is not a mapping of file names to their bytes and crc32 (integers)"]
         prefix = directory.rstrip("/") + "/"
         try:
             here = {p[len(prefix):]: info for p, info in self.fs.find(directory, detail=True).items()
@@ -291,7 +315,7 @@ def manifest_spec(manifest: dict, uri: str):
                           "a trusted copy, or start a fresh run with another checkpoint.uri.")
     try:
         return load_spec(manifest["spec"], layout=False)
-    except (ConfigError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:  # ValueError: ConfigError too
         raise ConfigError(f"cannot use the checkpoint of step {manifest.get('step')} under {uri}: the spec it records "
                           f"is not a valid spec ({e}). Nothing was loaded. Restore the checkpoint from a "
                           "trusted copy, or start a fresh run with another checkpoint.uri.") from None
