@@ -5,6 +5,7 @@ inside a Ray job both start runs here, so the entry point needs nothing from the
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from workbench.errors import ConfigError
@@ -44,9 +45,15 @@ def start(spec, on_event: Callable[[dict], None] | None = None, resume: bool = F
 
 def check_before_start(spec: JobSpec, resume: bool | str = False) -> None:
     """Every refusal a local run makes before any worker starts (`workbench validate` makes the
-    same): the spec's rules, a second writer of checkpoint.uri, and that URI's checkpoints against
-    a fresh run (another run's) or a resume (incompatible, corrupt, not data)."""
+    same): the spec's rules, a checkpoint to start from (model.init: checkpoint) with no intact
+    step, a second writer of checkpoint.uri, and that URI's checkpoints against a fresh run
+    (another run's) or a resume (incompatible, corrupt, not data)."""
     check_runnable(spec)
+    m = spec.model
+    if m.init == "checkpoint" and m.path and ("://" in m.path or os.path.isdir(m.path)):
+        from workbench.export import checkpoint_dir
+
+        checkpoint_dir(m.path)  # a workbench checkpoint to start from: its newest intact step, as --resume
     if spec.checkpoint.uri:
         from workbench.runtime.checkpoint_lease import check_lease_free
 
@@ -62,8 +69,6 @@ def check_fresh_checkpoint_uri(spec: JobSpec) -> None:
     checkpoints under checkpoint.uri (the ranks check again, checkpoint.Checkpointer.check_fresh)."""
     if not spec.checkpoint.uri:
         return
-    import os
-
     from workbench.runtime.checkpoint_store import Store, fresh_run_conflict
 
     conflict = fresh_run_conflict(Store(spec.checkpoint.uri), os.environ.get("WORKBENCH_RUN_ID"), spec.checkpoint.keep)

@@ -5,7 +5,6 @@ numbers, and a fix.
 """
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 from workbench.catalog import DEVICES
@@ -231,12 +230,6 @@ def check_runnable(spec: JobFields, read_remote_data: bool = True) -> None:
     lay = spec.layout
     check_dp_combinations(lay)
     check_model_parallel(lay, spec.model.shape().seq_len if lay.tp > 1 and lay.sequence_parallel else 0)
-    m = spec.model
-    if m.init == "checkpoint" and m.path and (read_remote_data or "://" not in m.path) and (
-            "://" in m.path or os.path.isdir(m.path)):  # a workbench checkpoint: its newest intact step, as --resume
-        from workbench.export import checkpoint_dir
-
-        checkpoint_dir(m.path)
     path = spec.data.path or ""
     remote = "://" in path and not path.startswith("file://")
     if spec.data.source == "tokens" and (read_remote_data or not remote):  # the shards exist, fit the vocabulary and the split

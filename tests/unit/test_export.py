@@ -175,11 +175,11 @@ def test_a_damaged_step_directory_is_refused_naming_the_intact_one(two_steps, tm
     with pytest.raises(ConfigError, match="no intact checkpoint under .*step-000000004: __0_0.distcp: CRC-32 "
                                           "mismatch.*step-000000002: __0_0.distcp: 10 bytes"):
         load_checkpoint_model(uri)
+    from backends.local_start import check_before_start
     from workbench.spec import load_spec
-    from workbench.validate import check_runnable
 
     with pytest.raises(ConfigError, match="no intact checkpoint under"):  # a fine-tune from it: before any worker
-        check_runnable(load_spec({"model": {"preset": "gpt-tiny", "init": "checkpoint", "path": uri}}))
+        check_before_start(load_spec({"model": {"preset": "gpt-tiny", "init": "checkpoint", "path": uri}}))
 
 
 def test_export_refuses_a_file_or_a_folder_with_other_files_and_replaces_an_earlier_export(two_steps, tmp_path):
