@@ -234,20 +234,9 @@ def test_sample_refuses_a_model_whose_logits_are_not_finite(two_steps):
 
 
 def test_a_recorded_tokenizer_that_is_a_pipe_is_refused_without_opening_it(tmp_path):
-    import threading
-
+    from tests.helpers.blocking import refusal_within
     from workbench.tokenizer import load_tokenizer_file
 
     os.mkfifo(tmp_path / "tokenizer.json")  # open() would wait for a writer forever
-    outcome = []
-
-    def load():
-        try:
-            load_tokenizer_file(str(tmp_path / "tokenizer.json"))
-        except ConfigError as e:
-            outcome.append(str(e))
-
-    reader = threading.Thread(target=load, daemon=True)
-    reader.start()
-    reader.join(timeout=20)
-    assert outcome and "is not a regular file" in outcome[0]
+    assert "is not a regular file" in (refusal_within(lambda: load_tokenizer_file(str(tmp_path / "tokenizer.json")))
+                                       or "")
