@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 PRICES_DATE = "2026-11"
 
+MAX_PRICES_BYTES = 1 << 20  # a price table ($WORKBENCH_PRICES) is a few KiB
+
 # Spot as a fraction of on-demand: typical discounts for GPU training instances (60-70%)
 # reported by each provider's spot pages ("up to 90% off"); an assumption, not a quote.
-MAX_PRICES_BYTES = 1 << 20  # a price table is a few KiB
 SPOT_FRACTION = {"aws": 0.40, "gcp": 0.35, "azure": 0.40}
 
 # device -> cloud -> (instance, gpus, on-demand USD/hour for the instance, source page)

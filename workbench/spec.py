@@ -96,6 +96,8 @@ def load_spec(source: str | Path | dict | JobSpec, overrides: list[str] | None =
     elif isinstance(source, dict):
         raw = source
     elif isinstance(source, (str, Path)):
+        if isinstance(source, str) and not source.strip():
+            raise ConfigError("no spec file given. Pass the path of a YAML spec, e.g. examples/quickstart.yaml.")
         if isinstance(source, str) and ("\0" in source or len(source) > 4096):
             raise ConfigError(f"spec path {clip(repr(source), 200)}: not a file path (a NUL byte, or longer "
                               "than 4,096 characters). Pass the path of a YAML spec.")

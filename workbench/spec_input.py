@@ -176,8 +176,6 @@ def read_bounded(path: Path, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
 def read_spec_file(path: Path):
     """The parsed YAML/JSON of a spec file. Raises ConfigError for a missing, huge, binary or
     empty file (a truncated or wrong file would otherwise run on defaults)."""
-    if str(path) in ("", "."):
-        raise ConfigError("no spec file given. Pass the path of a YAML spec, e.g. examples/quickstart.yaml.")
     try:
         missing = not path.exists()
     except OSError as e:  # a name longer than the file system allows
